@@ -1,0 +1,175 @@
+"""`rlhf-ray`: parse, validate, hand to a job driver. No option is defined here that a config model also defines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import yaml
+from rich.console import Console
+
+from rlhf_ray.config import ConfigError, JobBase, PipelineJob, job_schema, load_job
+
+console = Console(stderr=True, soft_wrap=True)
+out = Console(soft_wrap=True)
+
+EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_BAD_CONFIG, EXIT_NOT_IMPLEMENTED = 0, 1, 2, 3
+
+JobRunner = Callable[[JobBase], dict]
+
+
+def job_runners() -> dict[str, JobRunner]:
+    """Job kinds whose driver exists. A kind missing here is refused honestly after validation."""
+    return {}
+
+
+def _add_config_args(parser: argparse.ArgumentParser, positional: bool) -> None:
+    if positional:
+        parser.add_argument("config", help="experiment YAML")
+    else:
+        parser.add_argument("--config", required=True, help="experiment YAML")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field with a dotted key, e.g. --set ppo.kl_coef=0.05 (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf-ray", description="RLHF (SFT -> RM -> PPO) on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    validate = sub.add_parser("validate", help="check a config and its resource plan without starting anything")
+    _add_config_args(validate, positional=True)
+    validate.add_argument("--live", action="store_true",
+                          help="check the plan against the live cluster even if the config declares a shape")
+    validate.add_argument("--quiet", action="store_true", help="do not print the resolved config")
+
+    schema = sub.add_parser("schema", help="write the JSON schema of the YAML configs (for editors)")
+    schema.add_argument("--out", help="file to write (default: stdout)")
+
+    for kind, what in (("sft", "supervised fine-tuning"), ("rm", "reward-model training"),
+                       ("ppo", "PPO (actor/learner service)"), ("pipeline", "SFT -> RM -> PPO")):
+        job = sub.add_parser(kind, help=f"run {what}")
+        _add_config_args(job, positional=False)
+
+    init = sub.add_parser("init-model", help="build a tiny Llama model and tokenizer locally (no hub needed)")
+    init.add_argument("--out", required=True, help="directory to write the HF model into")
+    init.add_argument("--preset", default="tiny", help="tiny (~0.4M parameters) or small (~25M)")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
+
+    quick = sub.add_parser("quickstart", help="build the tiny model and run the quickstart pipeline on CPU")
+    quick.add_argument("--configs", default="configs/quickstart", help="folder of the quickstart YAMLs")
+    return parser
+
+
+def _plans(job: JobBase) -> list[tuple[str, JobBase]]:
+    return [(stage.kind, stage) for stage in job.stages()] if isinstance(job, PipelineJob) else [(job.kind, job)]
+
+
+def _cluster_nodes(job: JobBase, live: bool) -> tuple[list[dict[str, float]], str]:
+    """Nodes to check the plan against, and a phrase saying which cluster that is."""
+    from rlhf_ray import cluster
+    from rlhf_ray.plan import nodes_from_shape
+
+    spec = job.cluster
+    if spec.shape is not None and not live:
+        return nodes_from_shape(spec.shape), "the cluster shape declared in cluster.shape"
+    if spec.address or os.environ.get("RAY_ADDRESS"):
+        with cluster.connect(spec) as handle:
+            return handle.nodes(), f"the live Ray cluster at {spec.address or os.environ['RAY_ADDRESS']}"
+    return cluster.local_nodes(spec), "this machine (an embedded local Ray)"
+
+
+def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]:
+    """Every stage's resource plan against the cluster it would run on; problems prefixed by stage."""
+    from rlhf_ray.plan import ResourcePlan
+
+    nodes, which = _cluster_nodes(job, live)
+    problems: list[str] = []
+    for stage, stage_job in _plans(job):
+        plan = ResourcePlan.from_roles(stage_job.placement_roles())
+        if show:
+            out.print(plan.render(title=f"{stage}: resource plan"))
+        problems += [f"{stage}: {p}" for p in plan.check_fits(nodes)]
+    if show:
+        shape = ", ".join(f"{{CPU: {n.get('CPU', 0):g}, GPU: {n.get('GPU', 0):g}}}" for n in nodes)
+        out.print(f"checked against {which}: {len(nodes)} node(s) {shape}")
+    return problems
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    job = load_job(args.config, args.overrides)
+    if not args.quiet:
+        out.print(f"# {args.config}: resolved {job.kind} config")
+        out.print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False)
+    problems = check_plan(job, live=args.live)
+    if problems:
+        console.print("[red]the plan does not fit:[/red]\n  " + "\n  ".join(problems), markup=True)
+        return EXIT_PLAN_DOES_NOT_FIT
+    out.print(f"[green]ok[/green]: {args.config} is a valid {job.kind} config and its plan fits")
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    text = json.dumps(job_schema(), indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+        console.print(f"wrote {args.out}")
+    else:
+        print(text)
+    return EXIT_OK
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    job = load_job(args.config, args.overrides, expect=args.command)
+    runner = job_runners().get(job.kind)
+    if runner is None:
+        console.print(f"rlhf-ray {job.kind}: {args.config} is valid, but the {job.kind} job is not implemented in "
+                      f"this version yet; nothing was started.")
+        return EXIT_NOT_IMPLEMENTED
+    problems = check_plan(job, live=True, show=False)
+    if problems:
+        console.print("[red]refusing to start: the plan does not fit the cluster:[/red]\n  " + "\n  ".join(problems))
+        return EXIT_PLAN_DOES_NOT_FIT
+    summary = runner(job)
+    out.print_json(data=summary)
+    return EXIT_OK
+
+
+def cmd_init_model(args: argparse.Namespace) -> int:
+    from rlhf_ray.models.tiny import main_init_model
+
+    path = main_init_model(args.out, args.preset, args.seed, args.overwrite)
+    out.print(f"tiny model and tokenizer written to {path}")
+    return EXIT_OK
+
+
+def cmd_quickstart(args: argparse.Namespace) -> int:
+    from rlhf_ray.quickstart import run_quickstart
+
+    return run_quickstart(Path(args.configs))
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "validate": cmd_validate, "schema": cmd_schema, "sft": cmd_job, "rm": cmd_job, "ppo": cmd_job,
+    "pipeline": cmd_job, "init-model": cmd_init_model, "quickstart": cmd_quickstart,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as exc:
+        console.print(str(exc), markup=False, highlight=False)
+        return EXIT_BAD_CONFIG
+    except (FileExistsError, ValueError) as exc:  # bad command-line input, e.g. an unknown preset
+        console.print(f"rlhf-ray {args.command}: {exc}", markup=False, highlight=False)
+        return EXIT_BAD_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""How the generation pool samples answers: engine choice, sampling parameters, engine arguments."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.placement import PlacementSpec
+
+
+class SamplingSpec(StrictModel):
+    """Sampling parameters. PPO needs real sampling: greedy decoding explores nothing."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Also the temperature learners use when they recompute log-probs, so both sides see one distribution."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    """0 disables top-k."""
+    max_new_tokens: int = Field(256, ge=1)
+    """DeepSpeed-Chat's `max_answer_seq_len`."""
+    min_new_tokens: int = Field(0, ge=0)
+    n_samples_per_prompt: int = Field(1, ge=1)
+    """Answers sampled per prompt (GRPO / RLOO need at least 2)."""
+    repetition_penalty: float = Field(1.0, gt=0)
+
+
+class VllmSpec(StrictModel):
+    """vLLM engine arguments; `extra` passes anything else straight to `vllm.LLM`."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = None
+    """None: eager on CPU (compiling costs ~35 s of start-up there), CUDA graphs on GPU."""
+    kv_cache_gb: float = Field(1.0, gt=0)
+    """CPU only: KV-cache space per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    max_model_len: int | None = Field(None, ge=16)
+    sleep_when_idle: bool = False
+    """GPU only: release engine memory while colocated learners train, wake before generating."""
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+
+class HfEngineSpec(StrictModel):
+    """The transformers `generate` engine: fastest for small models on CPU."""
+
+    batch_size: int = Field(64, ge=1)
+    """Prompts per `generate` call."""
+
+
+class GenerationSpec(StrictModel):
+    """The generation pool: `placement.replicas` engines, each holding a full copy of the policy."""
+
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    """auto: vLLM on GPUs; on CPU the faster engine for the model size (logged with the reason)."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    vllm: VllmSpec = Field(default_factory=VllmSpec)
+    hf: HfEngineSpec = Field(default_factory=HfEngineSpec)
+
+    @model_validator(mode="after")
+    def _tensor_parallel_matches_gpus(self) -> "GenerationSpec":
+        tp, gpus = self.vllm.tensor_parallel_size, self.placement.num_gpus
+        if tp > 1 and gpus != tp:
+            raise FieldProblem(
+                "vllm.tensor_parallel_size",
+                f"an engine with tensor_parallel_size {tp} needs {tp} GPUs per replica, but "
+                f"placement.num_gpus is {gpus:g}; set placement.num_gpus: {tp}",
+            )
+        if self.engine == "hf" and tp > 1:
+            raise FieldProblem("vllm.tensor_parallel_size", "the hf engine has no tensor parallelism; use engine: vllm")
+        return self

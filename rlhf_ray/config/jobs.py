@@ -1,0 +1,302 @@
+"""The top-level model of each job kind (`kind:` in the YAML) and the checks that span sections."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.data import DataSpec
+from rlhf_ray.config.deepspeed import DeepSpeedSpec
+from rlhf_ray.config.generation import GenerationSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.optim import OptimizerSpec
+from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
+from rlhf_ray.config.ppo import CRITIC_FREE, PPOSpec
+from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
+
+FINAL_MODEL_DIR = "model"
+"""Every job saves its final Hugging Face model to `<output_dir>/model`; the pipeline chains stages by it."""
+
+
+def check_global_batch(global_field: str, global_batch: int, micro_field: str, micro: int, accum_field: str,
+                       accum: int, ranks: int) -> None:
+    """global batch = micro-batch x accumulation x data-parallel ranks, or a FieldProblem with the arithmetic."""
+    product = micro * accum * ranks
+    if global_batch == product:
+        return
+    fixes = [f"set {global_field}: {product}"]
+    if global_batch % (micro * ranks) == 0:
+        fixes.append(f"or {accum_field}: {global_batch // (micro * ranks)}")
+    raise FieldProblem(
+        global_field,
+        f"global batch {global_batch} != {micro_field} ({micro}) x {accum_field} ({accum}) "
+        f"x data-parallel ranks ({ranks}) = {product}; " + " ".join(fixes),
+    )
+
+
+class JobBase(StrictModel):
+    """What every job has: where it writes, its seed, its cluster, logging and checkpoints."""
+
+    kind: str
+    output_dir: str = "outputs/run"
+    seed: int = 1234
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec)
+    logging: LoggingSpec = Field(default_factory=LoggingSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+
+    def placement_roles(self) -> dict[str, PlacementSpec]:
+        """Role name -> placement, for the resource plan."""
+        raise NotImplementedError
+
+
+class TrainSpec(StrictModel):
+    """The supervised training loop of an SFT or RM job."""
+
+    epochs: float = Field(1.0, gt=0)
+    max_steps: int | None = Field(None, ge=1)
+    """Stop after this many optimizer steps (overrides epochs)."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Samples per rank per forward/backward (DeepSpeed's train_micro_batch_size_per_gpu)."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step; must equal micro_batch_size x gradient_accumulation_steps x ranks.
+    Unset: derived from those."""
+    eval_every_steps: int = Field(0, ge=0)
+    """Evaluate every N optimizer steps; 0: at the start and the end only."""
+    eval_batch_size: int = Field(8, ge=1)
+    train_on_prompt: bool = False
+    """SFT: also compute the loss on prompt tokens (default: answer tokens only)."""
+    packing: bool = False
+    """SFT: pack several samples into one sequence."""
+
+
+class _SupervisedJob(JobBase):
+    model: ModelSpec
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    optim: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    """The learner group: `replicas` data-parallel DeepSpeed ranks."""
+
+    def placement_roles(self) -> dict[str, PlacementSpec]:
+        return {"learner": self.placement}
+
+    @property
+    def global_batch_size(self) -> int:
+        t = self.train
+        return t.global_batch_size or t.micro_batch_size * self.deepspeed.gradient_accumulation_steps * self.placement.replicas
+
+    @model_validator(mode="after")
+    def _checks(self) -> "_SupervisedJob":
+        if self.model.path is None:
+            raise FieldProblem("model.path", "no model to train: set a hub id or a local HF directory")
+        if self.train.global_batch_size is not None:
+            check_global_batch("train.global_batch_size", self.train.global_batch_size, "train.micro_batch_size",
+                               self.train.micro_batch_size, "deepspeed.gradient_accumulation_steps",
+                               self.deepspeed.gradient_accumulation_steps, self.placement.replicas)
+        if self.placement.colocate_with is not None:
+            raise FieldProblem("placement.colocate_with", "an SFT/RM job has a single role; nothing to colocate with")
+        return self
+
+
+class SFTJob(_SupervisedJob):
+    """Step 1: supervised fine-tuning on prompt + chosen answer."""
+
+    kind: Literal["sft"] = "sft"
+
+
+class RMJob(_SupervisedJob):
+    """Step 2: a reward model (backbone + scalar head) trained on preference pairs."""
+
+    kind: Literal["rm"] = "rm"
+    loss: Literal["pairwise", "divergence_window"] = "pairwise"
+    """pairwise: -logsigmoid(r_chosen - r_rejected) at the last real token; divergence_window: DeepSpeed-Chat's
+    per-token variant over the span where the two answers differ."""
+
+
+class LearnerRoleSpec(StrictModel):
+    """A trained role of PPO (policy or critic): a DeepSpeed ZeRO learner group."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    optim: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    micro_batch_size: int = Field(4, ge=1)
+    """Samples per rank per forward/backward in the PPO update. Gradient accumulation follows from
+    ppo.train_batch_size / (micro_batch_size x replicas) unless deepspeed.gradient_accumulation_steps is set."""
+
+    def accumulation_steps(self, train_batch_size: int) -> int:
+        return train_batch_size // (self.micro_batch_size * self.placement.replicas)
+
+
+class InferenceRoleSpec(StrictModel):
+    """A forward-only role of PPO (reference model)."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    micro_batch_size: int = Field(8, ge=1)
+
+
+class RewardRoleSpec(InferenceRoleSpec):
+    """The reward: a reward model, or a Python function `package.module:function(prompts, answers) -> scores`."""
+
+    function: str | None = None
+    """Import path of a reward function, used instead of a reward model."""
+
+
+class PPOJob(JobBase):
+    """Step 3: PPO (or GRPO / RLOO / REINFORCE++) with separate policy, critic, reference, reward and generation
+    groups."""
+
+    kind: Literal["ppo"] = "ppo"
+    data: DataSpec = Field(default_factory=DataSpec)
+    policy: LearnerRoleSpec = Field(default_factory=LearnerRoleSpec)
+    critic: LearnerRoleSpec | None = None
+    """Required by advantage_estimator gae; must be absent for the critic-free estimators."""
+    reference: InferenceRoleSpec = Field(default_factory=InferenceRoleSpec)
+    reward: RewardRoleSpec = Field(default_factory=RewardRoleSpec)
+    generation: GenerationSpec = Field(default_factory=GenerationSpec)
+    ppo: PPOSpec = Field(default_factory=PPOSpec)
+
+    ROLE_ORDER: ClassVar[tuple[str, ...]] = ("policy", "critic", "reference", "reward", "generation")
+
+    def placement_roles(self) -> dict[str, PlacementSpec]:
+        roles = {"policy": self.policy.placement, "reference": self.reference.placement,
+                 "generation": self.generation.placement}
+        if self.critic is not None:
+            roles["critic"] = self.critic.placement
+        if self.reward.function is None:
+            roles["reward"] = self.reward.placement
+        return {name: roles[name] for name in self.ROLE_ORDER if name in roles}
+
+    @property
+    def samples_per_iteration(self) -> int:
+        return self.ppo.rollout_batch_size * self.generation.sampling.n_samples_per_prompt
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.ppo.train_batch_size or self.samples_per_iteration
+
+    @model_validator(mode="after")
+    def _checks(self) -> "PPOJob":
+        self._fill_model_defaults()
+        self._check_roles()
+        self._check_batches()
+        return self
+
+    def _fill_model_defaults(self) -> None:
+        """Reference starts from the policy and the critic from the reward model (DeepSpeed-Chat step 3)."""
+        if self.reference.model.path is None:
+            self.reference.model = self.policy.model.model_copy(update={"lora": self.reference.model.lora})
+        if self.critic is not None and self.critic.model.path is None and self.reward.model.path is not None:
+            self.critic.model = self.critic.model.model_copy(update={"path": self.reward.model.path,
+                                                                     "tokenizer": self.reward.model.tokenizer})
+
+    def _check_roles(self) -> None:
+        if self.policy.model.path is None:
+            raise FieldProblem("policy.model.path", "no policy to train: set the SFT model (hub id or local path)")
+        if self.reward.function is None and self.reward.model.path is None:
+            raise FieldProblem("reward.model.path",
+                               "no reward: set reward.model.path (a reward model) or reward.function (module:function)")
+        if self.reward.function is not None and ":" not in self.reward.function:
+            raise FieldProblem("reward.function", f"expected 'package.module:function', got {self.reward.function!r}")
+        estimator = self.ppo.advantage_estimator
+        if estimator in CRITIC_FREE and self.critic is not None:
+            raise FieldProblem("critic", f"advantage_estimator {estimator} uses no critic; remove the critic section "
+                                         "(or use advantage_estimator: gae)")
+        if estimator == "gae":
+            if self.critic is None:
+                raise FieldProblem("critic", "advantage_estimator gae needs a critic: add a critic section "
+                                             "(its model defaults to the reward model)")
+            if self.critic.model.path is None:
+                raise FieldProblem("critic.model.path", "the critic starts from the reward model, but the reward is a "
+                                                        "function; set critic.model.path")
+        n = self.generation.sampling.n_samples_per_prompt
+        if estimator in {"grpo", "rloo"} and n < 2:
+            raise FieldProblem("generation.sampling.n_samples_per_prompt",
+                               f"{estimator} compares answers to the same prompt and needs at least 2 (got {n})")
+
+    def _check_batches(self) -> None:
+        engines = self.generation.placement.replicas
+        if self.ppo.rollout_batch_size < engines:
+            raise FieldProblem("ppo.rollout_batch_size",
+                               f"{self.ppo.rollout_batch_size} prompts per iteration cannot keep {engines} engines busy; "
+                               f"set ppo.rollout_batch_size >= {engines} or generation.placement.replicas <= "
+                               f"{self.ppo.rollout_batch_size}")
+        samples, train_batch = self.samples_per_iteration, self.train_batch_size
+        if samples % train_batch:
+            raise FieldProblem("ppo.train_batch_size",
+                               f"an iteration yields ppo.rollout_batch_size ({self.ppo.rollout_batch_size}) x "
+                               f"n_samples_per_prompt ({self.generation.sampling.n_samples_per_prompt}) = {samples} "
+                               f"samples, which do not split into batches of {train_batch}; use a divisor of {samples}")
+        for name, role in {"policy": self.policy, "critic": self.critic}.items():
+            if role is None:
+                continue
+            per_step = role.micro_batch_size * role.placement.replicas
+            if "gradient_accumulation_steps" in role.deepspeed.model_fields_set:
+                check_global_batch("ppo.train_batch_size", train_batch, f"{name}.micro_batch_size", role.micro_batch_size,
+                                   f"{name}.deepspeed.gradient_accumulation_steps",
+                                   role.deepspeed.gradient_accumulation_steps, role.placement.replicas)
+            elif train_batch % per_step:
+                raise FieldProblem(f"{name}.micro_batch_size",
+                                   f"the PPO train batch of {train_batch} samples does not split over {name}."
+                                   f"micro_batch_size ({role.micro_batch_size}) x {name}.placement.replicas "
+                                   f"({role.placement.replicas}) = {per_step}; choose them so their product divides "
+                                   f"{train_batch}")
+
+
+def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) -> None:
+    """Set section[k0][k1]...[kn] = value unless the user gave it (raw YAML dicts, before validation)."""
+    for key in keys[:-1]:
+        child = section.setdefault(key, {})
+        if not isinstance(child, dict):
+            return
+        section = child
+    section.setdefault(keys[-1], value)
+
+
+class PipelineJob(JobBase):
+    """SFT -> RM -> PPO. Stage outputs default to `<output_dir>/{sft,rm,ppo}`; PPO's policy and reference start
+    from the SFT model and its critic and reward model from the RM, unless a path is given."""
+
+    kind: Literal["pipeline"] = "pipeline"
+    sft: SFTJob
+    rm: RMJob
+    ppo: PPOJob
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire_stages(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        root = data.get("output_dir", cls.model_fields["output_dir"].default)
+        shared = {k: data[k] for k in ("seed", "cluster", "logging") if k in data}
+        stages = {}
+        for stage in ("sft", "rm", "ppo"):
+            section = data.get(stage)
+            if not isinstance(section, dict):
+                return data
+            section = {**shared, **section}
+            section.setdefault("kind", stage)
+            section.setdefault("output_dir", f"{root}/{stage}")
+            stages[stage] = section
+        sft_model = f"{stages['sft']['output_dir']}/{FINAL_MODEL_DIR}"
+        rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
+        _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
+        if not (isinstance(stages["ppo"].get("reward"), dict) and stages["ppo"]["reward"].get("function")):
+            _with_default(stages["ppo"], ("reward", "model", "path"), rm_model)
+        if isinstance(stages["ppo"].get("critic"), dict):
+            _with_default(stages["ppo"], ("critic", "model", "path"), rm_model)
+        return {**data, **stages}
+
+    def placement_roles(self) -> dict[str, PlacementSpec]:
+        """Stages run one after another, so the plan that must fit is the largest stage's."""
+        return self.ppo.placement_roles()
+
+    def stages(self) -> list[JobBase]:
+        return [self.sft, self.rm, self.ppo]
+
+
+JOB_KINDS: dict[str, type[JobBase]] = {"sft": SFTJob, "rm": RMJob, "ppo": PPOJob, "pipeline": PipelineJob}

@@ -1,0 +1,60 @@
+"""Which model a role loads, in what precision, and with which LoRA adapters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_ray.config.base import FieldProblem, StrictModel
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+
+
+class LoraSpec(StrictModel):
+    """LoRA through peft. `rank: 0` disables it."""
+
+    rank: int = Field(0, ge=0)
+    """Adapter rank (DeepSpeed-Chat's `lora_dim`); 0 trains the full model."""
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    """Module name suffixes that get adapters (any architecture: match your model's linear layer names)."""
+    only_optimize_lora: bool = True
+    """Train adapter weights only; the base model stays frozen."""
+    merge_on_export: bool = True
+    """Merge adapters into the base weights when saving an HF checkpoint; false saves the adapter alone."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+class ModelSpec(StrictModel):
+    """A Hugging Face model: a hub id (e.g. `facebook/opt-1.3b`) or a local directory in HF format."""
+
+    path: str | None = None
+    """Hub id or local path. In a pipeline, leave it unset on PPO roles to take the SFT / RM stage outputs."""
+    tokenizer: str | None = None
+    """Tokenizer hub id or path; defaults to `path`."""
+    dtype: Dtype = "bf16"
+    """Weights and compute precision of this role."""
+    trust_remote_code: bool = False
+    """Allow model code shipped in the checkpoint to run. Off unless you trust the checkpoint."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to pin."""
+    disable_dropout: bool = True
+    """Set every dropout probability to 0 (DeepSpeed-Chat does for RLHF; log-probs must be deterministic)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.tokenizer or self.path
+
+    @model_validator(mode="after")
+    def _lora_has_targets(self) -> "ModelSpec":
+        if self.lora.enabled and not self.lora.target_modules:
+            raise FieldProblem("lora.target_modules", "LoRA is enabled (rank > 0) but no target modules are named")
+        return self

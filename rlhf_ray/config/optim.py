@@ -1,0 +1,23 @@
+"""Optimizer and learning-rate schedule of one trained role."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_ray.config.base import StrictModel
+
+Scheduler = Literal["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"]
+
+
+class OptimizerSpec(StrictModel):
+    """AdamW with decoupled weight decay; bias and norm weights are never decayed."""
+
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    lr_scheduler: Scheduler = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warm-up."""

@@ -1,0 +1,60 @@
+"""Where a role's replicas run: resources per replica, placement strategy, colocation, and the cluster."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_ray.config.base import StrictModel
+
+Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
+
+
+class PlacementSpec(StrictModel):
+    """Replicas of one role and what each needs. Each replica gets one placement-group bundle."""
+
+    replicas: int = Field(1, ge=1)
+    """Number of actors of this role (data-parallel ranks for a learner, engines for the generation pool)."""
+    num_cpus: float = Field(1.0, gt=0)
+    """CPUs reserved per replica."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per replica; fractions allow several roles to share a GPU when colocated."""
+    colocate_with: str | None = None
+    """Name of another role whose bundles this role shares (e.g. `reference` on the `policy` bundles).
+    The shared bundle holds the sum of both roles' per-replica resources; replicas must be equal."""
+    strategy: Strategy = "PACK"
+    """Ray placement strategy for this role's placement group (ignored for a colocated role)."""
+
+
+class NodeShape(StrictModel):
+    """One kind of node in a declared cluster shape."""
+
+    count: int = Field(1, ge=1)
+    cpus: float = Field(gt=0)
+    gpus: float = Field(0.0, ge=0)
+    memory_gb: float | None = Field(None, gt=0)
+
+
+class ClusterSpec(StrictModel):
+    """Which Ray cluster a job runs on, and the shape `rlhf-ray validate` checks a recipe against."""
+
+    address: str | None = None
+    """Ray address to connect to. Unset: the RAY_ADDRESS environment variable, else an embedded local Ray
+    bound to 127.0.0.1 that stops with the job."""
+    shape: list[NodeShape] | None = None
+    """Declared cluster shape (e.g. one node of 8 GPUs). `validate` checks the plan against it instead of the
+    machine it runs on; a real run always checks the live cluster before starting any actor."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs the embedded local Ray offers (default: all cores)."""
+    num_gpus: int | None = Field(None, ge=0)
+    """GPUs the embedded local Ray offers (default: all visible)."""
+    dashboard: bool = True
+    """Start the Ray dashboard (on 127.0.0.1) with the embedded cluster."""
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    namespace: str = "rlhf_ray"
+    """Ray namespace of the job's named actors."""
+    call_timeout_s: float = Field(1800.0, gt=0)
+    """Longest wait for any one remote call before the actor is reported as hung."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """Longest wait for placement groups and actors to start."""

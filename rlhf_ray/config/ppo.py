@@ -1,0 +1,61 @@
+"""PPO hyper-parameters. Defaults are DeepSpeed-Chat's (reference/seeds_dschat.md, step 3)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlhf_ray.config.base import StrictModel
+
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp"})
+
+
+class EmaSpec(StrictModel):
+    """An exponential moving average of the policy, saved beside it (DeepSpeed-Chat `--enable_ema`)."""
+
+    enabled: bool = False
+    beta: float = Field(0.992, gt=0, lt=1)
+
+
+class PPOSpec(StrictModel):
+    """The RL loop: rollout size, reward shaping, advantage estimation, losses, and sync/async mode."""
+
+    iterations: int = Field(100, ge=1)
+    """Rollout -> experience -> train -> weight sync cycles."""
+    rollout_batch_size: int = Field(16, ge=1)
+    """Prompts per iteration (each sampled `generation.sampling.n_samples_per_prompt` times)."""
+    train_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step; default: all of an iteration's samples (one step per PPO epoch)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each iteration's experience (DeepSpeed-Chat found more than 1 unstable)."""
+    advantage_estimator: AdvantageEstimator = "gae"
+    """gae uses a critic; grpo, rloo and reinforce_pp need none, and then no critic group is created."""
+    kl_coef: float = Field(0.1, ge=0)
+    """Per-token KL penalty beta in the shaped reward."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    clip_reward: float = Field(5.0, gt=0)
+    """Reward-model scores are clipped to +-clip_reward before shaping."""
+    clip_ratio: float = Field(0.2, gt=0)
+    """PPO epsilon for the policy ratio."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; off when unset."""
+    clip_value: float = Field(0.2, gt=0)
+    """Value-function clip around the old values."""
+    gamma: float = Field(1.0, gt=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    whiten_advantages: bool = True
+    eos_penalty: float | None = None
+    """Score added (use a negative value) to answers that end without the end-of-text token."""
+    ptx_coef: float = Field(27.8, ge=0)
+    """Weight of the pretraining-mix loss (InstructGPT's gamma), used when `pretrain_data` is set."""
+    pretrain_data: list[str] = Field(default_factory=list)
+    """mmap corpus prefixes (PREFIX.bin/.idx) for the pretraining-mix loss; empty disables it."""
+    ema: EmaSpec = Field(default_factory=EmaSpec)
+    mode: Literal["sync", "async"] = "sync"
+    """async overlaps generating batch k+1 with training on batch k."""
+    max_staleness: int = Field(1, ge=0)
+    """async: experience more than this many policy versions old is refused by the replay buffer."""
+    eval_prompts: int = Field(64, ge=0)
+    """Held-out prompts scored before and after training (summary.json's reward_before / reward_after)."""

@@ -1,0 +1,35 @@
+"""What a job writes besides its model: logs and checkpoints."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from rlhf_ray.config.base import StrictModel
+
+
+class LoggingSpec(StrictModel):
+    """Where metrics go. All sinks receive the same numbers."""
+
+    log_every_steps: int = Field(1, ge=1)
+    tensorboard: bool = True
+    """TensorBoard event files under `<output_dir>/tensorboard`."""
+    ray_metrics: bool = True
+    """Export metrics through Ray's metrics API (Ray dashboard, Prometheus endpoint)."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases when set (needs `wandb` installed and configured)."""
+    wandb_run_name: str | None = None
+    progress: bool = True
+    """Show progress bars on the driver."""
+
+
+class CheckpointSpec(StrictModel):
+    """Checkpoints are written aside and renamed into place, so a crash always leaves the last good one."""
+
+    every_steps: int = Field(0, ge=0)
+    """Save every N optimizer steps (PPO: iterations); 0 saves only at the end."""
+    keep_last: int = Field(2, ge=1)
+    """Older checkpoints beyond this many are deleted after a new one is complete."""
+    resume: bool = True
+    """Continue from the newest checkpoint in `<output_dir>/checkpoints` when one exists."""
+    save_optimizer: bool = True
+    """Include optimizer and scheduler state (needed for an exact resume)."""

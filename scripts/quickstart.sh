@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Sets up the environment (reused when unchanged) and runs the quickstart pipeline on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/rlhf-ray quickstart "$@"

@@ -1,0 +1,204 @@
+"""Config models and the YAML loader: defaults, cross-field checks, and errors that name file, line and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_NOT_IMPLEMENTED, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, main
+from rlhf_ray.config import (ConfigError, DeepSpeedSpec, FINAL_MODEL_DIR, PipelineJob, PPOJob, SFTJob, load_job,
+                             job_schema)
+from tests.conftest import ROOT
+
+SFT = """\
+kind: sft
+output_dir: out/sft
+model:
+  path: some/model
+  dtype: fp32
+train:
+  micro_batch_size: 4
+  global_batch_size: 16
+deepspeed:
+  gradient_accumulation_steps: 2
+placement:
+  replicas: 2
+"""
+
+PPO = """\
+kind: ppo
+policy:
+  model: {path: sft/model}
+  micro_batch_size: 4
+critic:
+  micro_batch_size: 4
+reward:
+  model: {path: rm/model}
+ppo:
+  rollout_batch_size: 8
+"""
+
+
+def problems_of(path, overrides=(), expect=None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_job(path, list(overrides), expect=expect)
+    return info.value.problems
+
+
+def test_valid_sft_config_loads_with_defaults(write_yaml):
+    job = load_job(write_yaml(SFT))
+    assert isinstance(job, SFTJob)
+    assert job.global_batch_size == 16
+    assert job.deepspeed.zero_stage == 2  # DeepSpeed-Chat's default stage
+    assert job.model.trust_remote_code is False
+
+
+def test_unknown_key_names_file_line_and_suggests_the_closest_key(write_yaml):
+    path = write_yaml(SFT.replace("micro_batch_size: 4", "micro_bach_size: 4"))
+    (problem,) = [p for p in problems_of(path) if "micro_bach_size" in p]
+    assert problem.startswith(f"{path}:7: train.micro_bach_size:")
+    assert "did you mean 'micro_batch_size'?" in problem
+
+
+def test_unknown_top_level_section_lists_close_match(write_yaml):
+    path = write_yaml(SFT + "deepspeeed:\n  zero_stage: 3\n")
+    (problem,) = problems_of(path)
+    assert f"{path}:13: deepspeeed:" in problem and "'deepspeed'" in problem
+
+
+def test_wrong_type_names_the_field_and_the_value(write_yaml):
+    path = write_yaml(SFT.replace("replicas: 2", "replicas: two"))
+    (problem,) = problems_of(path)
+    assert f"{path}:12: placement.replicas:" in problem
+    assert "'two'" in problem
+
+
+def test_global_batch_that_does_not_divide_gives_arithmetic_and_fix(write_yaml):
+    path = write_yaml(SFT.replace("global_batch_size: 16", "global_batch_size: 24"))
+    (problem,) = problems_of(path)
+    assert f"{path}:8: train.global_batch_size:" in problem
+    assert "(4) x deepspeed.gradient_accumulation_steps (2) x data-parallel ranks (2) = 16" in problem
+    assert "set train.global_batch_size: 16" in problem
+    assert "deepspeed.gradient_accumulation_steps: 3" in problem
+
+
+def test_dotted_overrides_apply_and_parse_yaml_values(write_yaml):
+    job = load_job(write_yaml(SFT), ["deepspeed.zero_stage=3", "deepspeed.offload_params=true", "optim.lr=0.5"])
+    assert job.deepspeed.zero_stage == 3 and job.deepspeed.offload_params is True and job.optim.lr == 0.5
+
+
+def test_bad_override_is_reported_as_coming_from_the_command_line(write_yaml):
+    (problem,) = problems_of(write_yaml(SFT), ["deepspeed.zero_stag=3"])
+    assert problem.startswith("--set deepspeed.zero_stag=3: deepspeed.zero_stag: unknown key")
+    assert "'zero_stage'" in problem
+    (problem,) = problems_of(write_yaml(SFT), ["deepspeed.zero_stage=7"])
+    assert problem.startswith("--set deepspeed.zero_stage=7: deepspeed.zero_stage:")
+
+
+def test_malformed_override_and_yaml_errors(write_yaml, tmp_path):
+    (problem,) = problems_of(write_yaml(SFT), ["ppo.kl_coef"])
+    assert "expected KEY=VALUE" in problem
+    broken = write_yaml("kind: sft\nmodel: [unclosed\n", "broken.yaml")
+    (problem,) = problems_of(broken)
+    assert problem.startswith(f"{broken}:") and "not valid YAML" in problem
+    (problem,) = problems_of(tmp_path / "missing.yaml")
+    assert "no such config file" in problem
+
+
+def test_kind_is_checked_against_the_command(write_yaml):
+    (problem,) = problems_of(write_yaml(SFT), expect="ppo")
+    assert "this is a sft config" in problem and "rlhf-ray sft --config" in problem
+    (problem,) = problems_of(write_yaml(SFT.replace("kind: sft", "kind: sfft")))
+    assert "did you mean 'sft'?" in problem
+
+
+def test_offload_params_needs_zero3(write_yaml):
+    (problem,) = problems_of(write_yaml(SFT), ["deepspeed.offload_params=true"])
+    assert "deepspeed.offload_params" in problem and "zero_stage: 3" in problem
+
+
+def test_ppo_defaults_follow_deepspeed_chat_and_roles_chain(write_yaml):
+    job = load_job(write_yaml(PPO))
+    assert isinstance(job, PPOJob)
+    p = job.ppo
+    assert (p.kl_coef, p.clip_reward, p.clip_ratio, p.clip_value, p.gamma, p.lam) == (0.1, 5.0, 0.2, 0.2, 1.0, 0.95)
+    assert (p.ppo_epochs, p.ptx_coef, p.ema.beta) == (1, 27.8, 0.992)
+    assert job.reference.model.path == "sft/model"  # reference starts from the policy
+    assert job.critic is not None and job.critic.model.path == "rm/model"  # critic starts from the reward model
+    assert list(job.placement_roles()) == ["policy", "critic", "reference", "reward", "generation"]
+
+
+def test_critic_free_estimators_refuse_a_critic_and_need_groups(write_yaml):
+    (problem,) = problems_of(write_yaml(PPO), ["ppo.advantage_estimator=grpo"])
+    assert "critic: advantage_estimator grpo uses no critic" in problem
+    path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", ""))
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo"])
+    assert "generation.sampling.n_samples_per_prompt" in problem and "at least 2" in problem
+    job = load_job(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4"])
+    assert "critic" not in job.placement_roles()
+
+
+def test_ppo_batch_checks(write_yaml):
+    (problem,) = problems_of(write_yaml(PPO), ["generation.placement.replicas=16"])
+    assert "ppo.rollout_batch_size" in problem and "cannot keep 16 engines busy" in problem
+    (problem,) = problems_of(write_yaml(PPO), ["ppo.train_batch_size=3"])
+    assert "ppo.train_batch_size" in problem and "= 8 samples" in problem
+    (problem,) = problems_of(write_yaml(PPO), ["policy.placement.replicas=4"])
+    assert problem.split(": ")[1] == "policy.micro_batch_size"
+    assert "8 samples does not split over policy.micro_batch_size (4) x policy.placement.replicas (4) = 16" in problem
+    (problem,) = problems_of(write_yaml(PPO), ["critic.deepspeed.gradient_accumulation_steps=4"])
+    assert "ppo.train_batch_size: global batch 8 != critic.micro_batch_size (4) x " in problem
+    assert "or critic.deepspeed.gradient_accumulation_steps: 2" in problem
+    job = load_job(write_yaml(PPO), ["ppo.train_batch_size=4"])
+    assert job.policy.accumulation_steps(job.train_batch_size) == 1
+
+
+def test_reward_function_replaces_the_reward_role(write_yaml):
+    text = PPO.replace("reward:\n  model: {path: rm/model}", "reward:\n  function: mypkg.rewards:score")
+    (problem,) = problems_of(write_yaml(text))
+    assert "critic.model.path" in problem  # the critic cannot start from a reward function
+    job = load_job(write_yaml(text), ["critic.model.path=rm/model"])
+    assert "reward" not in job.placement_roles()
+
+
+def test_pipeline_wires_stage_outputs_into_ppo():
+    job = load_job(ROOT / "configs/quickstart/pipeline.yaml")
+    assert isinstance(job, PipelineJob)
+    assert job.sft.output_dir == "outputs/quickstart/sft"
+    assert job.ppo.policy.model.path == f"outputs/quickstart/sft/{FINAL_MODEL_DIR}"
+    assert job.ppo.reference.model.path == job.ppo.policy.model.path
+    assert job.ppo.reward.model.path == f"outputs/quickstart/rm/{FINAL_MODEL_DIR}"
+    assert job.ppo.critic is not None and job.ppo.critic.model.path == job.ppo.reward.model.path
+    assert job.ppo.seed == job.seed and job.ppo.cluster == job.cluster
+
+
+def test_deepspeed_config_translation():
+    spec = DeepSpeedSpec(zero_stage=3, offload_params=True, gradient_accumulation_steps=4,
+                         extra={"zero_optimization": {"round_robin_gradients": True}, "prescale_gradients": False})
+    ds = spec.to_ds_config("fp16", micro_batch_size=2, data_parallel_size=8)
+    assert ds["train_batch_size"] == 2 * 4 * 8
+    assert ds["fp16"]["enabled"] and not ds["bf16"]["enabled"]
+    assert ds["zero_optimization"]["offload_param"] == {"device": "cpu"}
+    assert ds["zero_optimization"]["round_robin_gradients"] is True  # raw keys merge into nested sections
+    assert ds["zero_optimization"]["stage"] == 3 and ds["prescale_gradients"] is False
+
+
+def test_schema_is_generated_from_the_models(tmp_path):
+    schema = job_schema()
+    kinds = {ref.split("/")[-1] for ref in schema["discriminator"]["mapping"].values()}
+    assert kinds == {"SFTJob", "RMJob", "PPOJob", "PipelineJob"}
+    ppo = schema["$defs"]["PPOSpec"]["properties"]
+    assert ppo["kl_coef"]["default"] == 0.1 and "KL" in ppo["kl_coef"]["description"]
+    assert schema["$defs"]["TrainSpec"]["additionalProperties"] is False
+    out = tmp_path / "schema.json"
+    assert main(["schema", "--out", str(out)]) == EXIT_OK
+    assert json.loads(out.read_text()) == schema
+
+
+def test_cli_exit_codes(write_yaml, capsys):
+    bad = write_yaml(SFT.replace("replicas: 2", "replica: 2"), "bad.yaml")
+    assert main(["validate", str(bad)]) == EXIT_BAD_CONFIG
+    assert "placement.replica: unknown key; did you mean 'replicas'?" in capsys.readouterr().err
+    assert main(["sft", "--config", str(write_yaml(SFT))]) == EXIT_NOT_IMPLEMENTED
+    assert "not implemented" in capsys.readouterr().err
