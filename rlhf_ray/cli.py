@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     schema = sub.add_parser("schema", help="write the JSON schema of the YAML configs (for editors)")
     schema.add_argument("--out", help="file to write (default: stdout)")
+    schema.add_argument("--format", choices=["json", "markdown"], default="json",
+                        help="json: JSON schema; markdown: the field reference in docs/configuration.md")
 
     for kind, what in (("sft", "supervised fine-tuning"), ("rm", "reward-model training"),
                        ("ppo", "PPO (actor/learner service)"), ("pipeline", "SFT -> RM -> PPO")):
@@ -114,7 +116,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    text = json.dumps(job_schema(), indent=2)
+    from rlhf_ray.config.reference import render_reference
+
+    text = json.dumps(job_schema(), indent=2) if args.format == "json" else render_reference().rstrip()
     if args.out:
         Path(args.out).write_text(text + "\n")
         console.print(f"wrote {args.out}")

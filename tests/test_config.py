@@ -202,3 +202,12 @@ def test_cli_exit_codes(write_yaml, capsys):
     assert "placement.replica: unknown key; did you mean 'replicas'?" in capsys.readouterr().err
     assert main(["sft", "--config", str(write_yaml(SFT))]) == EXIT_NOT_IMPLEMENTED
     assert "not implemented" in capsys.readouterr().err
+
+
+def test_field_reference_in_docs_is_generated_from_the_models():
+    from rlhf_ray.config.reference import render_reference
+
+    doc = (ROOT / "docs/configuration.md").read_text()
+    marker = "## Field reference"
+    generated = doc[doc.index(marker):].split("\n\n", 2)[2]
+    assert generated.strip() == render_reference().strip(), "regenerate: rlhf-ray schema --format markdown"

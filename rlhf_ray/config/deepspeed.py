@@ -20,13 +20,19 @@ class DeepSpeedSpec(StrictModel):
     offload_params: bool = False
     """Keep parameters on CPU between uses (ZeRO-3 only)."""
     gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches accumulated per optimizer step."""
     gradient_clipping: float = Field(1.0, ge=0)
     """Global-norm clip; 0 disables."""
     reduce_bucket_size: int = Field(500_000_000, gt=0)
+    """Elements per gradient reduce-scatter bucket (ZeRO 1-3)."""
     allgather_bucket_size: int = Field(500_000_000, gt=0)
+    """Elements per parameter all-gather bucket (ZeRO 1-2)."""
     stage3_prefetch_bucket_size: int = Field(30_000_000, gt=0)
+    """ZeRO-3: elements of parameters fetched ahead of use."""
     stage3_param_persistence_threshold: int = Field(10_000, ge=0)
+    """ZeRO-3: parameters smaller than this stay unpartitioned."""
     stage3_max_live_parameters: int = Field(30_000_000, gt=0)
+    """ZeRO-3: most gathered parameter elements alive at once."""
     extra: dict[str, Any] = Field(default_factory=dict)
     """Raw DeepSpeed config keys merged last (nested dicts merge key by key), for anything not modelled here."""
 

@@ -16,30 +16,38 @@ class SamplingSpec(StrictModel):
     temperature: float = Field(1.0, gt=0)
     """Also the temperature learners use when they recompute log-probs, so both sides see one distribution."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling; 1 disables."""
     top_k: int = Field(0, ge=0)
     """0 disables top-k."""
     max_new_tokens: int = Field(256, ge=1)
     """DeepSpeed-Chat's `max_answer_seq_len`."""
     min_new_tokens: int = Field(0, ge=0)
+    """Tokens generated before end-of-text may end an answer."""
     n_samples_per_prompt: int = Field(1, ge=1)
     """Answers sampled per prompt (GRPO / RLOO need at least 2)."""
     repetition_penalty: float = Field(1.0, gt=0)
+    """1 disables."""
 
 
 class VllmSpec(StrictModel):
     """vLLM engine arguments; `extra` passes anything else straight to `vllm.LLM`."""
 
     tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine shards the model over (placement.num_gpus must match)."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    """Share of a GPU an engine may use for weights and KV cache."""
     enable_prefix_caching: bool = True
+    """Reuse KV cache of shared prompt prefixes (n samples per prompt)."""
     enforce_eager: bool | None = None
     """None: eager on CPU (compiling costs ~35 s of start-up there), CUDA graphs on GPU."""
     kv_cache_gb: float = Field(1.0, gt=0)
     """CPU only: KV-cache space per engine (VLLM_CPU_KVCACHE_SPACE)."""
     max_model_len: int | None = Field(None, ge=16)
+    """Longest prompt + answer; default: prompt and answer limits of the job."""
     sleep_when_idle: bool = False
     """GPU only: release engine memory while colocated learners train, wake before generating."""
     extra: dict[str, Any] = Field(default_factory=dict)
+    """Further `vllm.LLM` keyword arguments, passed unchanged."""
 
 
 class HfEngineSpec(StrictModel):

@@ -40,8 +40,11 @@ class JobBase(StrictModel):
     """What every job has: where it writes, its seed, its cluster, logging and checkpoints."""
 
     kind: str
+    """Job kind: sft, rm, ppo or pipeline. Picks which model validates the rest of the file."""
     output_dir: str = "outputs/run"
+    """Everything the job writes: the final model in `model/`, checkpoints, logs, `summary.json`."""
     seed: int = 1234
+    """Seeds data order, splits, initialisation and sampling."""
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
@@ -55,6 +58,7 @@ class TrainSpec(StrictModel):
     """The supervised training loop of an SFT or RM job."""
 
     epochs: float = Field(1.0, gt=0)
+    """Passes over the training split (fractions allowed)."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (overrides epochs)."""
     micro_batch_size: int = Field(4, ge=1)
@@ -65,6 +69,7 @@ class TrainSpec(StrictModel):
     eval_every_steps: int = Field(0, ge=0)
     """Evaluate every N optimizer steps; 0: at the start and the end only."""
     eval_batch_size: int = Field(8, ge=1)
+    """Samples per rank per evaluation forward pass."""
     train_on_prompt: bool = False
     """SFT: also compute the loss on prompt tokens (default: answer tokens only)."""
     packing: bool = False
@@ -73,6 +78,7 @@ class TrainSpec(StrictModel):
 
 class _SupervisedJob(JobBase):
     model: ModelSpec
+    """The model to train (base model for SFT; backbone of the reward model for RM)."""
     data: DataSpec = Field(default_factory=DataSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     optim: OptimizerSpec = Field(default_factory=OptimizerSpec)
@@ -137,6 +143,7 @@ class InferenceRoleSpec(StrictModel):
     model: ModelSpec = Field(default_factory=ModelSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     micro_batch_size: int = Field(8, ge=1)
+    """Samples per forward pass of this role when scoring experience."""
 
 
 class RewardRoleSpec(InferenceRoleSpec):
@@ -263,8 +270,11 @@ class PipelineJob(JobBase):
 
     kind: Literal["pipeline"] = "pipeline"
     sft: SFTJob
+    """Stage 1, as in an sft config (`kind` and `output_dir` may be left out)."""
     rm: RMJob
+    """Stage 2, as in an rm config."""
     ppo: PPOJob
+    """Stage 3, as in a ppo config; model paths left unset take the SFT / RM outputs."""
 
     @model_validator(mode="before")
     @classmethod

@@ -17,7 +17,9 @@ class LoraSpec(StrictModel):
     rank: int = Field(0, ge=0)
     """Adapter rank (DeepSpeed-Chat's `lora_dim`); 0 trains the full model."""
     alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: updates are scaled by alpha / rank."""
     dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter input."""
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     """Module name suffixes that get adapters (any architecture: match your model's linear layer names)."""
     only_optimize_lora: bool = True

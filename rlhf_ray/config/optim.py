@@ -15,9 +15,14 @@ class OptimizerSpec(StrictModel):
     """AdamW with decoupled weight decay; bias and norm weights are never decayed."""
 
     lr: float = Field(1e-5, gt=0)
+    """Peak learning rate (after warm-up)."""
     weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay for weights other than biases and norms."""
     betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas (DeepSpeed-Chat's (0.9, 0.95))."""
     eps: float = Field(1e-8, gt=0)
+    """Adam epsilon."""
     lr_scheduler: Scheduler = "cosine"
+    """Learning-rate schedule after warm-up (transformers.get_scheduler names)."""
     warmup_steps: int = Field(0, ge=0)
     """Optimizer steps of linear warm-up."""

@@ -31,9 +31,13 @@ class NodeShape(StrictModel):
     """One kind of node in a declared cluster shape."""
 
     count: int = Field(1, ge=1)
+    """How many nodes of this shape."""
     cpus: float = Field(gt=0)
+    """CPUs per node."""
     gpus: float = Field(0.0, ge=0)
+    """GPUs per node."""
     memory_gb: float | None = Field(None, gt=0)
+    """Host memory per node (informational)."""
 
 
 class ClusterSpec(StrictModel):
@@ -52,6 +56,7 @@ class ClusterSpec(StrictModel):
     dashboard: bool = True
     """Start the Ray dashboard (on 127.0.0.1) with the embedded cluster."""
     dashboard_port: int = Field(8265, ge=1, le=65535)
+    """Port of the embedded cluster's dashboard (and of `ray job submit --address http://127.0.0.1:PORT`)."""
     namespace: str = "rlhf_ray"
     """Ray namespace of the job's named actors."""
     call_timeout_s: float = Field(1800.0, gt=0)

@@ -16,7 +16,9 @@ class EmaSpec(StrictModel):
     """An exponential moving average of the policy, saved beside it (DeepSpeed-Chat `--enable_ema`)."""
 
     enabled: bool = False
+    """Keep an EMA copy of the policy."""
     beta: float = Field(0.992, gt=0, lt=1)
+    """EMA decay per policy update."""
 
 
 class PPOSpec(StrictModel):
@@ -35,6 +37,7 @@ class PPOSpec(StrictModel):
     kl_coef: float = Field(0.1, ge=0)
     """Per-token KL penalty beta in the shaped reward."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator: k1 = log ratio (DeepSpeed-Chat), k2 = squared log ratio / 2, k3 = ratio - 1 - log ratio."""
     clip_reward: float = Field(5.0, gt=0)
     """Reward-model scores are clipped to +-clip_reward before shaping."""
     clip_ratio: float = Field(0.2, gt=0)
@@ -44,8 +47,11 @@ class PPOSpec(StrictModel):
     clip_value: float = Field(0.2, gt=0)
     """Value-function clip around the old values."""
     gamma: float = Field(1.0, gt=0, le=1)
+    """GAE discount."""
     lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda."""
     whiten_advantages: bool = True
+    """Normalise advantages to zero mean and unit variance over the batch."""
     eos_penalty: float | None = None
     """Score added (use a negative value) to answers that end without the end-of-text token."""
     ptx_coef: float = Field(27.8, ge=0)

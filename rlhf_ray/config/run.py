@@ -11,6 +11,7 @@ class LoggingSpec(StrictModel):
     """Where metrics go. All sinks receive the same numbers."""
 
     log_every_steps: int = Field(1, ge=1)
+    """Log metrics every N optimizer steps (PPO: iterations)."""
     tensorboard: bool = True
     """TensorBoard event files under `<output_dir>/tensorboard`."""
     ray_metrics: bool = True
@@ -18,6 +19,7 @@ class LoggingSpec(StrictModel):
     wandb_project: str | None = None
     """Also log to Weights & Biases when set (needs `wandb` installed and configured)."""
     wandb_run_name: str | None = None
+    """W&B run name; default: the output directory name."""
     progress: bool = True
     """Show progress bars on the driver."""
 
