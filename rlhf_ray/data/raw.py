@@ -1,0 +1,37 @@
+"""The one shape every raw dataset is turned into, in DeepSpeed-Chat's exact strings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RawSample:
+    """One example. `prompt` is " Human: ... Assistant:" (no trailing space); `chosen` / `rejected` are answers
+    with a leading space, or None when the dataset has none (such samples serve SFT only, or PPO prompts)."""
+
+    prompt: str
+    chosen: str | None = None
+    rejected: str | None = None
+
+    @property
+    def prompt_and_chosen(self) -> str | None:
+        return None if self.chosen is None else self.prompt + self.chosen
+
+    @property
+    def prompt_and_rejected(self) -> str | None:
+        return None if self.rejected is None else self.prompt + self.rejected
+
+
+@dataclass
+class RawDataset:
+    """A dataset's train and eval samples. `eval` is None when the source has no eval split of its own (one is
+    then carved from train by the split step). `fingerprint` changes whenever the content may have changed
+    (hub revision, local file size and mtime), and keys the tokenised cache."""
+
+    name: str
+    train: list[RawSample]
+    eval: list[RawSample] | None = None
+    fingerprint: str = ""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Rows skipped while reading, by reason (e.g. {"empty prompt": 3}), for the data report."""
