@@ -1,0 +1,109 @@
+"""DataSpec + tokenizer -> one phase's tokenised train/eval data, cached under a key of everything that
+changes it (dataset content fingerprints included, so an edited local file never serves a stale cache)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf_ray.config.data import DataSpec
+from rlhf_ray.data import registry
+from rlhf_ray.data.errors import DataError
+from rlhf_ray.data.split import PHASES, blend, phase_split, stable_seed
+from rlhf_ray.data.tokenized import check_tokenizer, pack, tokenize_pairs, tokenize_prompts, tokenize_sft
+
+log = logging.getLogger(__name__)
+CACHE_VERSION = 1
+
+
+@dataclass
+class PhaseData:
+    """Tokenised samples of one phase; `report` says what was dropped or repaired and why."""
+
+    phase: str
+    train: list[dict]
+    eval: list[dict]
+    report: dict[str, str] = field(default_factory=dict)
+    cache_file: str | None = None
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    specials = json.dumps({"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                           "template": getattr(tokenizer, "chat_template", None)}, sort_keys=True)
+    return hashlib.sha256((text + specials).encode()).hexdigest()[:16]
+
+
+def cache_key(spec: DataSpec, phase: str, seed: int, tokenizer, options: dict) -> str:
+    parts = {
+        "version": CACHE_VERSION, "phase": phase, "seed": seed, "options": options,
+        "data": spec.model_dump(mode="json", exclude={"cache_dir"}),
+        "content": [registry.fingerprint(d) for d in spec.datasets],
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _tokenize(phase: str, samples, tokenizer, spec: DataSpec, options: dict):
+    if phase == "sft":
+        rows, report = tokenize_sft(samples, tokenizer, spec.max_seq_len, options["train_on_prompt"])
+        return (pack(rows, spec.max_seq_len) if options["packing"] else rows), report
+    if phase == "rm":
+        return tokenize_pairs(samples, tokenizer, spec.max_seq_len)
+    return tokenize_prompts(samples, tokenizer, spec.max_prompt_len)
+
+
+def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir: str | Path, *,
+                     train_on_prompt: bool = False, packing: bool = False,
+                     allow_pad_equals_eos: bool = False) -> PhaseData:
+    """Load, split, blend and tokenise the datasets of `spec` for `phase` (sft, rm or ppo)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    check_tokenizer(tokenizer, allow_pad_equals_eos)
+    options = {"train_on_prompt": train_on_prompt, "packing": packing}
+    cache_file = Path(cache_dir) / f"{phase}-{cache_key(spec, phase, seed, tokenizer, options)}.pkl"
+    if cache_file.is_file():
+        with cache_file.open("rb") as f:
+            data: PhaseData = pickle.load(f)
+        log.info("%s data from cache %s: %d train / %d eval", phase, cache_file, len(data.train), len(data.eval))
+        return data
+
+    shares = spec.split_shares
+    train_parts, eval_parts, report = [], [], {}
+    for d in spec.datasets:
+        raw = registry.load_raw(d)
+        train, evaluation = phase_split(raw, shares, phase, seed, spec.eval_fraction)
+        if not train:
+            raise DataError(f"dataset {d.name}: the {phase} phase gets no training samples from split "
+                            f"{spec.split!r} of {len(raw.train)} rows; give the phase a share or add data")
+        train_parts.append((train, d.weight))
+        eval_parts.append((evaluation, 1.0))
+        if raw.dropped:
+            report[f"{d.name} (read)"] = ", ".join(f"dropped {n} ({why})" for why, n in raw.dropped.items())
+    train_rows, train_report = _tokenize(phase, blend(train_parts, stable_seed(seed, phase, "train")),
+                                         tokenizer, spec, options)
+    eval_rows, eval_report = _tokenize(phase, blend(eval_parts, stable_seed(seed, phase, "eval")),
+                                       tokenizer, spec, options)
+    if not train_rows:
+        raise DataError(f"the {phase} training split is empty after tokenisation ({train_report.summary()}); "
+                        f"raise data.max_seq_len / max_prompt_len or check the data")
+    report["train"], report["eval"] = train_report.summary(), eval_report.summary()
+    for split, text in report.items():
+        log.info("%s data, %s: %s", phase, split, text)
+    data = PhaseData(phase, train_rows, eval_rows, report, str(cache_file))
+    _write_atomically(cache_file, data)
+    return data
+
+
+def _write_atomically(path: Path, data: PhaseData) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with tmp.open("wb") as f:
+        pickle.dump(data, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.replace(tmp, path)
