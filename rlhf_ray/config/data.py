@@ -2,20 +2,103 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from string import Formatter
 
-from rlhf_ray.config.base import StrictModel
+from pydantic import Field, field_validator, model_validator
+
+from rlhf_ray.config.base import FieldProblem, StrictModel
+
+TEMPLATE_KEYWORDS = ("dschat", "raw", "chat_template")
+
+
+def _format_fields(template: str) -> set[str]:
+    """The `{names}` a str.format template uses; ValueError for a malformed one (e.g. an unmatched brace)."""
+    return {name for _, name, _, _ in Formatter().parse(template) if name is not None}
+
+
+class DatasetFormatSpec(StrictModel):
+    """How to read a dataset the registry does not know: which fields hold the prompt and the answers, and how
+    to wrap them. A dotted field reaches into nested records and lists (`question.full_text`, `answers.0`)."""
+
+    prompt_field: str = "prompt"
+    """Field holding the prompt text."""
+    chosen_field: str | None = "chosen"
+    """Field holding the preferred answer; null for a prompt-only dataset (PPO prompts)."""
+    rejected_field: str | None = None
+    """Field holding the rejected answer; null for SFT-only data (no pairs for the reward model)."""
+    template: str = "dschat"
+    """`dschat`: prompt " Human: {prompt} Assistant:" and answers " {answer}" (DeepSpeed-Chat's strings);
+    `raw`: fields used as they are; `chat_template`: the tokenizer's chat template, applied when the data is
+    tokenised (the prompt becomes one user message, each answer the assistant's reply); or a Python format
+    string using `{prompt}`, e.g. "### Question: {prompt}\\n### Answer:"."""
+    answer_template: str | None = None
+    """Format string using `{answer}` for dschat and custom templates; default " {answer}" (leading space)."""
+
+    @field_validator("template")
+    @classmethod
+    def _template_is_known_or_formats_prompt(cls, value: str) -> str:
+        if value in TEMPLATE_KEYWORDS:
+            return value
+        try:
+            names = _format_fields(value)
+        except ValueError as exc:
+            raise ValueError(f"not a valid format string ({exc}); use {{{{ }}}} for literal braces") from None
+        if names != {"prompt"}:
+            raise ValueError(f"expected one of {', '.join(TEMPLATE_KEYWORDS)} or a format string using only "
+                             f"{{prompt}}, got {value!r}")
+        return value
+
+    @field_validator("answer_template")
+    @classmethod
+    def _answer_template_formats_answer(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            names = _format_fields(value)
+        except ValueError as exc:
+            raise ValueError(f"not a valid format string ({exc}); use {{{{ }}}} for literal braces") from None
+        if names != {"answer"}:
+            raise ValueError(f"expected a format string using only {{answer}}, got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _answer_template_needs_a_wrapping_template(self) -> "DatasetFormatSpec":
+        if self.answer_template is not None and self.template in ("raw", "chat_template"):
+            raise FieldProblem("answer_template", f"template {self.template!r} uses the answers as they are; "
+                                                  "drop answer_template or use dschat / a format string")
+        return self
 
 
 class DatasetSpec(StrictModel):
-    """One raw dataset: a registered name (e.g. `Dahoas/rm-static`, `demo/arithmetic`) or a local file."""
+    """One raw dataset: a registered name (e.g. `Dahoas/rm-static`, `demo/arithmetic`), read from the hub or from
+    a local copy, or any dataset described by a `format` section."""
 
     name: str
-    """Registry name. Local files use a registry name that describes their schema (see docs/configuration.md)."""
+    """Registry name (exact; the error lists the registered ones), `custom`, or, with `format`, a hub id."""
     path: str | None = None
-    """Local file or folder to read instead of the hub (json, jsonl, parquet, or a saved dataset)."""
+    """Local file or folder to read instead of the hub: a json / jsonl / parquet file, a folder of such files
+    named by split (train.jsonl, test.jsonl, ...), or a folder written by `save_to_disk`."""
     weight: float = Field(1.0, gt=0)
-    """Relative share of this dataset when several are blended."""
+    """Multiplies this dataset's size in a blend: 1 uses every sample once (DeepSpeed-Chat's concatenation),
+    2 repeats it twice, 0.5 keeps a random half."""
+    format: DatasetFormatSpec | None = None
+    """Field mapping for a dataset the registry does not know (name `custom` or an unregistered hub id)."""
+    subset: str | None = None
+    """Hub configuration name of a dataset that has several (the second argument of `load_dataset`)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit). Pin it: the tokenised cache is keyed on name and revision."""
+    train_split: str | None = None
+    """Split to train on, instead of the dataset's usual one (e.g. `train_prefs`)."""
+    eval_split: str | None = None
+    """Held-out split, instead of the dataset's usual one; without one, eval data is carved from train."""
+
+    @model_validator(mode="after")
+    def _custom_needs_format_and_path(self) -> "DatasetSpec":
+        if self.name == "custom" and self.format is None:
+            raise FieldProblem("format", "name 'custom' needs a format section (prompt_field, chosen_field, ...)")
+        if self.name == "custom" and self.path is None:
+            raise FieldProblem("path", "name 'custom' reads a local file or folder; set path")
+        return self
 
 
 class DataSpec(StrictModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import typing
 from typing import Any
 
@@ -39,7 +40,7 @@ def _table(model: type[BaseModel], seen: set[type[BaseModel]], sections: list[st
     if model in seen:
         return
     seen.add(model)
-    doc = (model.__doc__ or "").strip().replace("\n", " ")
+    doc = " ".join(inspect.cleandoc(model.__doc__ or "").split())
     rows = [f"### `{model.__name__}`", "", doc, "", "| key | type | default | meaning |", "|---|---|---|---|"]
     nested = []
     for name, field in model.model_fields.items():
@@ -48,8 +49,8 @@ def _table(model: type[BaseModel], seen: set[type[BaseModel]], sections: list[st
         if sub:
             link = f"[{sub.__name__}](#{sub.__name__.lower()})"
             kind = f"list of {link}" if "list[" in kind else link
-        text = field.description or (sub.__doc__ or "").strip().split("\n")[0] if sub else field.description or ""
-        text = text.replace("\n", " ").replace("|", "\\|")
+        text = field.description or (inspect.cleandoc(sub.__doc__ or "").split("\n")[0] if sub else "")
+        text = " ".join(text.split()).replace("|", "\\|")
         rows.append(f"| `{name}` | {kind} | {_default(field)} | {text} |")
         if sub:
             nested.append(sub)

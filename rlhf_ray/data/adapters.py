@@ -1,0 +1,325 @@
+"""One adapter per dataset schema: a raw row (a dict) -> RawSample in DeepSpeed-Chat's exact strings.
+
+The strings follow DeepSpeed-Chat's `raw_datasets.py` (spec §2.4): prompts " Human: ... Assistant:" with no
+trailing space, answers with a leading space; Dahoas/rm-static-style datasets keep their own prompt text. An
+adapter reads fields through `field()`, which raises FieldError for a missing or mistyped field (the loader turns
+it into a DataError naming file, line and field), and returns Skip(reason) for a row that must be left out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, ClassVar, NamedTuple, Protocol
+
+from rlhf_ray.config.data import DatasetFormatSpec
+from rlhf_ray.data.raw import RawSample
+
+
+class Skip(NamedTuple):
+    """A row left out on purpose; `reason` keys RawDataset.dropped."""
+
+    reason: str
+
+
+class FieldError(Exception):
+    """A row lacks a field or holds the wrong type there. Internal: the loader adds file and line."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"field {field!r} {problem}")
+        self.field = field
+        self.problem = problem
+
+
+def field(row: Mapping[str, Any], path: str, *, nullable: bool = False, kind: type | tuple[type, ...] = str) -> Any:
+    """The value at a dotted path (`question.full_text`, `human_answers.0`). A missing key is always an error;
+    null is an error unless `nullable` (then None comes back). An empty list at an index reads as null."""
+    value: Any = row
+    walked: list[str] = []
+    for part in path.split("."):
+        walked.append(part)
+        where = ".".join(walked)
+        if isinstance(value, Mapping):
+            if part not in value:
+                raise FieldError(where, "is missing")
+            value = value[part]
+        elif isinstance(value, (list, tuple)) and part.isdigit():
+            value = value[int(part)] if int(part) < len(value) else None
+        else:
+            raise FieldError(where, f"is missing (its parent is {type(value).__name__}, not a record)")
+        if value is None:
+            if nullable:
+                return None
+            raise FieldError(where, "is null")
+    if not isinstance(value, kind):
+        wanted = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise FieldError(path, f"is {type(value).__name__}, expected {wanted}")
+    return value
+
+
+def human(prompt: str) -> str:
+    """DeepSpeed-Chat's prompt wrapping: leading space, no space after the final colon."""
+    return " Human: " + prompt + " Assistant:"
+
+
+def answer(text: str | None) -> str | None:
+    """DeepSpeed-Chat's answer wrapping: one leading space."""
+    return None if text is None else " " + text
+
+
+class Adapter:
+    """Maps one dataset's rows. `train_split` / `eval_split` are the source's split names; `eval_split` None
+    means the source has no held-out split and the split step carves one from train."""
+
+    name: ClassVar[str]
+    hub_name: ClassVar[str | None] = None
+    """What `load_dataset` is given, when it differs from `name` (mkqa-Chinese reads `mkqa`)."""
+    local_only: ClassVar[bool] = False
+    """True when there is no hub dataset of that name: `path` is required."""
+    train_split: ClassVar[str] = "train"
+    eval_split: ClassVar[str | None] = "test"
+    fields: ClassVar[tuple[str, ...]]
+    """The fields a row needs, for error messages."""
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        raise NotImplementedError
+
+
+class DahoasRmStatic(Adapter):
+    """Prompts already read "\\n\\nHuman: ... Assistant:" and answers start with a space: used as they are."""
+
+    name = "Dahoas/rm-static"
+    fields = ("prompt", "chosen", "rejected")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        return RawSample(field(row, "prompt"), field(row, "chosen"), field(row, "rejected"))
+
+
+class DahoasFullHhRlhf(DahoasRmStatic):
+    name = "Dahoas/full-hh-rlhf"
+
+
+class DahoasSyntheticInstructGptjPairwise(Adapter):
+    """Bare prompt and answers (also DeepSpeed-Chat's documented schema for your own data); train split only."""
+
+    name = "Dahoas/synthetic-instruct-gptj-pairwise"
+    eval_split = None
+    fields = ("prompt", "chosen", "rejected")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        return RawSample(human(field(row, "prompt")), answer(field(row, "chosen")), answer(field(row, "rejected")))
+
+
+class YitingxieRlhfRewardDatasets(Adapter):
+    """The prompt ends before "Assistant:"; answers carry the whole dialogue, so keep what follows the last
+    "Assistant:" (the answer with its leading space)."""
+
+    name = "yitingxie/rlhf-reward-datasets"
+    fields = ("prompt", "chosen", "rejected")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        return RawSample(field(row, "prompt") + "Assistant:", field(row, "chosen").split("Assistant:")[-1],
+                         field(row, "rejected").split("Assistant:")[-1])
+
+
+_CITATION_WITH_SPACE = re.compile(r" [\(\[].*?[\)\]]")
+_CITATION = re.compile(r"[\(\[].*?[\)\]]")
+
+
+def remove_citations(text: str) -> str:
+    """WebGPT answers cite their browsing results ("[1]", "(2)"). Nothing here browses, so the citations would
+    only confuse the model; DeepSpeed-Chat drops them, together with the space before them."""
+    return _CITATION.sub("", _CITATION_WITH_SPACE.sub("", text))
+
+
+class OpenaiWebgptComparisons(Adapter):
+    """Chosen is the higher-scored answer; a tie keeps answer_0 as chosen (DeepSpeed-Chat's rule). Train only."""
+
+    name = "openai/webgpt_comparisons"
+    eval_split = None
+    fields = ("question.full_text", "answer_0", "answer_1", "score_0", "score_1")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        prompt = human(field(row, "question.full_text"))
+        first, second = field(row, "answer_0"), field(row, "answer_1")
+        score_0, score_1 = (float(field(row, f"score_{i}", kind=(int, float))) for i in (0, 1))
+        chosen, rejected = (first, second) if score_0 >= score_1 else (second, first)
+        return RawSample(prompt, answer(remove_citations(chosen)), answer(remove_citations(rejected)))
+
+
+class StanfordnlpSHP(Adapter):
+    """`labels` is 1 when human_ref_A is preferred, 0 when human_ref_B is."""
+
+    name = "stanfordnlp/SHP"
+    eval_split = "validation"
+    fields = ("history", "human_ref_A", "human_ref_B", "labels")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        a, b = field(row, "human_ref_A"), field(row, "human_ref_B")
+        chosen, rejected = (a, b) if int(field(row, "labels", kind=(int, float, bool))) == 1 else (b, a)
+        return RawSample(human(field(row, "history")), answer(chosen), answer(rejected))
+
+
+class PvduySharegptAlpacaOaVicuna(Adapter):
+    """Vicuna-style "USER: ... ASSISTANT:" prompts renamed to DeepSpeed-Chat's markers; SFT data, no rejected."""
+
+    name = "pvduy/sharegpt_alpaca_oa_vicuna_format"
+    fields = ("prompt", "label")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        prompt = field(row, "prompt", nullable=True)
+        if not prompt:
+            return Skip("empty prompt")
+        label = field(row, "label", nullable=True)
+        return RawSample(prompt.replace("USER", "Human").replace("ASSISTANT", "Assistant"),
+                         answer(label) if label else None)
+
+
+class LocalJsonFile(Adapter):
+    """DeepSpeed-Chat's `local/jsonfile`: prompt / chosen / rejected records whose prompt already carries its
+    markers ("Human: ... Assistant:"); every field just gets a leading space. Needs `path`."""
+
+    name = "local/jsonfile"
+    local_only = True
+    eval_split = "eval"
+    fields = ("prompt", "chosen", "rejected (optional)")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        prompt = field(row, "prompt", nullable=True)
+        if prompt is None:
+            return Skip("null prompt")
+        rejected = field(row, "rejected", nullable=True) if "rejected" in row else None
+        return RawSample(" " + prompt, answer(field(row, "chosen", nullable=True)), answer(rejected))
+
+
+class _SFTOnly(Adapter):
+    """Single-answer datasets: a null prompt skips the row, a null answer keeps it as a prompt (PPO) only."""
+
+    prompt_path: ClassVar[str]
+    answer_path: ClassVar[str]
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        prompt = field(row, self.prompt_path, nullable=True)
+        if prompt is None:
+            return Skip("null prompt")
+        return RawSample(human(prompt), answer(field(row, self.answer_path, nullable=True)))
+
+
+class Wangrui6ZhihuKOL(_SFTOnly):
+    name = "wangrui6/Zhihu-KOL"
+    eval_split = None
+    prompt_path, answer_path = "INSTRUCTION", "RESPONSE"
+    fields = (prompt_path, answer_path)
+
+
+class HelloSimpleAIHC3Chinese(_SFTOnly):
+    name = "Hello-SimpleAI/HC3-Chinese"
+    eval_split = None
+    prompt_path, answer_path = "question", "human_answers.0"
+    fields = (prompt_path, answer_path)
+
+
+class MkqaChinese(_SFTOnly):
+    name = "mkqa-Chinese"
+    hub_name = "mkqa"
+    eval_split = None
+    prompt_path, answer_path = "queries.zh_cn", "answers.zh_cn.0.text"
+    fields = (prompt_path, answer_path)
+
+
+class MkqaJapanese(MkqaChinese):
+    name = "mkqa-Japanese"
+    prompt_path, answer_path = "queries.ja", "answers.ja.0.text"
+    fields = (prompt_path, answer_path)
+
+
+class LmqgQgJaquad(_SFTOnly):
+    name = "lmqg/qg_jaquad"
+    eval_split = "validation"
+    prompt_path, answer_path = "question", "sentence"
+    fields = (prompt_path, answer_path)
+
+
+class LmqgQagJaquad(_SFTOnly):
+    name = "lmqg/qag_jaquad"
+    eval_split = "validation"
+    prompt_path, answer_path = "questions.0", "paragraph"
+    fields = (prompt_path, answer_path)
+
+
+class CohereMiraclZh(Adapter):
+    """Query, first positive passage as chosen, first negative passage as rejected (None when there is none)."""
+
+    name = "Cohere/miracl-zh-queries-22-12"
+    eval_split = "dev"
+    fields = ("query", "positive_passages.0.text", "negative_passages.0.text")
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        return RawSample(human(field(row, "query")),
+                         answer(field(row, "positive_passages.0.text", nullable=True)),
+                         answer(field(row, "negative_passages.0.text", nullable=True)))
+
+
+class CohereMiraclJa(CohereMiraclZh):
+    name = "Cohere/miracl-ja-queries-22-12"
+
+
+class FormatAdapter(Adapter):
+    """A dataset described in YAML (`format:`), so users add data without code. With `template: chat_template`
+    prompt and answers stay as they are here, and `apply_chat_template` renders them once a tokenizer exists."""
+
+    name = "custom"
+    fields = ()
+
+    def __init__(self, name: str, spec: DatasetFormatSpec):
+        self.name = name  # type: ignore[misc]  # one instance per configured dataset
+        self.spec = spec
+        self.fields = tuple(f for f in (spec.prompt_field, spec.chosen_field, spec.rejected_field) if f)
+        if spec.template == "dschat":
+            self._prompt, self._answer = " Human: {prompt} Assistant:", spec.answer_template or " {answer}"
+        elif spec.template in ("raw", "chat_template"):
+            self._prompt, self._answer = "{prompt}", "{answer}"
+        else:
+            self._prompt, self._answer = spec.template, spec.answer_template or " {answer}"
+
+    def _wrap_answer(self, row: Mapping[str, Any], path: str | None) -> str | None:
+        text = None if path is None else field(row, path, nullable=True)
+        return None if text is None else self._answer.format(answer=text)
+
+    def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        prompt = field(row, self.spec.prompt_field, nullable=True)
+        if prompt is None:
+            return Skip("null prompt")
+        return RawSample(self._prompt.format(prompt=prompt), self._wrap_answer(row, self.spec.chosen_field),
+                         self._wrap_answer(row, self.spec.rejected_field))
+
+
+class ChatTokenizer(Protocol):
+    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
+
+
+def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSample:
+    """Render a `template: chat_template` sample with the tokenizer's chat template, for the tokenising step.
+
+    The prompt becomes the rendered user turn plus the generation prompt; each answer becomes what the template
+    puts after that (the reply and the template's own end-of-turn marker), so prompt + answer is exactly the
+    rendered two-turn conversation. Tokenise the result with add_special_tokens=False (the template already wrote
+    any BOS) and do not append another end-of-conversation token."""
+    user = [{"role": "user", "content": sample.prompt}]
+    prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
+
+    def reply(text: str | None) -> str | None:
+        if text is None:
+            return None
+        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": text}], tokenize=False)
+        return full[len(prompt):] if full.startswith(prompt) else text
+
+    return RawSample(prompt, reply(sample.chosen), reply(sample.rejected))
+
+
+ADAPTERS: tuple[type[Adapter], ...] = (
+    DahoasRmStatic, DahoasFullHhRlhf, DahoasSyntheticInstructGptjPairwise, YitingxieRlhfRewardDatasets,
+    OpenaiWebgptComparisons, StanfordnlpSHP, PvduySharegptAlpacaOaVicuna, Wangrui6ZhihuKOL, CohereMiraclZh,
+    HelloSimpleAIHC3Chinese, MkqaChinese, MkqaJapanese, CohereMiraclJa, LmqgQgJaquad, LmqgQagJaquad, LocalJsonFile,
+)
+"""Every built-in schema, in DeepSpeed-Chat's registry order."""
