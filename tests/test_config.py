@@ -210,4 +210,4 @@ def test_field_reference_in_docs_is_generated_from_the_models():
     doc = (ROOT / "docs/configuration.md").read_text()
     marker = "## Field reference"
     generated = doc[doc.index(marker):].split("\n\n", 2)[2]
-    assert generated.strip() == render_reference().strip(), "regenerate: rlhf-ray schema --format markdown"
+    assert generated.strip() == render_reference().strip(), "stale: run .venv/bin/python scripts/update_config_reference.py"

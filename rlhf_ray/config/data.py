@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from string import Formatter
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -114,6 +115,12 @@ class DataSpec(StrictModel):
     """SFT / RM: prompt + answer tokens per sample."""
     max_prompt_len: int = Field(256, ge=1)
     """PPO: prompt tokens (over-long prompts are cut from the left, keeping the question's end)."""
+    overlong: Literal["trim_prompt", "drop"] = "trim_prompt"
+    """A sample longer than its limit with its end-of-text token: trim its prompt from the left, or drop it.
+    The answer and its end-of-text are never cut. Either way it is counted in the data report."""
+    allow_pad_equals_eos: bool = False
+    """Accept a tokenizer whose pad token is its eos token (a warning says why it hurts: first-pad heuristics
+    then also find every answer's end). Default: refuse, and ask for a distinct pad token."""
     cache_dir: str | None = None
     """Tokenised cache; default `<output_dir>/data_cache`."""
 

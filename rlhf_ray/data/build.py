@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rlhf_ray.config.data import DataSpec
 from rlhf_ray.data import registry
+from rlhf_ray.data.adapters import apply_chat_template
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.split import PHASES, blend, phase_split, stable_seed
 from rlhf_ray.data.tokenized import check_tokenizer, pack, tokenize_pairs, tokenize_prompts, tokenize_sft
@@ -52,20 +53,19 @@ def cache_key(spec: DataSpec, phase: str, seed: int, tokenizer, options: dict) -
 
 def _tokenize(phase: str, samples, tokenizer, spec: DataSpec, options: dict):
     if phase == "sft":
-        rows, report = tokenize_sft(samples, tokenizer, spec.max_seq_len, options["train_on_prompt"])
+        rows, report = tokenize_sft(samples, tokenizer, spec.max_seq_len, options["train_on_prompt"], spec.overlong)
         return (pack(rows, spec.max_seq_len) if options["packing"] else rows), report
     if phase == "rm":
-        return tokenize_pairs(samples, tokenizer, spec.max_seq_len)
+        return tokenize_pairs(samples, tokenizer, spec.max_seq_len, spec.overlong)
     return tokenize_prompts(samples, tokenizer, spec.max_prompt_len)
 
 
 def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir: str | Path, *,
-                     train_on_prompt: bool = False, packing: bool = False,
-                     allow_pad_equals_eos: bool = False) -> PhaseData:
+                     train_on_prompt: bool = False, packing: bool = False) -> PhaseData:
     """Load, split, blend and tokenise the datasets of `spec` for `phase` (sft, rm or ppo)."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    check_tokenizer(tokenizer, allow_pad_equals_eos)
+    check_tokenizer(tokenizer, spec.allow_pad_equals_eos)
     options = {"train_on_prompt": train_on_prompt, "packing": packing}
     cache_file = Path(cache_dir) / f"{phase}-{cache_key(spec, phase, seed, tokenizer, options)}.pkl"
     if cache_file.is_file():
@@ -79,6 +79,9 @@ def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir
     for d in spec.datasets:
         raw = registry.load_raw(d)
         train, evaluation = phase_split(raw, shares, phase, seed, spec.eval_fraction)
+        if registry.uses_chat_template(d):
+            train = [apply_chat_template(s, tokenizer) for s in train]
+            evaluation = [apply_chat_template(s, tokenizer) for s in evaluation]
         if not train:
             raise DataError(f"dataset {d.name}: the {phase} phase gets no training samples from split "
                             f"{spec.split!r} of {len(raw.train)} rows; give the phase a share or add data")

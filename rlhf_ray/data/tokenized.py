@@ -53,6 +53,12 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def _answer_ids(tokenizer, text: str) -> list[int]:
+    """An answer always ends with end-of-text, exactly once (a chat template may already have written it)."""
+    ids = _ids(tokenizer, text)
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+
+
 def _fit(prompt: list[int], answer: list[int], max_len: int, overlong: Overlong, report: TokenReport,
          what: str) -> list[int] | None:
     """prompt + answer within max_len, trimming the prompt's start if allowed; None if it cannot fit."""
@@ -74,7 +80,7 @@ def tokenize_sft(samples: list[RawSample], tokenizer, max_seq_len: int, train_on
         if s.chosen is None:
             report.dropped["no chosen answer"] += 1
             continue
-        answer = _ids(tokenizer, s.chosen) + [tokenizer.eos_token_id]
+        answer = _answer_ids(tokenizer, s.chosen)
         prompt = _fit(_ids(tokenizer, s.prompt), answer, max_seq_len, overlong, report, "sft")
         if prompt is None:
             continue
@@ -112,8 +118,8 @@ def tokenize_pairs(samples: list[RawSample], tokenizer, max_seq_len: int,
         if s.chosen == s.rejected:
             report.dropped["chosen == rejected"] += 1
             continue
-        chosen = _ids(tokenizer, s.chosen) + [tokenizer.eos_token_id]
-        rejected = _ids(tokenizer, s.rejected) + [tokenizer.eos_token_id]
+        chosen = _answer_ids(tokenizer, s.chosen)
+        rejected = _answer_ids(tokenizer, s.rejected)
         longer = chosen if len(chosen) >= len(rejected) else rejected
         prompt = _fit(_ids(tokenizer, s.prompt), longer, max_seq_len, overlong, report, "pair")
         if prompt is None:
