@@ -87,7 +87,7 @@ def _cluster_nodes(job: JobBase, live: bool) -> tuple[list[dict[str, float]], st
 
 def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]:
     """Every stage's resource plan against the cluster it would run on; problems prefixed by stage."""
-    from rlhf_ray.plan import ResourcePlan
+    from rlhf_ray.plan import ResourcePlan, describe_nodes
 
     nodes, which = _cluster_nodes(job, live)
     problems: list[str] = []
@@ -97,8 +97,7 @@ def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]
             out.print(plan.render(title=f"{stage}: resource plan"))
         problems += [f"{stage}: {p}" for p in plan.check_fits(nodes)]
     if show:
-        shape = ", ".join(f"{{CPU: {n.get('CPU', 0):g}, GPU: {n.get('GPU', 0):g}}}" for n in nodes)
-        out.print(f"checked against {which}: {len(nodes)} node(s) {shape}")
+        out.print(f"checked against {which}: {describe_nodes(nodes)}")
     return problems
 
 

@@ -211,3 +211,27 @@ def test_field_reference_in_docs_is_generated_from_the_models():
     marker = "## Field reference"
     generated = doc[doc.index(marker):].split("\n\n", 2)[2]
     assert generated.strip() == render_reference().strip(), "stale: run .venv/bin/python scripts/update_config_reference.py"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates_and_fits(path, capsys):
+    assert main(["validate", "--quiet", str(path)]) == EXIT_OK, capsys.readouterr()
+
+
+def test_plan_needing_more_gpus_than_the_cluster_is_refused(capsys):
+    config = ROOT / "configs/quickstart/ppo.yaml"
+    code = main(["validate", "--quiet", str(config), "--set", "generation.placement.num_gpus=1",
+                 "--set", "cluster.shape=[{cpus: 2, gpus: 0}]"])
+    assert code == EXIT_PLAN_DOES_NOT_FIT
+    err = capsys.readouterr().err
+    assert "needs 1 GPU (generation 1 x 1) but the cluster has 0" in err
+
+
+def test_colocation_errors_point_at_the_yaml_line(write_yaml):
+    text = PPO + "reference:\n  placement: {colocate_with: polcy}\n"
+    (problem,) = problems_of(write_yaml(text))
+    assert problem.startswith(f"{write_yaml(text)}:12: reference.placement.colocate_with:")
+    assert "policy" in problem
+    job = load_job(write_yaml(PPO), ["policy.placement.replicas=2", "reference.placement.colocate_with=policy",
+                                     "policy.micro_batch_size=2", "critic.micro_batch_size=2"])
+    assert job.reference.placement.replicas == 2  # a colocated role follows its host's replica count

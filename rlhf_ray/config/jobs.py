@@ -53,6 +53,20 @@ class JobBase(StrictModel):
         """Role name -> placement, for the resource plan."""
         raise NotImplementedError
 
+    @model_validator(mode="after")
+    def _placement_is_consistent(self) -> "JobBase":
+        """A colocated role takes its host's replica count unless given; then the plan must be buildable
+        (colocation targets exist, no chains, equal replicas)."""
+        from rlhf_ray.plan import ResourcePlan
+
+        roles = self.placement_roles()
+        for spec in roles.values():
+            host = roles.get(spec.colocate_with or "")
+            if host is not None and "replicas" not in spec.model_fields_set:
+                spec.replicas = host.replicas
+        ResourcePlan.from_roles(roles)
+        return self
+
 
 class TrainSpec(StrictModel):
     """The supervised training loop of an SFT or RM job."""

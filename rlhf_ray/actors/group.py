@@ -1,0 +1,174 @@
+"""A role's replicas as one object: N named Ray actors on their placement-group bundles, called together.
+
+Every wait has a deadline, and every failure names the actor (`policy-1`), because "a ZeRO collective hung" is
+only debuggable when the error says which rank never answered.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class ActorCallTimeout(RuntimeError):
+    """Some actors did not answer in time. Their calls are NOT cancelled: `pending` holds (name, ref) pairs."""
+
+    def __init__(self, message: str, pending: list[tuple[str, Any]]):
+        super().__init__(message)
+        self.pending = pending
+
+
+class ActorDiedError(RuntimeError):
+    """An actor process is gone (killed, OOM, crashed, failed in __init__); the message carries Ray's cause."""
+
+    def __init__(self, message: str, actor: str):
+        super().__init__(message)
+        self.actor = actor
+
+
+class RemoteCallError(RuntimeError):
+    """The remote method raised. `cause` is the original exception (its type survives for `isinstance`)."""
+
+    def __init__(self, message: str, actor: str, cause: BaseException | None):
+        super().__init__(message)
+        self.actor = actor
+        self.cause = cause
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _raise_for(name: str, what: str, err: Exception) -> None:
+    if isinstance(err, ray.exceptions.RayActorError):
+        raise ActorDiedError(f"{name} died during `{what}`: {_ANSI.sub('', str(err))}", name) from err
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = getattr(err, "cause", None)
+        raise RemoteCallError(f"{name} raised in `{what}`:\n{_ANSI.sub('', str(err))}", name, cause) from err
+    raise RemoteCallError(f"{name} failed in `{what}`: {type(err).__name__}: {err}", name, err) from err
+
+
+def gather(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: str) -> list:
+    """Results of `refs` in order. Fails fast on the first actor that died or raised, and after `timeout_s`
+    names every actor still silent; nothing is cancelled behind the caller's back."""
+    if len(refs) != len(names):
+        raise ValueError(f"gather got {len(refs)} refs but {len(names)} names")
+    who = {ref: name for ref, name in zip(refs, names)}
+    results: dict[Any, Any] = {}
+    pending = list(refs)
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                results[ref] = ray.get(ref)
+            except Exception as err:  # noqa: BLE001 - every Ray failure becomes one naming the actor
+                _raise_for(who[ref], what, err)
+    if pending:
+        late = [who[r] for r in pending]
+        answered = len(refs) - len(late)
+        raise ActorCallTimeout(
+            f"{', '.join(late)} did not answer `{what}` within {timeout_s:g} s ({answered} of {len(refs)} "
+            "answered). The call was not cancelled: it keeps running, and later calls to the same actor queue "
+            "behind it; kill the group (or ray.cancel the refs in .pending) to recover.",
+            [(who[r], r) for r in pending],
+        )
+    return [results[r] for r in refs]
+
+
+class ActorGroup:
+    """`replicas` actors of one class, named `{role}-{rank}`, replica i on bundle `bundle_indices[i]`.
+
+    Contract for `actor_cls`: a plain class whose `__init__` accepts the keyword arguments `rank` and
+    `world_size` (besides `args`/`kwargs`), so every role knows its place in the group without a setup call.
+    """
+
+    def __init__(self, actor_cls: type, role: str, replicas: int, *, placement_group=None,
+                 bundle_indices: list[int] | None = None, num_cpus: float = 1, num_gpus: float = 0,
+                 args: tuple = (), kwargs: dict | None = None, call_timeout_s: float = 1800,
+                 start_timeout_s: float = 300, env_vars: dict[str, str] | None = None,
+                 ray_options: dict | None = None):
+        if replicas < 1:
+            raise ValueError(f"{role}: replicas must be >= 1, got {replicas}")
+        if placement_group is None and bundle_indices is not None:
+            raise ValueError(f"{role}: bundle_indices given without a placement_group")
+        if placement_group is not None:
+            bundle_indices = list(range(replicas)) if bundle_indices is None else list(bundle_indices)
+            if len(bundle_indices) != replicas:
+                raise ValueError(f"{role}: {replicas} replicas but {len(bundle_indices)} bundle indices")
+        self.actor_cls = actor_cls
+        self.role = role
+        self.call_timeout_s = call_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.names = [f"{role}-{rank}" for rank in range(replicas)]
+        remote_cls = ray.remote(actor_cls)
+        self.actors: list = []
+        try:
+            for rank, name in enumerate(self.names):
+                opts: dict[str, Any] = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus,
+                                        **(ray_options or {})}
+                if placement_group is not None:
+                    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                        placement_group, placement_group_bundle_index=bundle_indices[rank],
+                        placement_group_capture_child_tasks=True)
+                if env_vars:
+                    opts["runtime_env"] = {"env_vars": dict(env_vars)}
+                handle = remote_cls.options(**opts).remote(*args, rank=rank, world_size=replicas,
+                                                           **(kwargs or {}))
+                self.actors.append(handle)
+        except Exception:
+            self.kill()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __repr__(self) -> str:
+        return f"ActorGroup({self.actor_cls.__name__}, {', '.join(self.names)})"
+
+    def wait_ready(self, timeout: float | None = None) -> ActorGroup:
+        """Block until every actor's __init__ finished; a failed __init__ surfaces as ActorDiedError."""
+        refs = [a.__ray_ready__.remote() for a in self.actors]
+        gather(refs, self.names, self.start_timeout_s if timeout is None else timeout, f"{self.actor_cls.__name__}.__init__")
+        return self
+
+    def _method(self, method: str) -> None:
+        if not callable(getattr(self.actor_cls, method, None)):
+            raise AttributeError(f"{self.actor_cls.__name__} (role {self.role}) has no method `{method}`")
+
+    def submit(self, method: str, *args, **kwargs) -> list:
+        """Start `method` on every rank and return the refs without waiting (fan-out, overlap)."""
+        self._method(method)
+        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+
+    def gather(self, refs: Sequence[Any], what: str, timeout: float | None = None) -> list:
+        """Wait for refs from `submit` under this group's names and call timeout."""
+        return gather(refs, self.names, self.call_timeout_s if timeout is None else timeout, what)
+
+    def call(self, method: str, *args, timeout: float | None = None, **kwargs) -> list:
+        """The same call on every rank (a collective); results in rank order."""
+        return self.gather(self.submit(method, *args, **kwargs), method, timeout)
+
+    def call_each(self, method: str, per_rank_args: Sequence[tuple], timeout: float | None = None) -> list:
+        """Rank i gets `per_rank_args[i]` (its data shard); results in rank order."""
+        self._method(method)
+        if len(per_rank_args) != len(self.actors):
+            raise ValueError(f"{self.role}: call_each(`{method}`) got {len(per_rank_args)} argument tuples "
+                             f"for {len(self.actors)} ranks")
+        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        return self.gather(refs, method, timeout)
+
+    def kill(self) -> None:
+        """Kill every actor now (no restart); pending calls on them fail with ActorDiedError."""
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead or Ray shut down: nothing left to kill
+                pass

@@ -1,0 +1,212 @@
+"""Connect to Ray (an address, RAY_ADDRESS) or start an embedded local one, and place a ResourcePlan on it.
+
+The embedded cluster binds every Ray listener to 127.0.0.1: Ray 2.60 otherwise binds a local cluster to the
+machine's external address. Placement is checked against the nodes before anything is created, so a recipe that
+cannot fit fails in a second with arithmetic instead of pending forever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from rlhf_ray.config.placement import ClusterSpec
+from rlhf_ray.plan import ResourcePlan
+
+log = logging.getLogger(__name__)
+
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+"""Set to 0, Ray takes 127.0.0.1 as the node's IP, so GCS, raylet, agents and workers all listen on loopback."""
+DEFAULT_ENV_VARS = {"TOKENIZERS_PARALLELISM": "false"}
+"""Env every actor of the job inherits (HF tokenizers' thread pool deadlocks in forked Ray workers)."""
+_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+class ClusterTooSmall(RuntimeError):
+    """The plan cannot fit the cluster; raised before any placement group exists."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("the cluster cannot hold this plan:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class PlacementTimeout(RuntimeError):
+    """Placement groups that did not become ready in time (the cluster is busy or smaller than it says)."""
+
+
+@dataclass
+class ClusterHandle:
+    """What a job needs to know about the Ray it runs on."""
+
+    address: str
+    started_locally: bool
+    dashboard_url: str | None
+    namespace: str
+    env_vars: dict[str, str] = field(default_factory=dict)
+
+    def nodes(self) -> list[dict[str, float]]:
+        import ray
+
+        return [dict(n["Resources"]) for n in ray.nodes() if n.get("Alive")]
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))  # a container's CPU set, not the host's
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _visible_gpus() -> int:
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    try:
+        import torch
+
+        return int(torch.cuda.device_count())
+    except Exception:  # no torch, or a CUDA driver that cannot be queried: offer no GPU
+        return 0
+
+
+def local_nodes(spec: ClusterSpec) -> list[dict[str, float]]:
+    """The one node an embedded local Ray would offer, computed without starting it (for `validate`)."""
+    cpus = spec.num_cpus if spec.num_cpus is not None else _cpu_count()
+    gpus = spec.num_gpus if spec.num_gpus is not None else _visible_gpus()
+    return [{"CPU": float(cpus), "GPU": float(gpus)}]
+
+
+def _is_loopback(address: str) -> bool:
+    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("127.0.0.1", "localhost", "::1")
+
+
+@contextlib.contextmanager
+def _loopback_mode() -> Iterator[None]:
+    """Make Ray treat 127.0.0.1 as this node's IP for the duration. Ray reads the env var at import time, so an
+    already imported ray also gets its constant switched (a private attribute; checked against Ray 2.60)."""
+    import ray._private.ray_constants as ray_constants
+
+    old_env, old_const = os.environ.get(LOOPBACK_ENV), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[LOOPBACK_ENV] = "0"  # inherited by GCS, raylet, agents and workers
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_const
+        if old_env is None:
+            os.environ.pop(LOOPBACK_ENV, None)
+        else:
+            os.environ[LOOPBACK_ENV] = old_env
+
+
+def _job_env_vars(wanted: dict[str, str]) -> dict[str, str]:
+    """Drop the keys a `ray job submit --runtime-env` already sets: Ray refuses to merge duplicate keys."""
+    raw = os.environ.get(_JOB_CONFIG_ENV)
+    if not raw:
+        return wanted
+    try:
+        taken = (json.loads(raw).get("runtime_env") or {}).get("env_vars") or {}
+    except (ValueError, AttributeError):
+        taken = {}
+    return {k: v for k, v in wanted.items() if k not in taken}
+
+
+@contextlib.contextmanager
+def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterator[ClusterHandle]:
+    """Ray for the duration of a job. An existing cluster (spec.address, else RAY_ADDRESS) is only disconnected
+    from on exit; an embedded one is started on 127.0.0.1 and shut down on exit."""
+    import ray
+
+    if ray.is_initialized():
+        raise RuntimeError("Ray is already initialised in this process; connect() must own the connection "
+                           "(call ray.shutdown() first)")
+    address = spec.address or os.environ.get("RAY_ADDRESS") or None
+    local = address is None
+    env = {**DEFAULT_ENV_VARS, **(env_vars or {})}
+    loopback = local or _is_loopback(address or "")
+    if loopback:
+        env[LOOPBACK_ENV] = "0"
+    env = _job_env_vars(env)
+    runtime_env = {"env_vars": env} if env else None
+    t0 = time.monotonic()
+    with _loopback_mode() if loopback else contextlib.nullcontext():
+        try:
+            if local:
+                ctx = ray.init(address="local", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                               include_dashboard=spec.dashboard, dashboard_host="127.0.0.1",
+                               dashboard_port=spec.dashboard_port, namespace=spec.namespace,
+                               runtime_env=runtime_env)
+            else:
+                ctx = _init_remote(ray, address, spec.namespace, runtime_env)
+            gcs = ray.get_runtime_context().gcs_address
+            url = ctx.dashboard_url or None
+            if url and "://" not in url:
+                url = f"http://{url}"
+            if local:
+                log.info("started embedded Ray on %s in %.1f s (dashboard: %s, namespace %s)",
+                         gcs, time.monotonic() - t0, url or "off", spec.namespace)
+            else:
+                log.info("connected to Ray at %s (gcs %s) in %.1f s (dashboard: %s, namespace %s)",
+                         address, gcs, time.monotonic() - t0, url or "unknown", spec.namespace)
+            yield ClusterHandle(gcs, local, url, spec.namespace, env)
+        finally:
+            ray.shutdown()
+            log.info("%s Ray at %s", "stopped embedded" if local else "disconnected from", address or "127.0.0.1")
+
+
+def _init_remote(ray, address: str, namespace: str, runtime_env: dict | None):
+    try:
+        return ray.init(address=address, namespace=namespace, runtime_env=runtime_env)
+    except ConnectionError as e:
+        hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
+                " If the cluster uses token authentication (the default of `ray start` in Ray 2.60; the log then "
+                "shows 'InvalidAuthToken'), run with RAY_AUTH_MODE=token so the driver reads ~/.ray/auth_token.")
+        raise ConnectionError(f"could not connect to Ray at {address}: {e}.{hint}") from e
+
+
+def place(plan: ResourcePlan, nodes: list[dict[str, float]], timeout_s: float) -> dict:
+    """One placement group per plan group, named `rlhf_ray/<group>`, all ready; nothing left behind on failure."""
+    problems = plan.check_fits(nodes)
+    if problems:
+        raise ClusterTooSmall(problems)
+    from ray.util.placement_group import placement_group
+
+    pgs: dict = {}
+    try:
+        for g in plan.groups:
+            pgs[g.name] = placement_group([dict(b) for b in g.bundles], strategy=g.strategy,
+                                          name=f"rlhf_ray/{g.name}")
+        _wait_ready(pgs, timeout_s)
+    except BaseException:
+        remove(pgs)
+        raise
+    log.info("placed %d placement group(s): %s", len(pgs), ", ".join(f"rlhf_ray/{n}" for n in pgs))
+    return pgs
+
+
+def _wait_ready(pgs: dict, timeout_s: float) -> None:
+    import ray
+
+    refs = {pg.ready(): name for name, pg in pgs.items()}
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if pending:
+        names = ", ".join(f"rlhf_ray/{refs[r]}" for r in pending)
+        raise PlacementTimeout(f"placement group(s) {names} not ready within {timeout_s:g} s: the cluster has "
+                               "the resources on paper but not free now (other jobs?), or nodes are still joining; "
+                               "see `ray status`. They have been removed.")
+
+
+def remove(pgs: dict) -> None:
+    """Remove placement groups (killing actors still on them); errors are logged, not raised."""
+    from ray.util.placement_group import remove_placement_group
+
+    for name, pg in pgs.items():
+        try:
+            remove_placement_group(pg)
+        except Exception as e:  # already removed, or Ray already shut down
+            log.warning("could not remove placement group rlhf_ray/%s: %s", name, e)
