@@ -1,1 +1,1 @@
-"""rlhf_ray.algorithms"""
+"""Pure torch math of RLHF (losses, log-probs, advantages). No Ray, no DeepSpeed: golden-tested in isolation."""

@@ -1,0 +1,70 @@
+"""Hugging Face models and tokenizers from a ModelSpec: causal LMs for policy/reference, and scalar-head models
+(reward model, critic) that score every token and are saved and loaded in plain HF format."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from rlhf_ray.config.model import ModelSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_tokenizer(spec: ModelSpec):
+    if spec.tokenizer_path is None:
+        raise ValueError("model.path (or model.tokenizer) is not set")
+    return AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code,
+                                         revision=spec.revision)
+
+
+def _common(spec: ModelSpec) -> dict:
+    return {"dtype": DTYPES[spec.dtype], "trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Log-probs and values must be deterministic functions of the weights (DeepSpeed-Chat's --disable_dropout)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        if hasattr(model.config, key):
+            setattr(model.config, key, 0.0)
+
+
+def load_causal_lm(spec: ModelSpec) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(spec.path, **_common(spec))
+    if spec.disable_dropout:
+        disable_dropout(model)
+    return model
+
+
+def load_scalar_model(spec: ModelSpec, pad_token_id: int) -> PreTrainedModel:
+    """A backbone with a one-output linear head (HF's *ForSequenceClassification, num_labels=1). From a causal-LM
+    checkpoint the head starts fresh; from a saved reward model it is loaded with it."""
+    model = AutoModelForSequenceClassification.from_pretrained(spec.path, num_labels=1, pad_token_id=pad_token_id,
+                                                               **_common(spec))
+    if spec.disable_dropout:
+        disable_dropout(model)
+    return model
+
+
+def scalar_head(model: PreTrainedModel) -> torch.nn.Module:
+    for name in ("score", "classifier", "v_head"):
+        head = getattr(model, name, None)
+        if isinstance(head, torch.nn.Module):
+            return head
+    raise TypeError(f"{type(model).__name__} has no scalar head (score / classifier)")
+
+
+def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The head applied at every position: [B, T]. Rewards read it at the last real token; critics use it all."""
+    backbone = getattr(model, model.base_model_prefix)
+    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    return scalar_head(model)(hidden).squeeze(-1).float()
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each row, for right, left or both-sided padding."""
+    width = attention_mask.shape[-1]
+    return width - 1 - attention_mask.flip(-1).long().argmax(-1)
