@@ -24,7 +24,9 @@ JobRunner = Callable[[JobBase], dict]
 
 def job_runners() -> dict[str, JobRunner]:
     """Job kinds whose driver exists. A kind missing here is refused honestly after validation."""
-    return {}
+    from rlhf_ray.jobs.supervised import run_supervised
+
+    return {"sft": run_supervised, "rm": run_supervised}
 
 
 def _add_config_args(parser: argparse.ArgumentParser, positional: bool) -> None:

@@ -1,1 +1,1 @@
-"""rlhf_ray.jobs"""
+"""Job drivers: the control loop of each job kind, readable as pseudocode."""

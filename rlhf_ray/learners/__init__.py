@@ -1,1 +1,1 @@
-"""rlhf_ray.learners"""
+"""DeepSpeed ZeRO learner groups: one Ray actor per data-parallel rank, all called together."""

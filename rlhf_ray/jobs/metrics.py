@@ -1,0 +1,47 @@
+"""Where a job's numbers go: a JSON-lines file, TensorBoard, and (when configured) W&B."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from rlhf_ray.config.run import LoggingSpec
+
+log = logging.getLogger(__name__)
+
+
+class MetricsLogger:
+    def __init__(self, output_dir: str | Path, spec: LoggingSpec, run_name: str):
+        self.dir = Path(output_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.jsonl = (self.dir / "metrics.jsonl").open("a")
+        self.tb = None
+        if spec.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self.wandb = None
+        if spec.wandb_project:
+            import wandb
+
+            self.wandb = wandb.init(project=spec.wandb_project, name=spec.wandb_run_name or run_name)
+
+    def log(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
+        values = {f"{prefix}{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float, bool))}
+        self.jsonl.write(json.dumps({"step": step, "time": time.time(), **values}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for key, value in values.items():
+                self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
+
+    def close(self) -> None:
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()

@@ -1,0 +1,133 @@
+"""SFT and reward-model jobs: one DeepSpeed learner group trained on a tokenised phase of the data.
+
+    data   = build_phase_data(...)                  # before any actor starts: bad data fails fast
+    group  = start_learner_group(...)                # N ranks, one process group, engines built together
+    resume from the newest complete checkpoint, if any
+    for step: group.train_step(step)                 # every rank, every step: ZeRO steps are collectives
+    evaluate, export the HF model, write summary.json
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import ray
+from tqdm import tqdm
+
+from rlhf_ray import cluster
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob
+from rlhf_ray.data.build import build_phase_data
+from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.jobs.metrics import MetricsLogger
+from rlhf_ray.learners.group import start_learner_group
+from rlhf_ray.learners.reward import RewardLearner
+from rlhf_ray.learners.schedule import steps_per_epoch
+from rlhf_ray.learners.sft import SFTLearner
+from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.plan import ResourcePlan
+
+log = logging.getLogger(__name__)
+
+
+def total_steps(job: SFTJob | RMJob, num_samples: int) -> int:
+    per_epoch = steps_per_epoch(num_samples, job.global_batch_size)
+    if per_epoch == 0:
+        raise ValueError(f"{num_samples} training samples do not fill one global batch of {job.global_batch_size}; "
+                         f"lower train.global_batch_size or add data")
+    return job.train.max_steps or max(1, math.ceil(per_epoch * job.train.epochs))
+
+
+def _learner_kwargs(job: SFTJob | RMJob, pad_token_id: int) -> dict:
+    kwargs = dict(model=job.model.model_dump(), optim=job.optim.model_dump(), deepspeed=job.deepspeed.model_dump(),
+                  micro_batch_size=job.train.micro_batch_size, seed=job.seed, pad_token_id=pad_token_id,
+                  global_batch_size=job.global_batch_size, eval_batch_size=job.train.eval_batch_size)
+    if isinstance(job, RMJob):
+        kwargs["loss"] = job.loss
+    return kwargs
+
+
+def run_supervised(job: SFTJob | RMJob) -> dict:
+    phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
+    out = Path(job.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(job.model)
+    data = build_phase_data(job.data, tokenizer, phase, job.seed, job.data.cache_dir or out / "data_cache",
+                            train_on_prompt=job.train.train_on_prompt, packing=job.train.packing)
+    steps = total_steps(job, len(data.train))
+    checkpoints = Checkpoints(out, job.checkpoint.keep_last)
+    metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
+    started = time.time()
+
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+        try:
+            group_name, bundles = plan.role_slots("learner")
+            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
+                                           bundles, job.cluster, steps, **_learner_kwargs(job, tokenizer.pad_token_id))
+            learners.call("set_data", ray.put(data.train), ray.put(data.eval))
+            start, first_eval = _resume(job, checkpoints, learners)
+            if first_eval is None:
+                first_eval = learners.call("evaluate")[0]
+                metrics.log(0, first_eval)
+            last_eval = first_eval
+            bar = tqdm(range(start, steps), desc=f"{phase} train", initial=start, total=steps,
+                       disable=not job.logging.progress)
+            for step in bar:
+                result = learners.call("train_step", step)[0]
+                bar.set_postfix(loss=f"{result['loss']:.4f}")
+                if (step + 1) % job.logging.log_every_steps == 0:
+                    metrics.log(step + 1, result, prefix="train/")
+                if job.train.eval_every_steps and (step + 1) % job.train.eval_every_steps == 0:
+                    last_eval = learners.call("evaluate")[0]
+                    metrics.log(step + 1, last_eval)
+                if job.checkpoint.every_steps and (step + 1) % job.checkpoint.every_steps == 0:
+                    _save(checkpoints, learners, step + 1, first_eval)
+            if not (job.train.eval_every_steps and steps % job.train.eval_every_steps == 0 and steps > start):
+                last_eval = learners.call("evaluate")[0]
+                metrics.log(steps, last_eval)
+            if job.checkpoint.every_steps == 0 or steps % job.checkpoint.every_steps:
+                _save(checkpoints, learners, steps, first_eval)
+            learners.call("export_hf", str(out / FINAL_MODEL_DIR))
+            learners.kill()
+        finally:
+            cluster.remove(groups)
+            metrics.close()
+
+    summary = _summary(phase, first_eval, last_eval, steps, len(data.train), time.time() - started, data.report)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _resume(job: SFTJob | RMJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:
+    latest = checkpoints.latest() if job.checkpoint.resume else None
+    if latest is None:
+        return 0, None
+    state = Checkpoints.state(latest)
+    learners.call("load_checkpoint", str(latest))
+    log.info("resumed from %s (step %d)", latest, state["step"])
+    return state["step"], state.get("first_eval")
+
+
+def _save(checkpoints: Checkpoints, learners, step: int, first_eval: dict) -> None:
+    staging = checkpoints.staging(step)
+    learners.call("save_checkpoint", str(staging), {"step": step})
+    checkpoints.commit(staging, step, {"first_eval": first_eval})
+
+
+def _summary(phase: str, first: dict, last: dict, steps: int, samples: int, seconds: float,
+             report: dict) -> dict:
+    summary = {"phase": phase, "steps": steps, "train_samples": samples, "seconds": round(seconds, 2),
+               "data_report": report}
+    if phase == "sft":
+        summary.update(eval_loss_first=first["eval_loss"], eval_loss_last=last["eval_loss"],
+                       eval_perplexity=last["eval_perplexity"], eval_perplexity_first=first["eval_perplexity"])
+    else:
+        summary.update(eval_accuracy=last["eval_accuracy"], eval_accuracy_first=first["eval_accuracy"],
+                       eval_chosen_mean=last["eval_chosen_mean"], eval_rejected_mean=last["eval_rejected_mean"],
+                       eval_loss_first=first["eval_loss"], eval_loss_last=last["eval_loss"])
+    return summary

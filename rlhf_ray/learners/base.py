@@ -1,0 +1,134 @@
+"""One rank of a DeepSpeed learner group. The driver calls every method on all ranks at once: ZeRO steps,
+checkpoints and parameter gathers are collectives, and calling a subset of ranks would deadlock."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rlhf_ray.config.deepspeed import DeepSpeedSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.optim import OptimizerSpec
+from rlhf_ray.learners.engine import apply_lora, build_engine, free_port, init_process_group
+
+log = logging.getLogger(__name__)
+
+
+class LearnerRank:
+    """Holds the DeepSpeed engine of one rank. Subclasses say which model to build and how a step's loss is made."""
+
+    def __init__(self, *, rank: int, world_size: int, model: dict, optim: dict, deepspeed: dict,
+                 micro_batch_size: int, seed: int):
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.model_spec = ModelSpec.model_validate(model)
+        self.optim_spec = OptimizerSpec.model_validate(optim)
+        self.ds_spec = DeepSpeedSpec.model_validate(deepspeed)
+        self.micro_batch_size = micro_batch_size
+        self.engine = None
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+
+    # ---- setup -------------------------------------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's address and a free port for the process group."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def build_model(self) -> torch.nn.Module:
+        raise NotImplementedError
+
+    def setup(self, master_addr: str, master_port: int, total_steps: int) -> dict:
+        init_process_group(self.rank, self.world_size, master_addr, master_port)
+        self._seed_everything(self.seed)
+        ds_config = self.ds_spec.to_ds_config(self.model_spec.dtype, self.micro_batch_size, self.world_size)
+        if self.ds_spec.zero_stage == 3:
+            from transformers.integrations import HfDeepSpeedConfig
+
+            self._hf_ds_config = HfDeepSpeedConfig(ds_config)  # from_pretrained then builds partitioned weights
+        model = apply_lora(self.build_model(), self.model_spec)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters())
+        self.engine, self.scheduler = build_engine(model, self.model_spec, self.optim_spec, self.ds_spec,
+                                                   self.micro_batch_size, self.world_size, total_steps)
+        return {"rank": self.rank, "trainable_parameters": trainable, "parameters": total}
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+
+    # ---- collectives helpers -----------------------------------------------------------------------------
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        import torch.distributed as dist
+
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def step_info(self) -> dict:
+        grad_norm = self.engine.get_global_grad_norm()
+        return {"lr": self.scheduler.get_last_lr()[0], "applied": bool(self.engine.was_step_applied()),
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+
+    # ---- checkpoints -------------------------------------------------------------------------------------
+    def save_checkpoint(self, directory: str, client_state: dict) -> None:
+        """Write into `directory` (a temporary folder the driver renames once every rank returned)."""
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(str(path), tag="state", client_state=client_state,
+                                    exclude_frozen_parameters=self.model_spec.lora.enabled)
+        rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        torch.save(rng, path / f"rng_rank{self.rank}.pt")
+
+    def load_checkpoint(self, directory: str) -> dict:
+        path = Path(directory)
+        _, client_state = self.engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True)
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+        return client_state or {}
+
+    # ---- export ------------------------------------------------------------------------------------------
+    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full weights on rank 0 (None elsewhere), gathered one parameter at a time under ZeRO-3 so no rank
+        ever holds more than one extra full tensor."""
+        import deepspeed
+
+        module = self.engine.module
+        zero3 = self.engine.zero_optimization_stage() == 3
+        state: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters():
+            if zero3:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    if self.rank == 0:
+                        state[name] = param.detach().cpu().clone()
+            elif self.rank == 0:
+                state[name] = param.detach().cpu().clone()
+        if self.rank == 0:
+            for name, buf in module.named_buffers():
+                state.setdefault(name, buf.detach().cpu().clone())
+        return state if self.rank == 0 else None
+
+    def export_hf(self, directory: str) -> str | None:
+        """Save a Hugging Face checkpoint that plain `from_pretrained` loads (LoRA merged, or the adapter alone
+        if lora.merge_on_export is false). Written aside and renamed: a crash never leaves half a model."""
+        state = self.gathered_state_dict()
+        if self.rank != 0:
+            return None
+        from rlhf_ray.learners.export import save_hf_model
+
+        return save_hf_model(self.engine.module, state, self.model_spec, Path(directory))
+
+    def ping(self) -> int:
+        return self.rank

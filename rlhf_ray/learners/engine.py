@@ -1,0 +1,96 @@
+"""Process-group setup and DeepSpeed engine construction for one learner rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+from rlhf_ray.config.deepspeed import DeepSpeedSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.optim import OptimizerSpec
+
+
+def on_gpu() -> bool:
+    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1" if not on_gpu() else "", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """One torch.distributed world per learner group (NCCL on GPUs, gloo on CPU). Ray sets CUDA_VISIBLE_DEVICES
+    to this actor's GPU, so the local device is always 0."""
+    import deepspeed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    if on_gpu():
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo", auto_mpi_discovery=False)
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm scales are 1-D in every architecture, so no name list can miss them.
+    Frozen parameters (LoRA's base model) are left out, and so are empty groups (DeepSpeed would drop them and
+    desynchronise the LR scheduler)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def make_optimizer(model: torch.nn.Module, optim: OptimizerSpec, ds: DeepSpeedSpec) -> torch.optim.Optimizer:
+    groups = param_groups(model, optim.weight_decay)
+    kwargs = {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps}
+    if ds.offload_optimizer:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, adamw_mode=True, **kwargs)
+    if on_gpu():
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(groups, adam_w_mode=True, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def apply_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
+    """Wrap with peft LoRA adapters; with only_optimize_lora the base weights stay frozen."""
+    if not spec.lora.enabled:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = spec.lora
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                        target_modules=lora.target_modules, bias="none")
+    model = get_peft_model(model, config)
+    if not lora.only_optimize_lora:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    if spec.gradient_checkpointing:
+        # frozen embeddings give checkpointed blocks inputs without grad, and then no gradient at all
+        model.enable_input_require_grads()
+    return model
+
+
+def build_engine(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, ds: DeepSpeedSpec,
+                 micro_batch_size: int, world_size: int, total_steps: int):
+    """DeepSpeed engine with our optimizer and LR schedule; returns (engine, scheduler)."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    if spec.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer = make_optimizer(model, optim, ds)
+    scheduler = get_scheduler(optim.lr_scheduler, optimizer, num_warmup_steps=optim.warmup_steps,
+                              num_training_steps=max(total_steps, 1))
+    config = ds.to_ds_config(spec.dtype, micro_batch_size, world_size)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
+                                      dist_init_required=False)
+    return engine, scheduler

@@ -1,0 +1,30 @@
+"""Start a learner group: N ranks on their bundles, one process group among them, engines built together."""
+
+from __future__ import annotations
+
+import math
+
+from rlhf_ray.actors.group import ActorGroup, gather
+from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
+
+
+def actor_env(placement: PlacementSpec) -> dict[str, str]:
+    """CPU ranks run DeepSpeed's CPU accelerator; torch threads match the CPUs reserved for the rank."""
+    env = {"OMP_NUM_THREADS": str(max(1, math.floor(placement.num_cpus)))}
+    if placement.num_gpus == 0:
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
+def start_learner_group(cls: type, role: str, placement: PlacementSpec, placement_group, bundle_indices: list[int],
+                        cluster: ClusterSpec, total_steps: int, **kwargs) -> ActorGroup:
+    """Create the ranks, rendezvous at rank 0, and build every DeepSpeed engine in one collective call."""
+    group = ActorGroup(cls, role, placement.replicas, placement_group=placement_group, bundle_indices=bundle_indices,
+                       num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
+                       call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
+                       env_vars=actor_env(placement))
+    group.wait_ready(cluster.startup_timeout_s)
+    (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1],
+                        cluster.startup_timeout_s, "rendezvous_address")
+    group.call("setup", address[0], address[1], total_steps, timeout=cluster.startup_timeout_s)
+    return group

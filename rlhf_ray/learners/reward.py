@@ -1,0 +1,77 @@
+"""Reward-model learner rank: a scalar head on a causal-LM backbone, trained on (chosen, rejected) pairs."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.algorithms.reward_loss import divergence_window_loss, end_scores, pairwise_loss
+from rlhf_ray.data.collate import collate_pairs
+from rlhf_ray.learners.base import LearnerRank
+from rlhf_ray.learners.schedule import eval_shard, micro_batches
+from rlhf_ray.models.loading import load_scalar_model, token_values
+
+
+class RewardLearner(LearnerRank):
+    def __init__(self, *, pad_token_id: int, global_batch_size: int, eval_batch_size: int, loss: str, **kwargs):
+        super().__init__(**kwargs)
+        self.pad_token_id = pad_token_id
+        self.global_batch_size = global_batch_size
+        self.eval_batch_size = eval_batch_size
+        self.loss_kind = loss
+        self.train_rows: list[dict] = []
+        self.eval_rows: list[dict] = []
+
+    def build_model(self) -> torch.nn.Module:
+        return load_scalar_model(self.model_spec, self.pad_token_id)
+
+    def set_data(self, train_rows: list[dict], eval_rows: list[dict]) -> int:
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+        return len(train_rows)
+
+    def _forward(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, chosen end scores, rejected end scores) of a micro-batch of pairs."""
+        batch = {k: v.to(self.engine.device) for k, v in collate_pairs(rows, self.pad_token_id).items()}
+        values = token_values(self.engine.module, batch["input_ids"], batch["attention_mask"])
+        scores = end_scores(values, batch["attention_mask"])
+        n = len(rows)
+        chosen, rejected = scores[:n], scores[n:]
+        if self.loss_kind == "divergence_window":
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            loss = divergence_window_loss(values[:n], values[n:], ids[:n], ids[n:], mask[:n], mask[n:])
+        else:
+            loss = pairwise_loss(chosen, rejected)
+        return loss, chosen.detach(), rejected.detach()
+
+    def train_step(self, step: int) -> dict:
+        indices = micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size,
+                                self.world_size, self.rank, step, self.seed)
+        self.engine.train()
+        loss_total, correct, pairs = 0.0, 0.0, 0
+        for idx in indices:
+            loss, chosen, rejected = self._forward([self.train_rows[i] for i in idx])
+            self.engine.backward(loss)
+            self.engine.step()
+            loss_total += loss.item() * len(idx)
+            correct += (chosen > rejected).float().sum().item()
+            pairs += len(idx)
+        loss_total, correct, pairs = self.all_reduce_sum([loss_total, correct, float(pairs)])
+        return {"loss": loss_total / pairs, "accuracy": correct / pairs, **self.step_info()}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Pair accuracy (chosen scored above rejected) and mean end scores over the whole eval split."""
+        self.engine.eval()
+        shard = [self.eval_rows[i] for i in eval_shard(len(self.eval_rows), self.world_size, self.rank)]
+        loss, correct, chosen_sum, rejected_sum = 0.0, 0.0, 0.0, 0.0
+        for start in range(0, len(shard), self.eval_batch_size):
+            rows = shard[start: start + self.eval_batch_size]
+            batch_loss, chosen, rejected = self._forward(rows)
+            loss += batch_loss.item() * len(rows)
+            correct += (chosen > rejected).float().sum().item()
+            chosen_sum += chosen.sum().item()
+            rejected_sum += rejected.sum().item()
+        loss, correct, chosen_sum, rejected_sum, n = self.all_reduce_sum(
+            [loss, correct, chosen_sum, rejected_sum, float(len(shard))])
+        n = max(n, 1.0)
+        return {"eval_loss": loss / n, "eval_accuracy": correct / n, "eval_chosen_mean": chosen_sum / n,
+                "eval_rejected_mean": rejected_sum / n, "eval_pairs": n}

@@ -1,0 +1,32 @@
+"""Which samples each rank trains on at each optimizer step: a pure function of (step, rank), so resuming at
+step k replays nothing and skips nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rlhf_ray.data.split import stable_seed
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    return num_samples // global_batch
+
+
+def micro_batches(num_samples: int, global_batch: int, micro: int, world_size: int, rank: int, step: int,
+                  seed: int) -> list[list[int]]:
+    """Sample indices of this rank's micro-batches for optimizer step `step`. Each epoch is a fresh seeded
+    permutation; the global batch of a step is one contiguous slice of it, dealt out micro-batch by micro-batch
+    so that every rank gets distinct samples. A last partial global batch of an epoch is skipped."""
+    per_epoch = steps_per_epoch(num_samples, global_batch)
+    if per_epoch == 0:
+        raise ValueError(f"{num_samples} training samples cannot fill one global batch of {global_batch}")
+    epoch, within = divmod(step, per_epoch)
+    order = np.random.default_rng(stable_seed(seed, "epoch", epoch)).permutation(num_samples)
+    base = within * global_batch
+    accum = global_batch // (micro * world_size)
+    return [order[base + (a * world_size + rank) * micro: base + (a * world_size + rank + 1) * micro].tolist()
+            for a in range(accum)]
+
+
+def eval_shard(num_samples: int, world_size: int, rank: int) -> list[int]:
+    return list(range(rank, num_samples, world_size))

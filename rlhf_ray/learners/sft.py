@@ -1,0 +1,75 @@
+"""SFT learner rank: next-token cross-entropy on answer tokens, averaged over every label token of the global
+batch (not per micro-batch, so short and long samples weigh by their tokens and padding weighs nothing)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from rlhf_ray.data.collate import collate_sft
+from rlhf_ray.data.tokenized import IGNORE_INDEX
+from rlhf_ray.learners.base import LearnerRank
+from rlhf_ray.learners.schedule import eval_shard, micro_batches
+from rlhf_ray.models.loading import load_causal_lm
+
+
+def label_tokens(rows: list[dict]) -> int:
+    """Tokens that carry a loss: labels after the one-position shift, excluding -100."""
+    return sum(sum(1 for label in r["labels"][1:] if label != IGNORE_INDEX) for r in rows)
+
+
+class SFTLearner(LearnerRank):
+    def __init__(self, *, pad_token_id: int, global_batch_size: int, eval_batch_size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.pad_token_id = pad_token_id
+        self.global_batch_size = global_batch_size
+        self.eval_batch_size = eval_batch_size
+        self.train_rows: list[dict] = []
+        self.eval_rows: list[dict] = []
+
+    def build_model(self) -> torch.nn.Module:
+        return load_causal_lm(self.model_spec)
+
+    def set_data(self, train_rows: list[dict], eval_rows: list[dict]) -> int:
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+        return len(train_rows)
+
+    def _loss_sum(self, rows: list[dict]) -> torch.Tensor:
+        batch = {k: v.to(self.engine.device) for k, v in collate_sft(rows, self.pad_token_id).items()}
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
+                               ignore_index=IGNORE_INDEX, reduction="sum")
+
+    def train_step(self, step: int) -> dict:
+        indices = micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size,
+                                self.world_size, self.rank, step, self.seed)
+        micro = [[self.train_rows[i] for i in idx] for idx in indices]
+        (tokens,) = self.all_reduce_sum([sum(label_tokens(rows) for rows in micro)])
+        # DeepSpeed averages gradients over ranks and divides by accumulation steps; undo both so the gradient
+        # is that of (sum of token losses) / (label tokens of the whole global batch).
+        scale = self.world_size * self.engine.gradient_accumulation_steps() / max(tokens, 1.0)
+        self.engine.train()
+        loss_total = 0.0
+        for rows in micro:
+            loss_sum = self._loss_sum(rows)
+            self.engine.backward(loss_sum * scale)
+            self.engine.step()
+            loss_total += loss_sum.item()
+        (loss_total,) = self.all_reduce_sum([loss_total])
+        return {"loss": loss_total / max(tokens, 1.0), "tokens": tokens, **self.step_info()}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean token loss over the whole eval split; perplexity = exp(mean loss), all-reduced before exp."""
+        self.engine.eval()
+        shard = [self.eval_rows[i] for i in eval_shard(len(self.eval_rows), self.world_size, self.rank)]
+        loss, tokens = 0.0, 0
+        for start in range(0, len(shard), self.eval_batch_size):
+            rows = shard[start: start + self.eval_batch_size]
+            loss += self._loss_sum(rows).item()
+            tokens += label_tokens(rows)
+        loss, tokens = self.all_reduce_sum([loss, float(tokens)])
+        mean = loss / max(tokens, 1.0)
+        return {"eval_loss": mean, "eval_perplexity": math.exp(min(mean, 50.0)), "eval_tokens": tokens}
