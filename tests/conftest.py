@@ -23,3 +23,11 @@ def write_yaml(tmp_path: Path):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The tiny Llama + tokenizer, built once per test session (offline)."""
+    from rlhf_ray.models.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)

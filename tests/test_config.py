@@ -200,8 +200,10 @@ def test_cli_exit_codes(write_yaml, capsys):
     bad = write_yaml(SFT.replace("replicas: 2", "replica: 2"), "bad.yaml")
     assert main(["validate", str(bad)]) == EXIT_BAD_CONFIG
     assert "placement.replica: unknown key; did you mean 'replicas'?" in capsys.readouterr().err
-    assert main(["sft", "--config", str(write_yaml(SFT))]) == EXIT_NOT_IMPLEMENTED
+    assert main(["ppo", "--config", str(write_yaml(PPO))]) == EXIT_NOT_IMPLEMENTED
     assert "not implemented" in capsys.readouterr().err
+    assert main(["sft", "--config", str(write_yaml(SFT))]) == EXIT_BAD_CONFIG  # some/model exists nowhere
+    assert "cannot load the tokenizer of 'some/model'" in capsys.readouterr().err
 
 
 def test_field_reference_in_docs_is_generated_from_the_models():

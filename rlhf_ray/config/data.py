@@ -105,7 +105,7 @@ class DatasetSpec(StrictModel):
 class DataSpec(StrictModel):
     """The data of a job. The data layer (rlhf_ray/data/) turns it into tokenised datasets."""
 
-    datasets: list[DatasetSpec] = Field(default_factory=lambda: [DatasetSpec(name="demo/arithmetic")])
+    datasets: list[DatasetSpec] = Field(default_factory=lambda: [DatasetSpec(name="demo/sort")])
     """Raw datasets, blended by weight; each is split across the three phases."""
     split: str = "2,4,4"
     """Shares of every dataset given to SFT, RM and PPO (DeepSpeed-Chat's `--data_split`): disjoint phases."""

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_ray.config.data import DatasetSpec
-from rlhf_ray.data import demo
+from rlhf_ray.data import demo, demo_sort
 from rlhf_ray.data.adapters import ADAPTERS, Adapter, FieldError, FormatAdapter, Skip
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.raw import RawDataset, RawSample
@@ -36,7 +36,7 @@ EVAL_SPLIT_NAMES = ("test", "eval", "validation", "valid", "dev")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 _ADAPTERS: dict[str, Adapter] = {cls.name: cls() for cls in ADAPTERS}
-_GENERATED: dict[str, Callable[[], RawDataset]] = {demo.NAME: demo.load}
+_GENERATED: dict[str, Callable[[], RawDataset]] = {demo.NAME: demo.load, demo_sort.NAME: demo_sort.load}
 
 
 def registered_names() -> list[str]:

@@ -50,7 +50,9 @@ def _learner_kwargs(job: SFTJob | RMJob, pad_token_id: int) -> dict:
     return kwargs
 
 
-def run_supervised(job: SFTJob | RMJob) -> dict:
+def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
+    """Train, evaluate, export and summarise. With `stop_after`, checkpoint at that step and return early
+    (for time-sliced or preemptible clusters): running the same job again resumes there."""
     phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +77,8 @@ def run_supervised(job: SFTJob | RMJob) -> dict:
                 first_eval = learners.call("evaluate")[0]
                 metrics.log(0, first_eval)
             last_eval = first_eval
-            bar = tqdm(range(start, steps), desc=f"{phase} train", initial=start, total=steps,
+            end = min(steps, stop_after) if stop_after is not None else steps
+            bar = tqdm(range(start, end), desc=f"{phase} train", initial=start, total=steps,
                        disable=not job.logging.progress)
             for step in bar:
                 result = learners.call("train_step", step)[0]
@@ -87,6 +90,11 @@ def run_supervised(job: SFTJob | RMJob) -> dict:
                     metrics.log(step + 1, last_eval)
                 if job.checkpoint.every_steps and (step + 1) % job.checkpoint.every_steps == 0:
                     _save(checkpoints, learners, step + 1, first_eval)
+            if end < steps:
+                if not (job.checkpoint.every_steps and end % job.checkpoint.every_steps == 0):
+                    _save(checkpoints, learners, end, first_eval)
+                learners.kill()
+                return {"phase": phase, "stopped_at_step": end, "steps": steps}
             if not (job.train.eval_every_steps and steps % job.train.eval_every_steps == 0 and steps > start):
                 last_eval = learners.call("evaluate")[0]
                 metrics.log(steps, last_eval)

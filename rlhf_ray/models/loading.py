@@ -11,11 +11,21 @@ from rlhf_ray.config.model import ModelSpec
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class ModelLoadError(ValueError):
+    """A model or tokenizer could not be found or read; the message names the path and what to check."""
+
+
 def load_tokenizer(spec: ModelSpec):
+    """The tokenizer; loaded first by every job, so a wrong model path fails before any actor starts."""
     if spec.tokenizer_path is None:
-        raise ValueError("model.path (or model.tokenizer) is not set")
-    return AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code,
-                                         revision=spec.revision)
+        raise ModelLoadError("model.path (or model.tokenizer) is not set")
+    try:
+        return AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code,
+                                             revision=spec.revision)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec.tokenizer_path!r}: it is not a local HF model "
+                             f"folder and could not be fetched from the hub ({type(exc).__name__}: "
+                             f"{str(exc).splitlines()[0]})") from exc
 
 
 def _common(spec: ModelSpec) -> dict:
