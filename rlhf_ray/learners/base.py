@@ -116,8 +116,10 @@ class LearnerRank:
             elif self.rank == 0:
                 state[name] = param.detach().cpu().clone()
         if self.rank == 0:
+            persistent = set(module.state_dict().keys())  # rotary caches and the like are rebuilt, not saved
             for name, buf in module.named_buffers():
-                state.setdefault(name, buf.detach().cpu().clone())
+                if name in persistent:
+                    state.setdefault(name, buf.detach().cpu().clone())
         return state if self.rank == 0 else None
 
     def export_hf(self, directory: str) -> str | None:
