@@ -43,12 +43,22 @@ def run_quickstart(configs: Path) -> int:
             return EXIT_PLAN_DOES_NOT_FIT
         console.print(f"      ok  {path} ({job.kind})")
 
-    runner = job_runners().get("pipeline")
-    if runner is None:
-        console.print("[3/3] the SFT -> RM -> PPO pipeline is not implemented in this version yet; "
-                      "the model is built and every quickstart config is valid and fits this machine.")
-        return EXIT_OK
     console.print("[3/3] running the pipeline: SFT -> RM -> PPO")
-    summary = runner(pipeline)
+    summary = job_runners()["pipeline"](pipeline)
     console.print_json(data=summary)
+    _report(summary)
     return EXIT_OK
+
+
+def _report(summary: dict) -> None:
+    from rlhf_ray.jobs.pipeline import NOT_IMPLEMENTED
+
+    sft, rm, ppo = summary.get("sft", {}), summary.get("rm", {}), summary.get("ppo", {})
+    if "eval_loss_last" in sft:
+        console.print(f"SFT: eval loss {sft['eval_loss_first']:.3f} -> {sft['eval_loss_last']:.3f} "
+                      f"(perplexity {sft['eval_perplexity']:.2f})")
+    if "eval_accuracy" in rm:
+        console.print(f"RM: held-out pair accuracy {rm['eval_accuracy_first']:.2f} -> {rm['eval_accuracy']:.2f}")
+    if ppo.get("status") == NOT_IMPLEMENTED:
+        console.print("PPO: not implemented in this version yet; the SFT and RM models above are what it will "
+                      "start from.")
