@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import yaml
 from rich.console import Console
 
-from rlhf_ray.config import ConfigError, JobBase, PipelineJob, job_schema, load_job
+from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob, job_schema, load_job, validate_job
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
@@ -106,8 +106,28 @@ def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]
     return problems
 
 
+def check_datasets(job: JobBase, source: ConfigSource) -> None:
+    """Unknown dataset names and bad `format` sections fail at validation, not after the cluster is up."""
+    from rlhf_ray.data.errors import DataError
+    from rlhf_ray.data.registry import resolve_adapter
+
+    problems = []
+    for stage, stage_job in _plans(job):
+        data = getattr(stage_job, "data", None)
+        for i, dataset in enumerate(data.datasets if data is not None else []):
+            loc = ((stage,) if isinstance(job, PipelineJob) else ()) + ("data", "datasets", str(i), "name")
+            try:
+                resolve_adapter(dataset)
+            except DataError as exc:
+                problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {exc}")
+    if problems:
+        raise ConfigError(problems)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
-    job = load_job(args.config, args.overrides)
+    source = ConfigSource.from_file(args.config).override(args.overrides)
+    job = validate_job(source)
+    check_datasets(job, source)
     if not args.quiet:
         out.print(f"# {args.config}: resolved {job.kind} config")
         out.print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False)

@@ -237,3 +237,10 @@ def test_colocation_errors_point_at_the_yaml_line(write_yaml):
     job = load_job(write_yaml(PPO), ["policy.placement.replicas=2", "reference.placement.colocate_with=policy",
                                      "policy.micro_batch_size=2", "critic.micro_batch_size=2"])
     assert job.reference.placement.replicas == 2  # a colocated role follows its host's replica count
+
+
+def test_validate_rejects_an_unknown_dataset_name_at_its_line(write_yaml, capsys):
+    path = write_yaml(SFT + "data:\n  datasets:\n    - name: Dahoas/rm-statc\n")
+    assert main(["validate", "--quiet", str(path)]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert f"{path}:15: data.datasets.0.name: unknown dataset 'Dahoas/rm-statc'; did you mean 'Dahoas/rm-static'?" in err

@@ -102,11 +102,13 @@ class ConfigSource:
         return self
 
     def where(self, loc: Loc) -> str:
-        """The best source location for a field: its own line, else its nearest ancestor's, else the file."""
-        for n in range(len(loc), -1, -1):
+        """The best source location for a field: the --set that replaced it or an ancestor, else its own line,
+        else its nearest ancestor's, else the file."""
+        for n in range(len(loc), 0, -1):
             if loc[:n] in self.overrides:
                 return f"--set {self.overrides[loc[:n]]}"
-            if n and loc[:n] in self.lines:
+        for n in range(len(loc), 0, -1):
+            if loc[:n] in self.lines:
                 return f"{self.origin}:{self.lines[loc[:n]]}"
         return self.origin
 
