@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
 
+    from rlhf_ray.data.preprocess import add_preprocess_arguments
+
+    add_preprocess_arguments(sub.add_parser(
+        "preprocess", help="tokenise text / JSON-lines files into an mmap corpus (PREFIX.bin + PREFIX.idx)"))
+
     quick = sub.add_parser("quickstart", help="build the tiny model and run the quickstart pipeline on CPU")
     quick.add_argument("--configs", default="configs/quickstart", help="folder of the quickstart YAMLs")
     return parser
@@ -192,9 +197,15 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return run_quickstart(Path(args.configs))
 
 
+def cmd_preprocess(args: argparse.Namespace) -> int:
+    from rlhf_ray.data.preprocess import run_preprocess
+
+    return run_preprocess(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "schema": cmd_schema, "sft": cmd_job, "rm": cmd_job, "ppo": cmd_job,
-    "pipeline": cmd_job, "init-model": cmd_init_model, "quickstart": cmd_quickstart,
+    "pipeline": cmd_job, "init-model": cmd_init_model, "quickstart": cmd_quickstart, "preprocess": cmd_preprocess,
 }
 
 
