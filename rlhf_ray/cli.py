@@ -67,6 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
 
+    cmp = sub.add_parser("compare", help="generate from two models on the same prompts, side by side")
+    cmp.add_argument("--base", required=True, help="first model (HF folder or hub id), e.g. the base model")
+    cmp.add_argument("--finetuned", required=True, help="second model, e.g. the SFT or PPO output")
+    cmp.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    cmp.add_argument("--prompts-from", metavar="DATASET", help="take held-out prompts of a registered dataset")
+    cmp.add_argument("--num-prompts", type=int, default=8)
+    cmp.add_argument("--max-new-tokens", type=int, default=64)
+    cmp.add_argument("--score", metavar="MODULE:FUNCTION", help="rule scoring each answer, e.g. "
+                     "rlhf_ray.data.demo_sort:score")
+    cmp.add_argument("--json", dest="json_out", help="also write the result as JSON to this file")
+
     from rlhf_ray.data.preprocess import add_preprocess_arguments
 
     add_preprocess_arguments(sub.add_parser(
@@ -197,6 +208,26 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return run_quickstart(Path(args.configs))
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from rlhf_ray.compare import compare, print_comparison
+
+    prompts = list(args.prompt)
+    if args.prompts_from:
+        from rlhf_ray.config.data import DatasetSpec
+        from rlhf_ray.data.registry import load_raw
+
+        raw = load_raw(DatasetSpec(name=args.prompts_from))
+        prompts += [s.prompt for s in (raw.eval or raw.train)[: args.num_prompts]]
+    if not prompts:
+        console.print("rlhf-ray compare: give --prompt TEXT (repeatable) or --prompts-from DATASET")
+        return EXIT_BAD_CONFIG
+    result = compare(args.base, args.finetuned, prompts, args.max_new_tokens, args.score)
+    print_comparison(result, args.base, args.finetuned)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return EXIT_OK
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from rlhf_ray.data.preprocess import run_preprocess
 
@@ -206,6 +237,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "schema": cmd_schema, "sft": cmd_job, "rm": cmd_job, "ppo": cmd_job,
     "pipeline": cmd_job, "init-model": cmd_init_model, "quickstart": cmd_quickstart, "preprocess": cmd_preprocess,
+    "compare": cmd_compare,
 }
 
 

@@ -1,0 +1,71 @@
+"""`rlhf-ray compare`: answers of two models to the same prompts, side by side (DeepSpeed-Chat's prompt_eval),
+with the rule-based score of each answer when a scoring function is given."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def load_function(path: str) -> Callable:
+    """`package.module:function` -> the function, with an error that says which part was not found."""
+    module_name, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {path!r}: {exc}") from None
+
+
+@torch.no_grad()
+def generate(model_path: str, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
+             seed: int = 0) -> list[str]:
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    torch.manual_seed(seed)
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=not greedy,
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def compare(base: str, finetuned: str, prompts: Sequence[str], max_new_tokens: int = 64,
+            score: str | None = None) -> dict:
+    """Generate with both models; returns the answers and, with `score`, each model's mean score."""
+    answers = {"base": generate(base, prompts, max_new_tokens), "finetuned": generate(finetuned, prompts,
+                                                                                         max_new_tokens)}
+    result: dict = {"prompts": list(prompts), **answers}
+    if score is not None:
+        scorer = load_function(score)
+        for key in ("base", "finetuned"):
+            values = [float(v) for v in scorer(list(prompts), answers[key])]
+            result[f"{key}_scores"] = values
+            result[f"{key}_mean_score"] = sum(values) / max(len(values), 1)
+    return result
+
+
+def render(result: dict, base: str, finetuned: str) -> Table:
+    table = Table(title="compare", show_lines=True)
+    table.add_column("prompt")
+    table.add_column(f"base: {base}")
+    table.add_column(f"finetuned: {finetuned}")
+    for i, prompt in enumerate(result["prompts"]):
+        cells = []
+        for key in ("base", "finetuned"):
+            mark = f" [{result[f'{key}_scores'][i]:g}]" if f"{key}_scores" in result else ""
+            cells.append(result[key][i] + mark)
+        table.add_row(prompt, *cells)
+    if "base_mean_score" in result:
+        table.caption = f"mean score: base {result['base_mean_score']:.3f}, finetuned {result['finetuned_mean_score']:.3f}"
+    return table
+
+
+def print_comparison(result: dict, base: str, finetuned: str) -> None:
+    Console(soft_wrap=True).print(render(result, base, finetuned))
