@@ -1,9 +1,11 @@
-"""Where a job's numbers go: a JSON-lines file, TensorBoard, and (when configured) W&B."""
+"""Where a job's numbers go: a JSON-lines file, TensorBoard, Ray's metrics API (the Ray dashboard and its
+Prometheus endpoint), and W&B when configured."""
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from pathlib import Path
 
@@ -23,6 +25,8 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        self.run_name = run_name
+        self.gauges: dict[str, object] = {}
         self.wandb = None
         if spec.wandb_project:
             import wandb
@@ -36,8 +40,23 @@ class MetricsLogger:
         if self.tb is not None:
             for key, value in values.items():
                 self.tb.add_scalar(key, value, step)
+        if self.spec.ray_metrics:
+            self._to_ray(values)
         if self.wandb is not None:
             self.wandb.log(values, step=step)
+
+    def _to_ray(self, values: dict[str, float]) -> None:
+        """One gauge per metric, tagged with the run, exported by Ray (needs a connected Ray driver)."""
+        import ray
+        from ray.util.metrics import Gauge
+
+        if not ray.is_initialized():
+            return
+        for key, value in values.items():
+            name = "rlhf_ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            if name not in self.gauges:
+                self.gauges[name] = Gauge(name, description=f"rlhf_ray metric {key}", tag_keys=("run",))
+            self.gauges[name].set(value, tags={"run": self.run_name})
 
     def close(self) -> None:
         self.jsonl.close()
