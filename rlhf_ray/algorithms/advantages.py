@@ -1,0 +1,58 @@
+"""Advantage estimators. GAE needs a critic; GRPO, RLOO and REINFORCE++ use only rewards."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.algorithms.masked import masked_whiten
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float,
+        lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over answer tokens [B, A]. Rewards and values after an answer's end are
+    zeroed first and the value after the last token is 0, so nothing leaks from padding into real tokens (the
+    bug DeepSpeed-Chat fixed in #620). Returns (advantages, returns = advantages + values), both masked."""
+    rewards, values = rewards * action_mask, values * action_mask
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        running = running * action_mask[:, t]
+        advantages[:, t] = running
+    return advantages * action_mask, (advantages + values) * action_mask
+
+
+def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go of each answer token (REINFORCE)."""
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        running = (rewards[:, t] + gamma * running) * action_mask[:, t]
+        out[:, t] = running
+    return out
+
+
+def group_normalized(scores: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (score - group mean) / (group std + eps) for consecutive groups of samples of one prompt."""
+    grouped = scores.float().view(-1, group_size)
+    mean, std = grouped.mean(-1, keepdim=True), grouped.std(-1, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def leave_one_out(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO: score minus the mean of the other samples of the same prompt."""
+    grouped = scores.float().view(-1, group_size)
+    baseline = (grouped.sum(-1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).view(-1)
+
+
+def broadcast_to_tokens(per_sample: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """A sequence-level advantage on every answer token."""
+    return per_sample.unsqueeze(-1) * action_mask
+
+
+def reinforce_pp(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++: reward-to-go of the KL-shaped token rewards, whitened over the whole batch."""
+    return masked_whiten(discounted_returns(rewards, action_mask, gamma), action_mask)

@@ -1,0 +1,30 @@
+"""PPO losses, token-mean over the answer tokens of a batch."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.algorithms.masked import masked_mean
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
+                clip_ratio: float, dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate: max(-A r, -A clip(r, 1-eps, 1+eps)); with dual clip c, the loss of a token with A < 0
+    is also capped at -c A (a very large ratio on a bad token no longer dominates)."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    loss = torch.max(unclipped, clipped)
+    if dual_clip is not None:
+        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), action_mask),
+             "approx_kl": masked_mean(0.5 * (logp - old_logp) ** 2, action_mask)}
+    return masked_mean(loss, action_mask), stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,
+               clip_value: float) -> torch.Tensor:
+    """0.5 * max((v - R)^2, (clip(v, v_old +- eps) - R)^2), token-mean (DeepSpeed-Chat's critic loss)."""
+    clipped = old_values + (values - old_values).clamp(-clip_value, clip_value)
+    loss = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(loss, action_mask)

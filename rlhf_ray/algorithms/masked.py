@@ -1,0 +1,22 @@
+"""Masked reductions: every per-token quantity of RLHF lives on answer tokens only."""
+
+from __future__ import annotations
+
+import torch
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) / sum(mask): the token mean (DeepSpeed-Chat's reduction); 0 where the mask is empty."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over masked entries (unbiased variance); masked-out entries come back as 0."""
+    mean = masked_mean(x, mask)
+    var = ((x - mean) ** 2 * mask).sum() / (mask.sum() - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask

@@ -1,0 +1,108 @@
+"""Golden tests for the PPO math: every expected number is worked out by hand in the comments."""
+
+import math
+
+import pytest
+import torch
+
+from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae, group_normalized,
+                                            leave_one_out, reinforce_pp)
+from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
+from rlhf_ray.algorithms.losses import policy_loss, value_loss
+from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
+from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, shaped_rewards
+
+T = torch.tensor
+MASK = T([[1.0, 1.0, 0.0]])  # a two-token answer, then padding
+
+
+def close(a, b, tol=1e-5):
+    torch.testing.assert_close(a.float(), torch.as_tensor(b, dtype=torch.float32), rtol=0, atol=tol)
+
+
+def test_masked_mean_and_whiten_ignore_padding():
+    close(masked_mean(T([[1.0, 3.0, 100.0]]), MASK), 2.0)
+    close(masked_mean(T([[1.0, 3.0, 100.0]]), T([[0.0, 0.0, 0.0]])), 0.0)  # empty mask: 0, not nan
+    # mean 2, unbiased variance 1
+    close(masked_whiten(T([[1.0, 2.0, 3.0, 100.0]]), T([[1.0, 1.0, 1.0, 0.0]])), [[-1.0, 0.0, 1.0, 0.0]], 1e-4)
+
+
+def test_logprobs_use_the_sampling_temperature_and_align_with_answer_tokens():
+    logits = T([[[0.0, math.log(3.0)]]])  # p = [1/4, 3/4] at T=1
+    close(token_logprobs(logits, T([[1]])), [[math.log(0.75)]])
+    # at T=2 the logits halve: p = [1/(1+sqrt3), sqrt3/(1+sqrt3)]
+    close(token_logprobs(logits, T([[1]]), temperature=2.0), [[math.log(math.sqrt(3) / (1 + math.sqrt(3)))]])
+    seq = T([[5, 6, 7, 8]])
+    logits = torch.zeros(1, 4, 10)
+    logits[0, 1, 7] = 10.0  # position 1 predicts token 2 (= 7)
+    logits[0, 2, 8] = 10.0
+    lp = answer_logprobs(logits, seq, answer_len=2)
+    assert lp.shape == (1, 2) and (lp > -1e-3).all()
+    close(entropy(torch.zeros(1, 1, 4)), [[math.log(4.0)]])
+
+
+def test_kl_estimators():
+    logp, ref = T([0.5, -1.0]), T([0.0, 0.0])
+    close(kl_estimate(logp, ref, "k1"), [0.5, -1.0])
+    close(kl_estimate(logp, ref, "k2"), [0.125, 0.5])
+    close(kl_estimate(logp, ref, "k3"), [math.exp(-0.5) - 1 + 0.5, math.exp(1.0) - 1 - 1])
+    with pytest.raises(ValueError):
+        kl_estimate(logp, ref, "k9")
+
+
+def test_shaped_rewards_put_the_clipped_score_on_the_last_real_token():
+    logp, ref = T([[-1.0, -2.0, -3.0]]), T([[-1.5, -1.0, -3.0]])
+    # k1 KL = [0.5, -1, (pad)]; -0.1 * KL = [-0.05, 0.1, 0]; score 7 clipped to 5 on token 1
+    rewards = shaped_rewards(T([7.0]), logp, ref, MASK, kl_coef=0.1, clip_reward=5.0)
+    close(rewards, [[-0.05, 5.1, 0.0]])
+    # an answer cut off before end-of-text pays the penalty
+    rewards = shaped_rewards(T([7.0]), logp, ref, MASK, 0.1, 5.0, ended=T([False]), eos_penalty=-1.0)
+    close(rewards, [[-0.05, 4.1, 0.0]])
+    assert last_action_index(T([[1, 1, 0], [1, 1, 1], [0, 0, 0]])).tolist() == [1, 2, 0]
+    empty = shaped_rewards(T([3.0]), logp, ref, T([[0.0, 0.0, 0.0]]), 0.1, 5.0)
+    close(empty, [[0.0, 0.0, 0.0]])  # an empty answer gets nothing, not a score on padding
+
+
+def test_gae_stops_at_the_end_of_each_answer():
+    rewards, values = T([[0.5, 1.0, 9.0]]), T([[0.2, 0.4, 7.0]])  # position 2 is padding: its 9 and 7 must not leak
+    adv, ret = gae(rewards, values, MASK, gamma=1.0, lam=0.95)
+    # t=1: delta = 1.0 + 0 - 0.4 = 0.6; t=0: delta = 0.5 + 0.4 - 0.2 = 0.7, adv = 0.7 + 0.95 * 0.6 = 1.27
+    close(adv, [[1.27, 0.6, 0.0]])
+    close(ret, [[1.47, 1.0, 0.0]])
+    adv, _ = gae(rewards, values, MASK, gamma=0.5, lam=1.0)
+    # t=1: delta = 1.0 - 0.4 = 0.6; t=0: delta = 0.5 + 0.5*0.4 - 0.2 = 0.5, adv = 0.5 + 0.5*0.6 = 0.8
+    close(adv, [[0.8, 0.6, 0.0]])
+
+
+def test_critic_free_estimators():
+    scores = T([1.0, 0.0, 1.0, 1.0])  # two prompts, two samples each
+    s = 1 / math.sqrt(2)  # group [1, 0]: mean 0.5, unbiased std sqrt(0.5)
+    close(group_normalized(scores, 2), [s, -s, 0.0, 0.0], 1e-4)
+    close(leave_one_out(scores, 2), [1.0, -1.0, 0.0, 0.0])
+    close(broadcast_to_tokens(T([2.0]), MASK), [[2.0, 2.0, 0.0]])
+    close(discounted_returns(T([[1.0, 2.0, 5.0]]), MASK, gamma=0.5), [[2.0, 2.0, 0.0]])
+    # returns [[3, 2, pad]] and [[1, 1, pad]] -> values 3, 2, 1, 1: mean 1.75, unbiased std sqrt(11/12)
+    out = reinforce_pp(T([[1.0, 2.0, 0.0], [0.0, 1.0, 0.0]]), T([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]))
+    sd = math.sqrt((1.25**2 + 0.25**2 + 0.75**2 + 0.75**2) / 3)
+    close(out, [[1.25 / sd, 0.25 / sd, 0.0], [-0.75 / sd, -0.75 / sd, 0.0]], 1e-4)
+
+
+def test_policy_loss_clips_and_dual_clips():
+    old = T([[0.0, 0.0, 0.0]])
+    logp = T([[math.log(1.5), math.log(0.5), 3.0]])
+    adv = T([[2.0, -1.0, 50.0]])
+    loss, stats = policy_loss(logp, old, adv, MASK, clip_ratio=0.2)
+    # token 0: max(-3, -2.4) = -2.4; token 1: max(0.5, 0.8) = 0.8; mean -0.8 (token 2 is padding)
+    close(loss, -0.8)
+    close(stats["clip_fraction"], 1.0)
+    logp = T([[math.log(5.0), 0.0, 0.0]])
+    adv = T([[-1.0, 1.0, 0.0]])
+    # token 0: max(5, 1.2) = 5, dual clip c=3 caps it at 3; token 1: ratio 1 -> -1
+    close(policy_loss(logp, old, adv, MASK, 0.2)[0], (5.0 - 1.0) / 2)
+    close(policy_loss(logp, old, adv, MASK, 0.2, dual_clip=3.0)[0], (3.0 - 1.0) / 2)
+
+
+def test_value_loss_clips_around_the_old_values():
+    values, old, returns = T([[1.0, 2.0, 9.0]]), T([[0.5, 2.0, 0.0]]), T([[2.0, 1.0, 0.0]])
+    # token 0: clipped value 0.7 -> max(1, 1.69) = 1.69; token 1: 1; 0.5 * mean = 0.6725
+    close(value_loss(values, old, returns, MASK, clip_value=0.2), 0.6725)
