@@ -39,6 +39,15 @@ _ADAPTERS: dict[str, Adapter] = {cls.name: cls() for cls in ADAPTERS}
 _GENERATED: dict[str, Callable[[], RawDataset]] = {demo.NAME: demo.load, demo_sort.NAME: demo_sort.load}
 
 
+_RULES: dict[str, Callable[[list[str], list[str]], list[float]]] = {demo.NAME: demo.score,
+                                                                  demo_sort.NAME: demo_sort.score}
+
+
+def task_rule(name: str) -> Callable[[list[str], list[str]], list[float]] | None:
+    """The rule that checks answers of a generated task (None for human-preference data, which has none)."""
+    return _RULES.get(name)
+
+
 def registered_names() -> list[str]:
     """Every name `load_raw` accepts without a `format` section."""
     return sorted([*_ADAPTERS, *_GENERATED], key=str.lower)

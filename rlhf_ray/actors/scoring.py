@@ -1,0 +1,66 @@
+"""Forward-only roles of PPO: the reference model (log-probs of answers) and the reward model (a score per
+answer). Neither trains, so neither needs DeepSpeed: a plain HF module in eval mode on the actor's device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlhf_ray.algorithms.logprobs import answer_logprobs
+from rlhf_ray.algorithms.reward_loss import end_scores
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
+
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+class ReferenceWorker:
+    """Log-probs of answer tokens under the frozen starting policy, at the sampling temperature."""
+
+    def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, temperature: float):
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.spec = ModelSpec.model_validate(model)
+        self.model = load_causal_lm(self.spec).to(_device()).eval()
+        self.micro, self.temperature = micro_batch_size, temperature
+
+    @torch.no_grad()
+    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        seq, mask = batch["sequences"], batch["attention_mask"]
+        answer_len = batch["action_mask"].shape[1]
+        parts = []
+        for s in micro_batches(len(seq), self.micro):
+            logits = self.model(input_ids=seq[s].to(_device()), attention_mask=mask[s].to(_device())).logits
+            parts.append(answer_logprobs(logits, seq[s].to(_device()), answer_len, self.temperature).cpu())
+        return torch.cat(parts) * batch["action_mask"]
+
+    def ping(self) -> int:
+        return 0
+
+
+class RewardWorker:
+    """The reward model's score of each (prompt, answer): its head at the last real token of the sequence."""
+
+    def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, pad_token_id: int):
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.spec = ModelSpec.model_validate(model)
+        self.model = load_scalar_model(self.spec, pad_token_id).to(_device()).eval()
+        self.micro = micro_batch_size
+
+    @torch.no_grad()
+    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        seq, mask = batch["sequences"], batch["attention_mask"]
+        parts = []
+        for s in micro_batches(len(seq), self.micro):
+            values = token_values(self.model, seq[s].to(_device()), mask[s].to(_device()))
+            parts.append(end_scores(values, mask[s].to(_device())).cpu())
+        return torch.cat(parts)
+
+    def ping(self) -> int:
+        return 0

@@ -1,0 +1,54 @@
+"""Rollouts + scores -> the tensors a PPO update needs. Pure: the driver calls it on numbers it gathered."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.algorithms.advantages import broadcast_to_tokens, gae, group_normalized, leave_one_out, reinforce_pp
+from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
+from rlhf_ray.algorithms.rewards import kl_estimate, shaped_rewards
+from rlhf_ray.config.ppo import PPOSpec
+
+
+def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """[left-padded prompt | right-padded answer]: every answer starts at column P, so answer tensors are
+    [B, A] slices of the same layout for policy, reference, critic and reward."""
+    width_p = max(len(p) for p in prompts)
+    width_a = max(max(len(a) for a in answers), 1)
+    seq = torch.full((len(prompts), width_p + width_a), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(seq)
+    for i, (p, a) in enumerate(zip(prompts, answers)):
+        seq[i, width_p - len(p): width_p] = torch.tensor(p, dtype=torch.long)
+        mask[i, width_p - len(p): width_p] = 1
+        if a:
+            seq[i, width_p: width_p + len(a)] = torch.tensor(a, dtype=torch.long)
+            mask[i, width_p: width_p + len(a)] = 1
+    return {"sequences": seq, "attention_mask": mask, "action_mask": mask[:, width_p:].float(),
+            "prompt_width": torch.tensor(width_p)}
+
+
+def make_experience(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, values: torch.Tensor | None,
+                    action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
+                    group_size: int) -> dict[str, torch.Tensor]:
+    """Advantages and returns by the configured estimator, plus what the metrics report."""
+    rewards = shaped_rewards(scores, logp, ref_logp, action_mask, spec.kl_coef, spec.clip_reward, spec.kl_estimator,
+                             ended, spec.eos_penalty)
+    out: dict[str, torch.Tensor] = {}
+    if spec.advantage_estimator == "gae":
+        assert values is not None, "gae needs critic values"
+        advantages, returns = gae(rewards, values, action_mask, spec.gamma, spec.lam)
+        out["returns"], out["values"] = returns, values
+    elif spec.advantage_estimator == "reinforce_pp":
+        advantages = reinforce_pp(rewards, action_mask, spec.gamma)
+    else:
+        # GRPO / RLOO: the sequence score (with the KL as a per-token penalty folded in as its sum)
+        seq_reward = scores.float().clamp(-spec.clip_reward, spec.clip_reward)
+        seq_reward = seq_reward - spec.kl_coef * (kl_estimate(logp, ref_logp, spec.kl_estimator) * action_mask).sum(-1)
+        norm = group_normalized if spec.advantage_estimator == "grpo" else leave_one_out
+        advantages = broadcast_to_tokens(norm(seq_reward, group_size), action_mask)
+    if spec.whiten_advantages and spec.advantage_estimator in ("gae", "rloo"):
+        advantages = masked_whiten(advantages, action_mask)
+    kl = kl_estimate(logp, ref_logp, spec.kl_estimator)
+    out.update(advantages=advantages, old_logp=logp, action_mask=action_mask,
+               kl=masked_mean(kl, action_mask, dim=-1), rewards=rewards)
+    return out

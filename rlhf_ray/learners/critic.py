@@ -1,0 +1,40 @@
+"""The critic learner: a value head on every answer token, trained toward the GAE returns with a clipped loss."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.algorithms.losses import value_loss
+from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
+from rlhf_ray.models.loading import load_scalar_model, token_values
+
+
+class CriticLearner(PPOLearnerRank):
+    def __init__(self, *, clip_value: float, pad_token_id: int, **kwargs):
+        super().__init__(**kwargs)
+        self.clip_value, self.pad_token_id = clip_value, pad_token_id
+
+    def build_model(self) -> torch.nn.Module:
+        return load_scalar_model(self.model_spec, self.pad_token_id)
+
+    def _values(self, batch: Batch) -> torch.Tensor:
+        """V(state before answer token t) = the head at position P - 1 + t."""
+        answer_len = batch["action_mask"].shape[1]
+        start = batch["sequences"].shape[1] - answer_len - 1
+        values = token_values(self.engine.module, batch["sequences"], batch["attention_mask"])
+        return values[:, start: start + answer_len] * batch["action_mask"]
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        self.engine.eval()
+        mine = self.rank_slice(batch["sequences"].shape[0])
+        rows = torch.arange(batch["sequences"].shape[0])[mine]
+        return torch.cat([self._values(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
+
+    def train(self, batch: Batch, iteration: int) -> dict[str, float]:
+        def token_loss(micro: Batch):
+            loss = value_loss(self._values(micro), micro["values"], micro["returns"], micro["action_mask"],
+                              self.clip_value)
+            return loss * micro["action_mask"].sum(), {}
+
+        return {f"critic/{k}": v for k, v in self.run_epochs(batch, iteration, token_loss).items()}
