@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import time
 from collections import deque
 from itertools import chain
@@ -40,14 +41,13 @@ log = logging.getLogger(__name__)
 JSON_SUFFIXES = {".jsonl", ".json", ".ndjson"}
 _CHUNK_CHARS = 1 << 22  # also cut a chunk at ~4M characters, so a few long documents cannot blow up a chunk
 
-# A sentence ends (the match end is the cut point; every character stays in exactly one sentence):
-#  1. after . ! ? (repeats and closing quotes/brackets included) when spaces and then more text follow;
-#     the spaces start the next sentence, which is how byte-level BPE tokenizes them in running text;
-#  2. after the CJK terminators 。！？ (plus closing quotes and any newlines), no space needed;
-#  3. after a run of newlines.
-# It is deliberately simple: "Dr. Smith" is split, which costs nothing but a slightly earlier cut point.
-# The leading lookahead lets the regex engine skip ahead to candidate characters (2-3x faster).
-SENTENCE_END = re.compile(r"""(?=[.!?。！？\n])(?:[.!?]+["')\]”’]*(?=[ \t]+\S)|[。！？]+[”’」』）]*\n*|\n+)""")
+# A sentence ends (every character stays in exactly one sentence): 1. after . ! ? (repeated, with closing
+# quotes/brackets) when spaces then text follow, the spaces starting the next sentence as byte-level BPE
+# tokenizes running text; 2. after CJK 。！？ (with closing quotes and newlines), no space needed; 3. after a
+# run of newlines. Deliberately simple ("Dr. Smith" is split: only a slightly earlier cut point). The leading
+# lookahead lets the regex engine skip to candidate characters (2-3x faster).
+SENTENCE_END = re.compile(r"""(?=[.!?。！？\n])"""
+                          r"""(?:[.!?]+["')\]”’]*(?=[ \t]+\S)|[。！？]+[”’」』）]*\n*|\n+)""")
 
 
 def split_sentences(text: str) -> list[str]:
@@ -67,7 +67,7 @@ def pack_lengths(sentence_lengths: Iterable[int], max_len: int) -> list[int]:
     sequence that may only be cut between items yields the fewest samples, and any two consecutive samples
     together exceed max_len (the second starts with the item that did not fit into the first)."""
     out: list[int] = []
-    cur = 0
+    cur = 0  # length of the sample being filled
     for n in sentence_lengths:
         if cur and cur + n > max_len:
             out.append(cur)
@@ -107,12 +107,11 @@ def _json_documents(path: Path, key: str) -> Iterator[tuple[str, int]]:
         except json.JSONDecodeError as exc:
             raise DataError(f"malformed JSON ({exc.msg} at column {exc.colno}); expected one object per line",
                             where=where) from None
-        if not isinstance(row, dict) or key not in row:
-            raise DataError(f"no {key!r} field (set --json-key to the field holding the text)",
+        text = row.get(key) if isinstance(row, dict) else None
+        if not isinstance(text, str):
+            raise DataError(f"no string field {key!r} (set --json-key to the field holding the text)",
                             where=where, field=key)
-        if not isinstance(row[key], str):
-            raise DataError(f"field {key!r} is {type(row[key]).__name__}, not a string", where=where, field=key)
-        yield row[key], nbytes
+        yield text, nbytes
 
 
 def _text_documents(path: Path) -> Iterator[tuple[str, int]]:
@@ -141,27 +140,27 @@ _STATE: dict[str, Any] = {}
 def _init_encoder(tokenizer: Any, max_len: int, eos_id: int | None, dtype: str, single_thread: bool) -> None:
     if single_thread:  # one process per core; the tokenizer's own thread pool would oversubscribe
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if isinstance(tokenizer, str):  # a tokenizers JSON file written by _results
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(tokenizer)
     _STATE.update(tokenizer=tokenizer, max_len=max_len, eos_id=eos_id, dtype=np.dtype(dtype))
-
-
-def _encode_sentences(sentences: list[str]) -> list[list[int]]:
-    tok = _STATE["tokenizer"]
-    if hasattr(tok, "encode_batch_fast"):  # a tokenizers.Tokenizer: skip the HF wrapper's per-call overhead
-        return [e.ids for e in tok.encode_batch_fast(sentences, add_special_tokens=False)]
-    return tok(sentences, add_special_tokens=False)["input_ids"]
 
 
 def encode_chunk(docs: list[str]) -> dict[str, Any]:
     """Documents -> their packed samples: all tokens concatenated plus the sample lengths."""
-    max_len, eos = _STATE["max_len"], _STATE["eos_id"]
+    tok, max_len, eos = _STATE["tokenizer"], _STATE["max_len"], _STATE["eos_id"]
     per_doc = [split_sentences(d) for d in docs]
-    ids = _encode_sentences(list(chain.from_iterable(per_doc)))
+    flat = list(chain.from_iterable(per_doc))
+    if hasattr(tok, "encode_batch_fast"):  # a tokenizers.Tokenizer: no HF wrapper cost per call
+        ids = [e.ids for e in tok.encode_batch_fast(flat, add_special_tokens=False)]
+    else:
+        ids = tok(flat, add_special_tokens=False)["input_ids"]
     streams: list[Iterable[int]] = []
     lengths: list[int] = []
     cut = pos = 0
     for sents in per_doc:
-        doc_ids = ids[pos:pos + len(sents)]
-        pos += len(sents)
+        doc_ids, pos = ids[pos:pos + len(sents)], pos + len(sents)
         sizes = [len(x) for x in doc_ids]
         streams.extend(doc_ids)
         if eos is not None:
@@ -169,10 +168,9 @@ def encode_chunk(docs: list[str]) -> dict[str, Any]:
             streams.append((eos,))
         cut += sum(n > max_len for n in sizes)
         lengths.extend(pack_lengths(sizes, max_len))
-    total = sum(lengths)
-    tokens = np.fromiter(chain.from_iterable(streams), dtype=_STATE["dtype"], count=total)
-    return {"tokens": tokens, "lengths": np.asarray(lengths, dtype=np.int64), "sentences": len(ids), "cut_sentences": cut,
-            "documents": len(docs)}
+    tokens = np.fromiter(chain.from_iterable(streams), dtype=_STATE["dtype"], count=sum(lengths))
+    return {"tokens": tokens, "lengths": np.asarray(lengths, dtype=np.int64), "documents": len(docs),
+            "sentences": len(ids), "cut_sentences": cut}
 
 
 def _chunks(inputs: list[Path], json_key: str, chunk_docs: int, stats: dict) -> Iterator[tuple[list[str], int]]:
@@ -194,26 +192,41 @@ def _chunks(inputs: list[Path], json_key: str, chunk_docs: int, stats: dict) -> 
 
 
 def _results(chunks: Iterator[tuple[list[str], int]], workers: int, init_args: tuple) -> Iterator[tuple[dict, int]]:
-    """Encoded chunks in input order. A bounded window of async tasks instead of ``Pool.imap``, whose feeder
-    thread would read the whole input ahead into memory when tokenizing is slower than reading."""
+    """Encoded chunks in input order, at most ``2 * workers`` in flight (``Pool.imap``'s feeder thread would
+    read the whole input ahead when tokenizing is slower than reading). Workers are spawned (forking a threaded
+    parent such as a Ray worker is unsafe) and get the tokenizer as a file path: a dead worker then raises
+    BrokenProcessPool, where a large pickled payload would block CPython's spawn forever."""
     if workers <= 1:
         _init_encoder(*init_args, single_thread=False)
-        for docs, nbytes in chunks:
-            yield encode_chunk(docs), nbytes
+        yield from ((encode_chunk(docs), nbytes) for docs, nbytes in chunks)
         return
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    # spawn: workers need only numpy + tokenizers (fast start), and forking a threaded parent is unsafe.
-    with mp.get_context("spawn").Pool(workers, initializer=_init_encoder, initargs=(*init_args, True)) as pool:
-        pending: deque = deque()
-        for docs, nbytes in chunks:
-            pending.append((pool.apply_async(encode_chunk, (docs,)), nbytes))
-            if len(pending) >= 2 * workers:
-                job, n = pending.popleft()
-                yield job.get(), n
-        while pending:
-            job, n = pending.popleft()
-            yield job.get(), n
+    encoder, *rest = init_args
+    with tempfile.TemporaryDirectory(prefix="rlhf_ray_preprocess_") as tmp:
+        if hasattr(encoder, "to_str"):
+            Path(tmp, "tokenizer.json").write_text(encoder.to_str(), encoding="utf-8")
+            encoder = str(Path(tmp, "tokenizer.json"))
+        with ProcessPoolExecutor(workers, mp.get_context("spawn"), initializer=_init_encoder,
+                                 initargs=(encoder, *rest, True)) as pool:
+            pending: deque = deque()
+            try:
+                for docs, nbytes in chunks:
+                    pending.append((pool.submit(encode_chunk, docs), nbytes))
+                    if len(pending) >= 2 * workers:
+                        job, n = pending.popleft()
+                        yield job.result(), n
+                for job, n in pending:
+                    yield job.result(), n
+            except BrokenProcessPool as exc:
+                raise RuntimeError("a preprocessing worker died. Workers are spawned, which re-imports the main "
+                                   "script: guard the call with `if __name__ == '__main__':`, or use workers=1"
+                                   ) from exc
+            finally:
+                for job, _ in pending:
+                    job.cancel()
 
 
 def load_tokenizer(tokenizer_dir: str | os.PathLike) -> Any:
@@ -249,16 +262,14 @@ def preprocess(inputs: list[Path], tokenizer_dir: str | os.PathLike, out_prefix:
     for path in inputs:
         if not path.is_file():
             raise DataError("input file not found", where=str(path))
-    if max_len < 1 or chunk_docs < 1:
-        raise ValueError(f"max_len and chunk_docs must be >= 1 (got {max_len}, {chunk_docs})")
     workers = len(os.sched_getaffinity(0)) if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+    if min(max_len, chunk_docs, workers) < 1:
+        raise ValueError(f"max_len, chunk_docs and workers must be >= 1 (got {max_len}, {chunk_docs}, {workers})")
     tok = load_tokenizer(tokenizer_dir)
     eos_id = tok.eos_token_id if append_eos else None
     if append_eos and eos_id is None:
         raise DataError("the tokenizer has no eos token; set one or pass --no-eos", where=str(tokenizer_dir))
-    vocab_size = len(tok)
+    vocab_size = len(tok)  # len() counts added tokens, vocab_size does not
     dtype = token_dtype(vocab_size)
     encoder, exact = _pick_encoder(tok)
     init_args = (encoder, max_len, eos_id, dtype.str)
