@@ -111,7 +111,8 @@ def parse_prompt(prompt: str) -> Problem:
     return Problem(int(found[1]), found[2], int(found[3]))
 
 
-def _strip_answer(answer: str) -> str:
+def strip_answer(answer: str) -> str:
+    """The answer without surrounding whitespace and trailing end-of-text strings."""
     text = answer.strip()
     while True:
         end = next((t for t in END_TOKENS if text.endswith(t)), None)
@@ -124,7 +125,7 @@ def check_answer(prompt: str, answer: str) -> bool:
     """True when the answer is the right number written plainly ("71"), ignoring surrounding whitespace and
     trailing end-of-text tokens. Anything else ("071", "71 and", "seventy-one") is wrong: the policy should
     learn to say the number and stop."""
-    return _strip_answer(answer) == str(parse_prompt(prompt).value)
+    return strip_answer(answer) == str(parse_prompt(prompt).value)
 
 
 def score(prompts: Sequence[str], answers: Sequence[str]) -> list[float]:

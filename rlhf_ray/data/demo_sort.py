@@ -16,6 +16,7 @@ import random
 import re
 from collections.abc import Sequence
 
+from rlhf_ray.data.demo import strip_answer
 from rlhf_ray.data.raw import RawDataset, RawSample
 
 NAME = "demo/sort"
@@ -24,7 +25,6 @@ LENGTH = 4
 TRAIN_SIZE = 3000
 EVAL_SIZE = 300
 SEED = 0
-END_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>", "<|end|>")
 
 _PROMPT = re.compile(r"Sort((?: \d)+) Assistant:")
 
@@ -77,16 +77,9 @@ def parse_prompt(prompt: str) -> list[int]:
     return [int(d) for d in found[1].split()]
 
 
-def _strip(answer: str) -> str:
-    text = answer.strip()
-    while (end := next((t for t in END_TOKENS if text.endswith(t)), None)) is not None:
-        text = text[: -len(end)].rstrip()
-    return text
-
-
 def check_answer(prompt: str, answer: str) -> bool:
     """True when the answer is exactly the prompt's digits in ascending order, space separated."""
-    return _strip(answer) == answer_of(parse_prompt(prompt)).strip()
+    return strip_answer(answer) == answer_of(parse_prompt(prompt)).strip()
 
 
 def score(prompts: Sequence[str], answers: Sequence[str]) -> list[float]:

@@ -134,3 +134,31 @@ class LearnerRank:
 
     def ping(self) -> int:
         return self.rank
+
+
+class SupervisedRank(LearnerRank):
+    """A rank of an SFT or RM job: the tokenised phase data, and which rows it trains on at each step."""
+
+    def __init__(self, *, pad_token_id: int, global_batch_size: int, eval_batch_size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.pad_token_id = pad_token_id
+        self.global_batch_size = global_batch_size
+        self.eval_batch_size = eval_batch_size
+        self.train_rows: list[dict] = []
+        self.eval_rows: list[dict] = []
+
+    def set_data(self, train_rows: list[dict], eval_rows: list[dict]) -> int:
+        self.train_rows, self.eval_rows = train_rows, eval_rows
+        return len(train_rows)
+
+    def step_micro_batches(self, step: int) -> list[list[dict]]:
+        from rlhf_ray.learners.schedule import micro_batches
+
+        indices = micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size,
+                                self.world_size, self.rank, step, self.seed)
+        return [[self.train_rows[i] for i in idx] for idx in indices]
+
+    def eval_batches(self) -> list[list[dict]]:
+        """This rank's share of the eval split, in eval-sized batches."""
+        shard = self.eval_rows[self.rank::self.world_size]
+        return [shard[i: i + self.eval_batch_size] for i in range(0, len(shard), self.eval_batch_size)]

@@ -6,27 +6,17 @@ import torch
 
 from rlhf_ray.algorithms.reward_loss import divergence_window_loss, end_scores, pairwise_loss
 from rlhf_ray.data.collate import collate_pairs
-from rlhf_ray.learners.base import LearnerRank
-from rlhf_ray.learners.schedule import eval_shard, micro_batches
+from rlhf_ray.learners.base import SupervisedRank
 from rlhf_ray.models.loading import load_scalar_model, token_values
 
 
-class RewardLearner(LearnerRank):
-    def __init__(self, *, pad_token_id: int, global_batch_size: int, eval_batch_size: int, loss: str, **kwargs):
+class RewardLearner(SupervisedRank):
+    def __init__(self, *, loss: str, **kwargs):
         super().__init__(**kwargs)
-        self.pad_token_id = pad_token_id
-        self.global_batch_size = global_batch_size
-        self.eval_batch_size = eval_batch_size
         self.loss_kind = loss
-        self.train_rows: list[dict] = []
-        self.eval_rows: list[dict] = []
 
     def build_model(self) -> torch.nn.Module:
         return load_scalar_model(self.model_spec, self.pad_token_id)
-
-    def set_data(self, train_rows: list[dict], eval_rows: list[dict]) -> int:
-        self.train_rows, self.eval_rows = train_rows, eval_rows
-        return len(train_rows)
 
     def _forward(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, chosen end scores, rejected end scores) of a micro-batch of pairs."""
@@ -43,17 +33,15 @@ class RewardLearner(LearnerRank):
         return loss, chosen.detach(), rejected.detach()
 
     def train_step(self, step: int) -> dict:
-        indices = micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size,
-                                self.world_size, self.rank, step, self.seed)
         self.engine.train()
         loss_total, correct, pairs = 0.0, 0.0, 0
-        for idx in indices:
-            loss, chosen, rejected = self._forward([self.train_rows[i] for i in idx])
+        for rows in self.step_micro_batches(step):
+            loss, chosen, rejected = self._forward(rows)
             self.engine.backward(loss)
             self.engine.step()
-            loss_total += loss.item() * len(idx)
+            loss_total += loss.item() * len(rows)
             correct += (chosen > rejected).float().sum().item()
-            pairs += len(idx)
+            pairs += len(rows)
         loss_total, correct, pairs = self.all_reduce_sum([loss_total, correct, float(pairs)])
         return {"loss": loss_total / pairs, "accuracy": correct / pairs, **self.step_info()}
 
@@ -61,17 +49,16 @@ class RewardLearner(LearnerRank):
     def evaluate(self) -> dict:
         """Pair accuracy (chosen scored above rejected) and mean end scores over the whole eval split."""
         self.engine.eval()
-        shard = [self.eval_rows[i] for i in eval_shard(len(self.eval_rows), self.world_size, self.rank)]
-        loss, correct, chosen_sum, rejected_sum = 0.0, 0.0, 0.0, 0.0
-        for start in range(0, len(shard), self.eval_batch_size):
-            rows = shard[start: start + self.eval_batch_size]
+        loss, correct, chosen_sum, rejected_sum, count = 0.0, 0.0, 0.0, 0.0, 0
+        for rows in self.eval_batches():
+            count += len(rows)
             batch_loss, chosen, rejected = self._forward(rows)
             loss += batch_loss.item() * len(rows)
             correct += (chosen > rejected).float().sum().item()
             chosen_sum += chosen.sum().item()
             rejected_sum += rejected.sum().item()
         loss, correct, chosen_sum, rejected_sum, n = self.all_reduce_sum(
-            [loss, correct, chosen_sum, rejected_sum, float(len(shard))])
+            [loss, correct, chosen_sum, rejected_sum, float(count)])
         n = max(n, 1.0)
         return {"eval_loss": loss / n, "eval_accuracy": correct / n, "eval_chosen_mean": chosen_sum / n,
                 "eval_rejected_mean": rejected_sum / n, "eval_pairs": n}

@@ -26,7 +26,3 @@ def micro_batches(num_samples: int, global_batch: int, micro: int, world_size: i
     accum = global_batch // (micro * world_size)
     return [order[base + (a * world_size + rank) * micro: base + (a * world_size + rank + 1) * micro].tolist()
             for a in range(accum)]
-
-
-def eval_shard(num_samples: int, world_size: int, rank: int) -> list[int]:
-    return list(range(rank, num_samples, world_size))

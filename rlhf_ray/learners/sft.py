@@ -10,8 +10,7 @@ import torch.nn.functional as F
 
 from rlhf_ray.data.collate import collate_sft
 from rlhf_ray.data.tokenized import IGNORE_INDEX
-from rlhf_ray.learners.base import LearnerRank
-from rlhf_ray.learners.schedule import eval_shard, micro_batches
+from rlhf_ray.learners.base import SupervisedRank
 from rlhf_ray.models.loading import load_causal_lm
 
 
@@ -20,21 +19,9 @@ def label_tokens(rows: list[dict]) -> int:
     return sum(sum(1 for label in r["labels"][1:] if label != IGNORE_INDEX) for r in rows)
 
 
-class SFTLearner(LearnerRank):
-    def __init__(self, *, pad_token_id: int, global_batch_size: int, eval_batch_size: int, **kwargs):
-        super().__init__(**kwargs)
-        self.pad_token_id = pad_token_id
-        self.global_batch_size = global_batch_size
-        self.eval_batch_size = eval_batch_size
-        self.train_rows: list[dict] = []
-        self.eval_rows: list[dict] = []
-
+class SFTLearner(SupervisedRank):
     def build_model(self) -> torch.nn.Module:
         return load_causal_lm(self.model_spec)
-
-    def set_data(self, train_rows: list[dict], eval_rows: list[dict]) -> int:
-        self.train_rows, self.eval_rows = train_rows, eval_rows
-        return len(train_rows)
 
     def _loss_sum(self, rows: list[dict]) -> torch.Tensor:
         batch = {k: v.to(self.engine.device) for k, v in collate_sft(rows, self.pad_token_id).items()}
@@ -43,9 +30,7 @@ class SFTLearner(LearnerRank):
                                ignore_index=IGNORE_INDEX, reduction="sum")
 
     def train_step(self, step: int) -> dict:
-        indices = micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size,
-                                self.world_size, self.rank, step, self.seed)
-        micro = [[self.train_rows[i] for i in idx] for idx in indices]
+        micro = self.step_micro_batches(step)
         (tokens,) = self.all_reduce_sum([sum(label_tokens(rows) for rows in micro)])
         # DeepSpeed averages gradients over ranks and divides by accumulation steps; undo both so the gradient
         # is that of (sum of token losses) / (label tokens of the whole global batch).
@@ -64,10 +49,8 @@ class SFTLearner(LearnerRank):
     def evaluate(self) -> dict:
         """Mean token loss over the whole eval split; perplexity = exp(mean loss), all-reduced before exp."""
         self.engine.eval()
-        shard = [self.eval_rows[i] for i in eval_shard(len(self.eval_rows), self.world_size, self.rank)]
         loss, tokens = 0.0, 0
-        for start in range(0, len(shard), self.eval_batch_size):
-            rows = shard[start: start + self.eval_batch_size]
+        for rows in self.eval_batches():
             loss += self._loss_sum(rows).item()
             tokens += label_tokens(rows)
         loss, tokens = self.all_reduce_sum([loss, float(tokens)])
