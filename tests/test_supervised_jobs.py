@@ -53,8 +53,9 @@ def test_reward_model_beats_chance_on_held_out_pairs(tmp_path, tiny_model):
     assert rm.config.num_labels == 1 and rm.score.weight.shape[0] == 1  # the head is saved with it
 
 
-def test_lora_trains_only_adapters_and_exports_merged(tmp_path, tiny_model):
+def test_lora_with_checkpointing_trains_only_adapters_and_exports_merged(tmp_path, tiny_model):
     sft = job("sft", tmp_path, tiny_model, "model.lora.rank=8", "model.lora.target_modules=[q_proj, v_proj]",
+              "model.gradient_checkpointing=true",
               "train.max_steps=10", "optim.lr=0.01")
     summary = run_supervised(sft)
     assert summary["eval_loss_last"] < summary["eval_loss_first"]
