@@ -15,9 +15,10 @@ NOT_IMPLEMENTED = "not implemented in this version"
 
 
 def stage_runners() -> dict[str, Callable[[JobBase], dict]]:
+    from rlhf_ray.jobs.ppo import run_ppo
     from rlhf_ray.jobs.supervised import run_supervised
 
-    return {"sft": run_supervised, "rm": run_supervised}
+    return {"sft": run_supervised, "rm": run_supervised, "ppo": run_ppo}
 
 
 def completed_summary(stage: JobBase) -> dict | None:
