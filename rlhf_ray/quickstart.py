@@ -59,6 +59,10 @@ def _report(summary: dict) -> None:
                       f"(perplexity {sft['eval_perplexity']:.2f})")
     if "eval_accuracy" in rm:
         console.print(f"RM: held-out pair accuracy {rm['eval_accuracy_first']:.2f} -> {rm['eval_accuracy']:.2f}")
+    if "reward_after" in ppo:
+        console.print(f"PPO: held-out reward {ppo['reward_before']:.3f} -> {ppo['reward_after']:.3f}")
+    if "task_accuracy_after" in ppo:
+        console.print(f"PPO: held-out task accuracy (rule-checked) {ppo['task_accuracy_before']:.3f} -> "
+                      f"{ppo['task_accuracy_after']:.3f}")
     if ppo.get("status") == NOT_IMPLEMENTED:
-        console.print("PPO: not implemented in this version yet; the SFT and RM models above are what it will "
-                      "start from.")
+        console.print("PPO: not implemented in this version.")
