@@ -1,0 +1,93 @@
+"""Wall time and peak memory of the quickstart pipeline (SFT -> RM -> PPO on CPU), from a clean outputs folder.
+
+Memory is the peak of the summed resident memory of the whole process tree (the driver, the embedded Ray's
+processes and every actor), sampled every 0.25 s. Run: python benchmarks/bench_quickstart.py [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+SECTION = "## Quickstart pipeline: wall time and peak memory"
+
+
+def tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def run() -> dict:
+    shutil.rmtree(ROOT / "outputs" / "quickstart", ignore_errors=True)
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_ray.cli", "quickstart"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watcher, peak = psutil.Process(proc.pid), 0
+    while proc.poll() is None:
+        peak = max(peak, tree_rss(watcher))
+        time.sleep(0.25)
+    output = proc.stdout.read()
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"quickstart failed:\n{output[-4000:]}")
+    summary = json.loads((ROOT / "outputs" / "quickstart" / "summary.json").read_text())
+    return {"seconds": seconds, "peak_rss_gib": peak / 2**30, "summary": summary}
+
+
+def render(result: dict) -> str:
+    s = result["summary"]
+    sft, rm, ppo = s["sft"], s["rm"], s["ppo"]
+    versions = {m: __import__(m).__version__ for m in ("torch", "ray", "deepspeed", "transformers")}
+    return "\n".join([
+        SECTION, "",
+        f"Machine: {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+        f"{psutil.virtual_memory().total / 2**30:.0f} GiB, {platform.platform()}. "
+        + ", ".join(f"{k} {v}" for k, v in versions.items()) + f". Date: {datetime.date.today()}.", "",
+        "Command: `python benchmarks/bench_quickstart.py --write docs/benchmarks.md` (runs `rlhf-ray quickstart` "
+        "on configs/quickstart/ from an empty outputs/quickstart, tiny model already built or not).", "",
+        "| measure | value | goal |", "|---|---:|---|",
+        f"| wall time, SFT -> RM -> PPO | {result['seconds']:.0f} s | < 600 s |",
+        f"| peak memory, whole process tree | {result['peak_rss_gib']:.2f} GiB | < 12 GiB |",
+        f"| SFT eval loss | {sft['eval_loss_first']:.3f} -> {sft['eval_loss_last']:.3f} | lower |",
+        f"| RM held-out pair accuracy | {rm['eval_accuracy_first']:.2f} -> {rm['eval_accuracy']:.2f} | > 0.5 |",
+        f"| PPO held-out reward (RM score, greedy) | {ppo['reward_before']:.3f} -> {ppo['reward_after']:.3f} | higher |",
+        f"| PPO held-out task accuracy (rule) | {ppo['task_accuracy_before']:.3f} -> {ppo['task_accuracy_after']:.3f} | higher |",
+        "", "Peak memory sums the resident sets of all processes, so pages shared between them (e.g. the same "
+        "libraries mapped by every Ray worker) are counted more than once: an upper bound.", ""])
+
+
+def write_section(doc: Path, section: str) -> None:
+    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if SECTION in text:
+        head, rest = text.split(SECTION, 1)
+        tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        text = head + section + tail
+    else:
+        text = text.rstrip() + "\n\n" + section
+    doc.write_text(text)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path, help="markdown file whose quickstart section is replaced")
+    args = parser.parse_args()
+    section = render(run())
+    print(section)
+    if args.write:
+        write_section(args.write, section)
