@@ -244,3 +244,11 @@ def test_validate_rejects_an_unknown_dataset_name_at_its_line(write_yaml, capsys
     assert main(["validate", "--quiet", str(path)]) == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert f"{path}:15: data.datasets.0.name: unknown dataset 'Dahoas/rm-statc'; did you mean 'Dahoas/rm-static'?" in err
+
+
+def test_ppo_options_this_version_cannot_honour_are_refused_before_work(capsys):
+    code = main(["ppo", "--config", str(ROOT / "configs/quickstart/ppo.yaml"), "--set", "ppo.mode=async",
+                 "--set", "ppo.ema.enabled=true"])
+    assert code == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert "ppo.mode: async is not implemented yet" in err and "ppo.ema.enabled" in err
