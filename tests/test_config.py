@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_NOT_IMPLEMENTED, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, main
+from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, main
 from rlhf_ray.config import (ConfigError, DeepSpeedSpec, FINAL_MODEL_DIR, PipelineJob, PPOJob, SFTJob, load_job,
                              job_schema)
 from tests.conftest import ROOT
@@ -200,8 +200,9 @@ def test_cli_exit_codes(write_yaml, capsys):
     bad = write_yaml(SFT.replace("replicas: 2", "replica: 2"), "bad.yaml")
     assert main(["validate", str(bad)]) == EXIT_BAD_CONFIG
     assert "placement.replica: unknown key; did you mean 'replicas'?" in capsys.readouterr().err
-    assert main(["ppo", "--config", str(write_yaml(PPO))]) == EXIT_NOT_IMPLEMENTED
-    assert "not implemented" in capsys.readouterr().err
+    # five roles at 1 CPU each do not fit this 2-core machine: refused before any actor starts
+    assert main(["ppo", "--config", str(write_yaml(PPO)), "--set", "cluster.num_cpus=2"]) == EXIT_PLAN_DOES_NOT_FIT
+    assert "refusing to start" in capsys.readouterr().err
     assert main(["sft", "--config", str(write_yaml(SFT))]) == EXIT_BAD_CONFIG  # some/model exists nowhere
     assert "cannot load the tokenizer of 'some/model'" in capsys.readouterr().err
 
