@@ -82,3 +82,21 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
                     assert s["answer_ids"] == want
         finally:
             cluster.remove(groups)
+
+
+def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_models):
+    import torch
+    from safetensors.torch import load_file
+
+    sft, rm = stage_models
+    common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
+              "critic.micro_batch_size=16"]
+    straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
+    job = ppo_job(tmp_path / "b", sft, rm, *common)
+    assert run_ppo(job, stop_after=2)["stopped_at_iteration"] == 2
+    resumed = run_ppo(job)
+    assert resumed["reward_before"] == straight["reward_before"]  # carried over from the checkpoint
+    a = load_file(str(tmp_path / "a" / "ppo" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "ppo" / "model" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)

@@ -155,6 +155,25 @@ class PPORun:
         self.version += 1
         return self.pool.broadcast(state, self.version)
 
+    def save(self, checkpoints: Checkpoints, iteration: int, extra: dict) -> None:
+        """Policy and critic engines (weights, optimizer, scheduler, RNG) of every rank, then the loop state."""
+        staging = checkpoints.staging(iteration)
+        refs = self.policy.submit("save_checkpoint", str(staging / "policy"), {"iteration": iteration})
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", str(staging / "critic"), {"iteration": iteration})
+        self.policy.gather(refs, "save_checkpoint")
+        checkpoints.commit(staging, iteration, {"policy_version": self.version, **extra})
+
+    def restore(self, path: Path) -> dict:
+        """Load the newest checkpoint and bring the engines to its policy version."""
+        state = Checkpoints.state(path)
+        self.policy.call("load_checkpoint", str(path / "policy"))
+        if self.critic is not None:
+            self.critic.call("load_checkpoint", str(path / "critic"))
+        self.version = state["policy_version"] - 1
+        self.sync_weights()
+        return state
+
     def evaluate(self, rows: list[dict], rule) -> dict[str, float]:
         """Greedy answers to held-out prompts: mean reward score and, with a rule, the task accuracy."""
         samples, batch = self.rollout(rows, seed=0, greedy=True)
@@ -180,7 +199,8 @@ def not_yet_supported(job: PPOJob) -> list[str]:
     return problems
 
 
-def run_ppo(job: PPOJob) -> dict:
+def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
+    """Run the PPO job; with `stop_after`, checkpoint after that iteration and return (run again to resume)."""
     if problems := not_yet_supported(job):
         raise ValueError("this version cannot run the config as given:\n  " + "\n  ".join(problems))
     out = Path(job.output_dir)
@@ -190,15 +210,24 @@ def run_ppo(job: PPOJob) -> dict:
     eval_rows = data.eval[: job.ppo.eval_prompts]
     rule = task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
+    checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     started = time.time()
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
         groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
         try:
             run = PPORun(job, plan, groups, tokenizer)
-            before = run.evaluate(eval_rows, rule)
-            metrics.log(0, {f"eval/{k}": v for k, v in before.items()})
-            bar = tqdm(range(job.ppo.iterations), desc="ppo", disable=not job.logging.progress)
+            latest = checkpoints.latest() if job.checkpoint.resume else None
+            if latest is not None:
+                state = run.restore(latest)
+                start, before = state["step"], state["eval_before"]
+                log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, start, run.version)
+            else:
+                start, before = 0, run.evaluate(eval_rows, rule)
+                metrics.log(0, {f"eval/{k}": v for k, v in before.items()})
+            end = min(job.ppo.iterations, stop_after) if stop_after is not None else job.ppo.iterations
+            bar = tqdm(range(start, end), desc="ppo", initial=start, total=job.ppo.iterations,
+                       disable=not job.logging.progress)
             for iteration in bar:
                 (indices,) = micro_batches(len(data.train), job.ppo.rollout_batch_size, job.ppo.rollout_batch_size,
                                            1, 0, iteration, job.seed)
@@ -206,6 +235,11 @@ def run_ppo(job: PPOJob) -> dict:
                 bar.set_postfix(reward=f"{result['reward/mean']:.3f}", kl=f"{result['kl/mean']:.3f}")
                 if (iteration + 1) % job.logging.log_every_steps == 0:
                     metrics.log(iteration + 1, result)
+                every = job.checkpoint.every_steps
+                if (every and (iteration + 1) % every == 0) or iteration + 1 == end:
+                    run.save(checkpoints, iteration + 1, {"eval_before": before})
+            if end < job.ppo.iterations:
+                return {"stopped_at_iteration": end, "iterations": job.ppo.iterations}
             after = run.evaluate(eval_rows, rule)
             metrics.log(job.ppo.iterations, {f"eval/{k}": v for k, v in after.items()})
             run.policy.call("export_hf", str(out / FINAL_MODEL_DIR))
