@@ -17,6 +17,16 @@ def _format_fields(template: str) -> set[str]:
     return {name for _, name, _, _ in Formatter().parse(template) if name is not None}
 
 
+def _check_format(value: str, name: str, alternatives: str) -> None:
+    """A format string whose only placeholder is {name}, or a ValueError saying what was expected."""
+    try:
+        names = _format_fields(value)
+    except ValueError as exc:
+        raise ValueError(f"not a valid format string ({exc}); use {{{{ }}}} for literal braces") from None
+    if names != {name}:
+        raise ValueError(f"expected {alternatives}a format string using only {{{name}}}, got {value!r}")
+
+
 class DatasetFormatSpec(StrictModel):
     """How to read a dataset the registry does not know: which fields hold the prompt and the answers, and how
     to wrap them. A dotted field reaches into nested records and lists (`question.full_text`, `answers.0`)."""
@@ -40,13 +50,7 @@ class DatasetFormatSpec(StrictModel):
     def _template_is_known_or_formats_prompt(cls, value: str) -> str:
         if value in TEMPLATE_KEYWORDS:
             return value
-        try:
-            names = _format_fields(value)
-        except ValueError as exc:
-            raise ValueError(f"not a valid format string ({exc}); use {{{{ }}}} for literal braces") from None
-        if names != {"prompt"}:
-            raise ValueError(f"expected one of {', '.join(TEMPLATE_KEYWORDS)} or a format string using only "
-                             f"{{prompt}}, got {value!r}")
+        _check_format(value, "prompt", f"one of {', '.join(TEMPLATE_KEYWORDS)} or ")
         return value
 
     @field_validator("answer_template")
@@ -54,12 +58,7 @@ class DatasetFormatSpec(StrictModel):
     def _answer_template_formats_answer(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        try:
-            names = _format_fields(value)
-        except ValueError as exc:
-            raise ValueError(f"not a valid format string ({exc}); use {{{{ }}}} for literal braces") from None
-        if names != {"answer"}:
-            raise ValueError(f"expected a format string using only {{answer}}, got {value!r}")
+        _check_format(value, "answer", "")
         return value
 
     @model_validator(mode="after")
