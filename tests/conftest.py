@@ -31,3 +31,25 @@ def tiny_model(tmp_path_factory) -> Path:
     from rlhf_ray.models.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+def _quick_stage(kind: str, root: Path, tiny_model: Path) -> Path:
+    from rlhf_ray.config import load_job
+    from rlhf_ray.jobs.supervised import run_supervised
+
+    overrides = [f"model.path={tiny_model}", f"output_dir={root / kind}", "cluster.dashboard=false",
+                 "logging.progress=false"]
+    run_supervised(load_job(ROOT / f"configs/quickstart/{kind}.yaml", overrides))
+    return root / kind / "model"
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory, tiny_model) -> Path:
+    """The tiny model after the quickstart SFT on demo/sort: answers end with end-of-text (PPO's start)."""
+    return _quick_stage("sft", tmp_path_factory.mktemp("stages"), tiny_model)
+
+
+@pytest.fixture(scope="session")
+def rm_model(tmp_path_factory, tiny_model) -> Path:
+    """A reward model trained by the quickstart RM config on demo/sort pairs."""
+    return _quick_stage("rm", tmp_path_factory.mktemp("stages"), tiny_model)

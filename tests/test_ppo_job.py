@@ -6,20 +6,15 @@ import pytest
 
 from rlhf_ray.config import load_job
 from rlhf_ray.jobs.ppo import run_ppo
-from rlhf_ray.jobs.supervised import run_supervised
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.system
 
 
 @pytest.fixture(scope="module")
-def stage_models(tmp_path_factory, tiny_model):
+def stage_models(sft_model, rm_model):
     """An SFT policy and a reward model trained from the tiny model (the PPO starting point)."""
-    root = tmp_path_factory.mktemp("stages")
-    common = [f"model.path={tiny_model}", "cluster.dashboard=false", "logging.progress=false"]
-    run_supervised(load_job(ROOT / "configs/quickstart/sft.yaml", common + [f"output_dir={root / 'sft'}"]))
-    run_supervised(load_job(ROOT / "configs/quickstart/rm.yaml", common + [f"output_dir={root / 'rm'}"]))
-    return root / "sft" / "model", root / "rm" / "model"
+    return sft_model, rm_model
 
 
 def ppo_job(tmp_path, sft, rm, *overrides):
@@ -45,7 +40,8 @@ def test_grpo_runs_without_a_critic(tmp_path, stage_models):
     assert summary["iterations"] == 3
 
 
-def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models):
+@pytest.mark.parametrize("engine,zero_stage", [("hf", 2), ("vllm", 3)])
+def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,8 +51,12 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
     from rlhf_ray.plan import ResourcePlan
 
     sft, rm = stage_models
+    # two policy ranks and 64 KiB buckets: under ZeRO-3 every bucket is a separate gather of parameter groups
     job = ppo_job(tmp_path, sft, rm, "generation.placement.replicas=2", "generation.placement.num_cpus=0.25",
-                  "policy.optim.lr=0.001")
+                  f"generation.engine={engine}", "generation.vllm.dtype=fp32", "generation.vllm.max_model_len=128",
+                  "generation.weight_sync.bucket_mb=0.0625", f"policy.deepspeed.zero_stage={zero_stage}",
+                  "policy.placement.replicas=2", "policy.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
+                  "policy.micro_batch_size=16", "policy.optim.lr=0.001")
     tokenizer = AutoTokenizer.from_pretrained(sft)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     probe = data.eval[:6]
@@ -67,9 +67,10 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
         try:
             run = PPORun(job, plan, groups, tokenizer)
             for iteration in range(2):
-                run.step(iteration, data.train[iteration * 32:(iteration + 1) * 32])
+                result = run.step(iteration, data.train[iteration * 32:(iteration + 1) * 32])
                 assert run.pool.versions() == [iteration + 1, iteration + 1]
-                state = run.policy.call("export_state")[0]
+                state = run.policy.call("gathered_state_dict")[0]
+                assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
                 learner_copy.load_state_dict(state, strict=False)
                 samples, _ = run.rollout(probe, seed=0, greedy=True)
                 for s in samples:

@@ -32,6 +32,9 @@ class SamplingSpec(StrictModel):
 class VllmSpec(StrictModel):
     """vLLM engine arguments; `extra` passes anything else straight to `vllm.LLM`."""
 
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Engine precision. auto: the policy's dtype, except an fp32 policy on a CPU with bf16 units (AVX512-BF16 or
+    AMX) runs in bf16, about twice as fast; set fp32 when engines must decode exactly like an fp32 learner."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one engine shards the model over (placement.num_gpus must match)."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
@@ -41,7 +44,9 @@ class VllmSpec(StrictModel):
     enforce_eager: bool | None = None
     """None: eager on CPU (compiling costs ~35 s of start-up there), CUDA graphs on GPU."""
     kv_cache_gb: float = Field(1.0, gt=0)
-    """CPU only: KV-cache space per engine (VLLM_CPU_KVCACHE_SPACE)."""
+    """CPU only: KV-cache memory per engine."""
+    preload_intel_openmp: bool = True
+    """CPU only: preload the environment's libiomp5 (shipped with vllm-cpu) into engine processes."""
     max_model_len: int | None = Field(None, ge=16)
     """Longest prompt + answer; default: prompt and answer limits of the job."""
     sleep_when_idle: bool = False
@@ -57,15 +62,27 @@ class HfEngineSpec(StrictModel):
     """Prompts per `generate` call."""
 
 
+class WeightSyncSpec(StrictModel):
+    """How new policy weights reach the engines after each update."""
+
+    bucket_mb: float = Field(256, gt=0)
+    """Weights travel in flat buckets of about this size; under ZeRO-3 a bucket's parameters are gathered together,
+    so it also bounds the extra memory a learner rank holds during a sync."""
+
+
 class GenerationSpec(StrictModel):
     """The generation pool: `placement.replicas` engines, each holding a full copy of the policy."""
 
     engine: Literal["auto", "vllm", "hf"] = "auto"
     """auto: vLLM on GPUs; on CPU the faster engine for the model size (logged with the reason)."""
+    auto_vllm_min_params: int = Field(1_000_000_000, ge=0)
+    """engine auto on CPU: models with fewer parameters use the hf engine, larger ones vLLM (docs/benchmarks.md
+    has the measurements behind the default)."""
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     vllm: VllmSpec = Field(default_factory=VllmSpec)
     hf: HfEngineSpec = Field(default_factory=HfEngineSpec)
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
 
     @model_validator(mode="after")
     def _tensor_parallel_matches_gpus(self) -> "GenerationSpec":

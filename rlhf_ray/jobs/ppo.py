@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from rlhf_ray import cluster
-from rlhf_ray.actors.group import ActorGroup, gather
+from rlhf_ray.actors.group import ActorGroup
+from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import make_experience, pack_rollouts
 from rlhf_ray.compare import load_function
@@ -79,9 +80,7 @@ class PPORun:
             self.reward = self._inference_group(RewardWorker, "reward", job.reward.placement, slots("reward"),
                                                 model=job.reward.model.model_dump(),
                                                 micro_batch_size=job.reward.micro_batch_size, pad_token_id=pad)
-        from rlhf_ray.actors.pool import GenerationPool
-
-        self.pool = GenerationPool.start(job, *slots("generation"))
+        self.pool = GenerationPool.start(job, *slots("generation"), tokenizer.eos_token_id, pad)
         self.version = 0
 
     def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
@@ -147,13 +146,18 @@ class PPORun:
             "answer/length": lengths.mean().item(), "answer/ended": batch["ended"].float().mean().item(),
             "time/generate": timer["generate"] - timer["start"], "time/experience": timer["experience"] - timer["generate"],
             "time/train": timer["train"] - timer["experience"], "time/sync": timer["sync"] - timer["train"],
-            "sync/bytes": sync["bytes"], "policy_version": self.version,
+            "sync/bytes": sync["bytes"], "sync/gather_seconds": sync["gather_seconds"],
+            "sync/load_seconds": sync["load_seconds"], "policy_version": self.version,
         }
 
     def sync_weights(self) -> dict:
-        state = self.policy.call("export_state")[0]
+        """Policy weights -> every engine, in buckets through the object store; the policy version goes up by one."""
+        start = time.perf_counter()
+        refs, nbytes = self.policy.call("publish_weights", int(self.job.generation.weight_sync.bucket_mb * 2**20))[0]
+        published = time.perf_counter()
         self.version += 1
-        return self.pool.broadcast(state, self.version)
+        loaded = self.pool.broadcast(refs, self.version)
+        return {"bytes": float(nbytes), "gather_seconds": published - start, "load_seconds": loaded["seconds"]}
 
     def save(self, checkpoints: Checkpoints, iteration: int, extra: dict) -> None:
         """Policy and critic engines (weights, optimizer, scheduler, RNG) of every rank, then the loop state."""
@@ -194,8 +198,6 @@ def not_yet_supported(job: PPOJob) -> list[str]:
         problems.append("ppo.ema.enabled: the EMA policy is not implemented yet")
     if job.ppo.pretrain_data:
         problems.append("ppo.pretrain_data: the pretraining-mix loss is not implemented yet")
-    if job.generation.engine == "vllm":
-        problems.append("generation.engine: vllm is not wired into the pool yet; use hf or auto")
     return problems
 
 

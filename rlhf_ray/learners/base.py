@@ -8,6 +8,8 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.learners.engine import apply_lora, build_engine, free_port, init_process_group
+from rlhf_ray.models.weight_buckets import group_by_size
 
 log = logging.getLogger(__name__)
 
@@ -100,26 +103,34 @@ class LearnerRank:
         return client_state or {}
 
     # ---- export ------------------------------------------------------------------------------------------
-    def gathered_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 (None elsewhere), gathered one parameter at a time under ZeRO-3 so no rank
-        ever holds more than one extra full tensor."""
+    def gathered_groups(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Full weights on rank 0 in groups of about `bucket_bytes`, in the module's order (empty lists on the other
+        ranks, which must iterate along: under ZeRO-3 each group is gathered by every rank together). Only one
+        group is ever materialised at a time, so no rank holds more than a bucket beyond its own shard."""
         import deepspeed
 
         module = self.engine.module
         zero3 = self.engine.zero_optimization_stage() == 3
-        state: dict[str, torch.Tensor] = {}
-        for name, param in module.named_parameters():
-            if zero3:
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
-                    if self.rank == 0:
-                        state[name] = param.detach().cpu().clone()
-            elif self.rank == 0:
-                state[name] = param.detach().cpu().clone()
+        params = dict(module.named_parameters())
+
+        def nbytes(p: torch.Tensor) -> int:
+            numel = p.ds_numel if zero3 and hasattr(p, "ds_numel") else p.numel()
+            return numel * p.element_size()
+
+        for names in group_by_size(((n, nbytes(p)) for n, p in params.items()), bucket_bytes):
+            group = [params[n] for n in names]
+            gather = deepspeed.zero.GatheredParameters(group, modifier_rank=None) if zero3 else nullcontext()
+            with gather:
+                yield [(n, p.detach().cpu().clone()) for n, p in zip(names, group)] if self.rank == 0 else []
         if self.rank == 0:
             persistent = set(module.state_dict().keys())  # rotary caches and the like are rebuilt, not saved
-            for name, buf in module.named_buffers():
-                if name in persistent:
-                    state.setdefault(name, buf.detach().cpu().clone())
+            buffers = [(n, b.detach().cpu().clone()) for n, b in module.named_buffers() if n in persistent]
+            if buffers:
+                yield buffers
+
+    def gathered_state_dict(self, bucket_bytes: int = 2**28) -> dict[str, torch.Tensor] | None:
+        """Full weights on rank 0 (None elsewhere); a collective under ZeRO-3."""
+        state = {name: t for group in self.gathered_groups(bucket_bytes) for name, t in group}
         return state if self.rank == 0 else None
 
     def export_hf(self, directory: str) -> str | None:

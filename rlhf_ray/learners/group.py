@@ -8,9 +8,13 @@ from rlhf_ray.actors.group import ActorGroup, gather
 from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
 
 
+def threads(placement: PlacementSpec) -> int:
+    return placement.threads or max(1, math.floor(placement.num_cpus))
+
+
 def actor_env(placement: PlacementSpec) -> dict[str, str]:
     """CPU ranks run DeepSpeed's CPU accelerator; torch threads match the CPUs reserved for the rank."""
-    env = {"OMP_NUM_THREADS": str(max(1, math.floor(placement.num_cpus)))}
+    env = {"OMP_NUM_THREADS": str(threads(placement))}
     if placement.num_gpus == 0:
         env["DS_ACCELERATOR"] = "cpu"
     return env

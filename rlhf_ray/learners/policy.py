@@ -8,6 +8,7 @@ from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.algorithms.losses import policy_loss
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.models.loading import load_causal_lm
+from rlhf_ray.models.weight_buckets import pack
 
 
 class PolicyLearner(PPOLearnerRank):
@@ -42,6 +43,14 @@ class PolicyLearner(PPOLearnerRank):
 
         return {f"policy/{k}": v for k, v in self.run_epochs(batch, iteration, token_loss).items()}
 
-    def export_state(self) -> dict[str, torch.Tensor] | None:
-        """Full weights on rank 0 for the generation pool (a collective under ZeRO-3: every rank calls it)."""
-        return self.gathered_state_dict()
+    def publish_weights(self, bucket_bytes: int) -> tuple[list, int] | None:
+        """Rank 0 puts the full weights in the object store as buckets and returns (refs, bytes); the engines fetch
+        them from there. A collective under ZeRO-3: every rank calls it, groups of parameters are gathered in turn."""
+        import ray
+
+        refs, total = [], 0
+        for group in self.gathered_groups(bucket_bytes):
+            for bucket in pack(group):
+                refs.append(ray.put(bucket))
+                total += bucket.nbytes
+        return (refs, total) if self.rank == 0 else None

