@@ -28,6 +28,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine, write_section  # noqa: E402
+
 SECTION = "## Data: mmap corpus preprocessing and reader memory"
 MB = 1 << 20
 
@@ -157,13 +160,6 @@ def reader_probe(prefix: str, mode: str) -> dict:
             "bin_mb": corpus.bin_path.stat().st_size / MB, **{f"d_{k}": after[k] - before[k] for k in before}}
 
 
-def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    ram = psutil.virtual_memory().total / (1 << 30)
-    return f"{len(os.sched_getaffinity(0))} cores ({cpu}), {ram:.0f} GiB RAM, {platform.system()} {platform.release()}"
-
-
 def versions() -> str:
     import datasets
     import tokenizers
@@ -207,20 +203,6 @@ def render(res: dict, args: argparse.Namespace, command: str) -> str:
                      f"{r['d_rss']:.1f} | {r['d_anon']:.1f} | {r['d_file']:.1f} | {r['seconds']:.2f} |")
     lines += ["", *res["notes"]]
     return "\n".join(lines) + "\n"
-
-
-def write_section(doc: Path, text: str) -> None:
-    """Replace our section (up to the next '## ' heading) or append it; other sections are left as they are."""
-    body = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    lines = body.splitlines(keepends=True)
-    start = next((i for i, line in enumerate(lines) if line.strip() == SECTION), None)
-    if start is None:
-        body = body.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
-        body = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(body)
 
 
 def best(runs: list[dict]) -> dict:
@@ -317,7 +299,7 @@ def main() -> int:
     text = render(res, args, command)
     print(text)
     if args.write:
-        write_section(Path(args.write), text)
+        write_section(Path(args.write), SECTION, text)
         print(f"wrote {args.write}", file=sys.stderr)
     return 0
 

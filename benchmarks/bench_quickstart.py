@@ -19,6 +19,9 @@ from pathlib import Path
 
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_section  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Quickstart pipeline: wall time and peak memory"
 
@@ -72,17 +75,6 @@ def render(result: dict) -> str:
         "libraries mapped by every Ray worker) are counted more than once: an upper bound.", ""])
 
 
-def write_section(doc: Path, section: str) -> None:
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    if SECTION in text:
-        head, rest = text.split(SECTION, 1)
-        tail = rest[rest.find("\n## "):] if "\n## " in rest else ""
-        text = head + section + tail
-    else:
-        text = text.rstrip() + "\n\n" + section
-    doc.write_text(text)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, help="markdown file whose quickstart section is replaced")
@@ -90,4 +82,4 @@ if __name__ == "__main__":
     section = render(run())
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, SECTION, section)

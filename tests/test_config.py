@@ -154,12 +154,19 @@ def test_ppo_batch_checks(write_yaml):
     assert job.policy.accumulation_steps(job.train_batch_size) == 1
 
 
-def test_reward_function_replaces_the_reward_role(write_yaml):
+def test_reward_function_replaces_the_reward_model(write_yaml):
     text = PPO.replace("reward:\n  model: {path: rm/model}", "reward:\n  function: mypkg.rewards:score")
     (problem,) = problems_of(write_yaml(text))
     assert "critic.model.path" in problem  # the critic cannot start from a reward function
     job = load_job(write_yaml(text), ["critic.model.path=rm/model"])
-    assert "reward" not in job.placement_roles()
+    assert job.reward.function == "mypkg.rewards:score" and job.reward.model.path is None
+    assert "reward" in job.placement_roles()  # the function runs in the reward role's actors
+
+
+def test_async_mode_needs_a_staleness_bound_of_at_least_one(write_yaml):
+    (problem,) = problems_of(write_yaml(PPO), ["ppo.mode=async", "ppo.max_staleness=0"])
+    assert "ppo.max_staleness" in problem and "ppo.mode: sync" in problem
+    assert load_job(write_yaml(PPO), ["ppo.mode=async"]).ppo.max_staleness == 1
 
 
 def test_pipeline_wires_stage_outputs_into_ppo():
@@ -247,9 +254,10 @@ def test_validate_rejects_an_unknown_dataset_name_at_its_line(write_yaml, capsys
     assert f"{path}:15: data.datasets.0.name: unknown dataset 'Dahoas/rm-statc'; did you mean 'Dahoas/rm-static'?" in err
 
 
-def test_ppo_options_this_version_cannot_honour_are_refused_before_work(capsys):
-    code = main(["ppo", "--config", str(ROOT / "configs/quickstart/ppo.yaml"), "--set", "ppo.mode=async",
-                 "--set", "ppo.ema.enabled=true"])
+def test_a_missing_pretraining_corpus_is_refused_before_work(capsys, tmp_path):
+    missing = tmp_path / "nothing" / "corpus"
+    code = main(["ppo", "--config", str(ROOT / "configs/quickstart/ppo.yaml"), "--set",
+                 f"ppo.pretrain_data=[{missing}]"])
     assert code == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
-    assert "ppo.mode: async is not implemented yet" in err and "ppo.ema.enabled" in err
+    assert "ppo.pretrain_data" in err and str(missing) in err

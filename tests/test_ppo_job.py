@@ -67,12 +67,14 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
         try:
             run = PPORun(job, plan, groups, tokenizer)
             for iteration in range(2):
-                result = run.step(iteration, data.train[iteration * 32:(iteration + 1) * 32])
+                rows = data.train[iteration * 32:(iteration + 1) * 32]
+                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
+                result = run.step(iteration, rollout, list(range(32)))
                 assert run.pool.versions() == [iteration + 1, iteration + 1]
                 state = run.policy.call("gathered_state_dict")[0]
                 assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
                 learner_copy.load_state_dict(state, strict=False)
-                samples, _ = run.rollout(probe, seed=0, greedy=True)
+                samples = run.pool.generate([r["prompt_ids"] for r in probe], seed=0, greedy=True)
                 for s in samples:
                     ids = torch.tensor([s["prompt_ids"]])
                     want = learner_copy.generate(ids, max_new_tokens=job.generation.sampling.max_new_tokens,

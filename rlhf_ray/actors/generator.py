@@ -28,6 +28,15 @@ class GenerationWorker:
         samples = self.engine.generate(prompts, self.spec.sampling, seed, greedy)
         return [{**s, "version": self.version} for s in samples]
 
+    def rollout(self, prompts: list[list[int]], seed: int) -> dict:
+        """`generate`, but the samples stay in the object store: the caller gets a reference and a summary."""
+        import ray
+
+        start = time.perf_counter()
+        samples = self.generate(prompts, seed)
+        return {"ref": ray.put(samples), "samples": len(samples), "version": self.version,
+                "tokens": sum(len(s["answer_ids"]) for s in samples), "seconds": time.perf_counter() - start}
+
     def load_weights(self, bucket_refs: list, version: int) -> dict:
         """Fetch the buckets one by one from the object store and load them in place; then this engine serves
         policy `version`."""

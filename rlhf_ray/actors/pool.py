@@ -39,21 +39,25 @@ class GenerationPool:
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
         return bounds, [(prompts[bounds[i]: bounds[i + 1]], stable_seed(seed, "engine", i), greedy) for i in range(k)]
 
-    def submit(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> tuple[list[int], list]:
-        """Start generating without waiting (async mode overlaps this with training); `collect` the result."""
+    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
+        """All samples, in prompt order, brought to the caller (evaluation; training uses `submit`)."""
         bounds, args = self._shards(prompts, seed, greedy)
-        refs = [actor.generate.remote(*a) for actor, a in zip(self.group.actors, args)]
-        return bounds, refs
-
-    def collect(self, pending: tuple[list[int], list]) -> list[dict]:
-        bounds, refs = pending
         merged = []
-        for i, rows in enumerate(self.group.gather(refs, "generate")):
+        for i, rows in enumerate(self.group.call_each("generate", args)):
             merged += [{**row, "prompt_index": row["prompt_index"] + bounds[i]} for row in rows]
         return merged
 
-    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
-        return self.collect(self.submit(prompts, seed, greedy))
+    def submit(self, prompts: list[list[int]], seed: int) -> list:
+        """Start a rollout without waiting (async mode overlaps it with training); `collect` its result."""
+        _, args = self._shards(prompts, seed, False)
+        return [actor.rollout.remote(*a[:2]) for actor, a in zip(self.group.actors, args)]
+
+    def collect(self, pending: list) -> dict:
+        """References to each engine's samples (engine order = prompt order) and what the metrics need."""
+        parts = self.group.gather(pending, "rollout")
+        versions = {p["version"] for p in parts}
+        return {"refs": [p["ref"] for p in parts], "version": min(versions), "samples": sum(p["samples"] for p in parts),
+                "tokens": sum(p["tokens"] for p in parts), "engine_seconds": max(p["seconds"] for p in parts)}
 
     def broadcast(self, bucket_refs: list, version: int) -> dict[str, float]:
         """Every engine loads the same buckets (object refs; the driver never holds the tensors)."""

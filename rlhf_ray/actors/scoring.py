@@ -1,10 +1,14 @@
 """Forward-only roles of PPO: the reference model (log-probs of answers) and the reward model (a score per
-answer). Neither trains, so neither needs DeepSpeed: a plain HF module in eval mode on the actor's device."""
+answer). Neither trains, so neither needs DeepSpeed: a plain HF module in eval mode on the actor's device.
+
+Each replica scores rows [lo, hi) of the batch it is handed by reference and answers with a reference to its
+result, so experience tensors go from actor to actor through the object store, never through the driver."""
 
 from __future__ import annotations
 
 import os
 
+import ray
 import torch
 
 from rlhf_ray.algorithms.logprobs import answer_logprobs
@@ -31,14 +35,14 @@ class ReferenceWorker:
         self.micro, self.temperature = micro_batch_size, temperature
 
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        seq, mask = batch["sequences"], batch["attention_mask"]
+    def logprobs(self, batch: dict[str, torch.Tensor], lo: int, hi: int):
+        seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
         answer_len = batch["action_mask"].shape[1]
         parts = []
         for s in micro_batches(len(seq), self.micro):
             logits = self.model(input_ids=seq[s].to(_device()), attention_mask=mask[s].to(_device())).logits
             parts.append(answer_logprobs(logits, seq[s].to(_device()), answer_len, self.temperature).cpu())
-        return torch.cat(parts) * batch["action_mask"]
+        return ray.put(torch.cat(parts) * batch["action_mask"][lo:hi])
 
     def ping(self) -> int:
         return 0
@@ -54,13 +58,13 @@ class RewardWorker:
         self.micro = micro_batch_size
 
     @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        seq, mask = batch["sequences"], batch["attention_mask"]
+    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int):
+        seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
         parts = []
         for s in micro_batches(len(seq), self.micro):
             values = token_values(self.model, seq[s].to(_device()), mask[s].to(_device()))
             parts.append(end_scores(values, mask[s].to(_device())).cpu())
-        return torch.cat(parts)
+        return ray.put(torch.cat(parts))
 
     def ping(self) -> int:
         return 0

@@ -1,10 +1,20 @@
-"""PPO losses, token-mean over the answer tokens of a batch."""
+"""Training losses: next-token cross-entropy (SFT, PPO's pretraining mix) and the PPO losses, token-mean over the
+answer tokens of a batch."""
 
 from __future__ import annotations
 
 import torch
 
 from rlhf_ray.algorithms.masked import masked_mean
+from rlhf_ray.data.tokenized import IGNORE_INDEX
+
+
+
+def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy: position t predicts labels[t + 1]; labels of -100 carry no loss. Callers
+    divide by the loss-carrying tokens of the whole global batch, not per micro-batch."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                             ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,

@@ -18,6 +18,8 @@ from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
 
 FINAL_MODEL_DIR = "model"
 """Every job saves its final Hugging Face model to `<output_dir>/model`; the pipeline chains stages by it."""
+EMA_MODEL_DIR = "model_ema"
+"""PPO with ppo.ema.enabled also saves the moving average of the policy to `<output_dir>/model_ema`."""
 
 
 def check_global_batch(global_field: str, global_batch: int, micro_field: str, micro: int, accum_field: str,
@@ -164,7 +166,8 @@ class RewardRoleSpec(InferenceRoleSpec):
     """The reward: a reward model, or a Python function `package.module:function(prompts, answers) -> scores`."""
 
     function: str | None = None
-    """Import path of a reward function, used instead of a reward model."""
+    """Import path of a reward function, used instead of a reward model. It runs in the reward role's actors
+    (placement as for a model; it needs little: e.g. num_cpus: 0.1, colocate_with: policy)."""
 
 
 class PPOJob(JobBase):
@@ -185,11 +188,9 @@ class PPOJob(JobBase):
 
     def placement_roles(self) -> dict[str, PlacementSpec]:
         roles = {"policy": self.policy.placement, "reference": self.reference.placement,
-                 "generation": self.generation.placement}
+                 "reward": self.reward.placement, "generation": self.generation.placement}
         if self.critic is not None:
             roles["critic"] = self.critic.placement
-        if self.reward.function is None:
-            roles["reward"] = self.reward.placement
         return {name: roles[name] for name in self.ROLE_ORDER if name in roles}
 
     @property
@@ -237,6 +238,9 @@ class PPOJob(JobBase):
             if self.critic.model.path is None:
                 raise FieldProblem("critic.model.path", "the critic starts from the reward model, but the reward is a "
                                                         "function; set critic.model.path")
+        if self.ppo.mode == "async" and self.ppo.max_staleness < 1:
+            raise FieldProblem("ppo.max_staleness", "async mode trains on experience sampled one policy version "
+                                                    "earlier; set ppo.max_staleness: 1 (or more), or ppo.mode: sync")
         n = self.generation.sampling.n_samples_per_prompt
         if estimator in {"grpo", "rloo"} and n < 2:
             raise FieldProblem("generation.sampling.n_samples_per_prompt",

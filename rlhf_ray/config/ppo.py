@@ -62,6 +62,9 @@ class PPOSpec(StrictModel):
     mode: Literal["sync", "async"] = "sync"
     """async overlaps generating batch k+1 with training on batch k."""
     max_staleness: int = Field(1, ge=0)
-    """async: experience more than this many policy versions old is refused by the replay buffer."""
+    """Experience more than this many policy versions behind the learner is refused by the replay buffer (async
+    mode trains on batches one version old, so it needs at least 1)."""
+    buffer_capacity: int = Field(4, ge=1)
+    """Experience batches the replay buffer holds; when full, the oldest is dropped (and counted)."""
     eval_prompts: int = Field(64, ge=0)
     """Held-out prompts scored before and after training (summary.json's reward_before / reward_after)."""

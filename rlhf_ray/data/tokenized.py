@@ -14,6 +14,7 @@ from rlhf_ray.data.raw import RawSample
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+"""Label of tokens that carry no loss (torch's and HF's convention)."""
 Overlong = Literal["trim_prompt", "drop"]
 
 

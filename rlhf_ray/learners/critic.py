@@ -25,16 +25,20 @@ class CriticLearner(PPOLearnerRank):
         return values[:, start: start + answer_len] * batch["action_mask"]
 
     @torch.no_grad()
-    def values(self, batch: Batch) -> torch.Tensor:
+    def values(self, batch: Batch):
+        """Values of this rank's slice of the batch (rank order), as a reference in the object store."""
+        import ray
+
         self.engine.eval()
         mine = self.rank_slice(batch["sequences"].shape[0])
         rows = torch.arange(batch["sequences"].shape[0])[mine]
-        return torch.cat([self._values(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
+        return ray.put(torch.cat([self._values(self.to_device(batch, rows[s])).cpu()
+                                  for s in self.micro_slices(len(rows))]))
 
-    def train(self, batch: Batch, iteration: int) -> dict[str, float]:
+    def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):
             loss = value_loss(self._values(micro), micro["values"], micro["returns"], micro["action_mask"],
                               self.clip_value)
             return loss * micro["action_mask"].sum(), {}
 
-        return {f"critic/{k}": v for k, v in self.run_epochs(batch, iteration, token_loss).items()}
+        return {f"critic/{k}": v for k, v in self.run_epochs(self.fetch(plan), plan, token_loss).items()}

@@ -1,23 +1,45 @@
-"""The policy learner: scores its own samples (old log-probs) and takes clipped PPO steps on them."""
+"""The policy learner: scores its own samples (old log-probs), takes clipped PPO steps on them, optionally keeps
+the language-model loss on a pretraining mix (PPO-ptx) and an exponential moving average of its weights, and
+publishes its weights for the generation engines."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from rlhf_ray.algorithms.logprobs import answer_logprobs
-from rlhf_ray.algorithms.losses import policy_loss
+from rlhf_ray.algorithms.losses import lm_loss_sum, policy_loss
+from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
+from rlhf_ray.learners.pretrain_mix import PretrainMix
 from rlhf_ray.models.loading import load_causal_lm
 from rlhf_ray.models.weight_buckets import pack
 
+EMA_FILE = "ema.pt"
+GATHER_BYTES = 2**28
+
 
 class PolicyLearner(PPOLearnerRank):
-    def __init__(self, *, clip_ratio: float, dual_clip: float | None, **kwargs):
+    def __init__(self, *, clip_ratio: float, dual_clip: float | None, pad_token_id: int, train_batch_size: int,
+                 ema_beta: float | None = None, pretrain_data: list[str] | None = None, ptx_coef: float = 0.0,
+                 **kwargs):
         super().__init__(**kwargs)
         self.clip_ratio, self.dual_clip = clip_ratio, dual_clip
+        self.ema_beta, self.ema = ema_beta, None
+        self.ptx_coef = ptx_coef
+        self.mix = PretrainMix(pretrain_data, train_batch_size, self.seed, pad_token_id) if pretrain_data else None
 
     def build_model(self) -> torch.nn.Module:
         return load_causal_lm(self.model_spec)
+
+    def setup(self, master_addr: str, master_port: int, total_steps: int) -> dict:
+        info = super().setup(master_addr, master_port, total_steps)
+        if self.ema_beta is not None:
+            self.ema = self.gathered_state_dict(GATHER_BYTES)  # the EMA starts at the starting policy
+            if self.ema is not None:
+                self.ema = {k: v.float() for k, v in self.ema.items()}
+        return info
 
     def _logprobs(self, batch: Batch) -> torch.Tensor:
         answer_len = batch["action_mask"].shape[1]
@@ -25,15 +47,17 @@ class PolicyLearner(PPOLearnerRank):
         return answer_logprobs(logits, batch["sequences"], answer_len, self.temperature) * batch["action_mask"]
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch) -> torch.Tensor:
-        """This rank's slice of the batch (rank order), at the sampling temperature."""
+    def logprobs(self, batch: Batch):
+        """Log-probs of this rank's slice of the batch (rank order) at the sampling temperature, as a reference."""
+        import ray
+
         self.engine.eval()
         mine = self.rank_slice(batch["sequences"].shape[0])
         rows = torch.arange(batch["sequences"].shape[0])[mine]
-        return torch.cat([self._logprobs(self.to_device(batch, rows[s])).cpu()
-                          for s in self.micro_slices(len(rows))])
+        return ray.put(torch.cat([self._logprobs(self.to_device(batch, rows[s])).cpu()
+                                  for s in self.micro_slices(len(rows))]))
 
-    def train(self, batch: Batch, iteration: int) -> dict[str, float]:
+    def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):
             logp = self._logprobs(micro)
             loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["action_mask"],
@@ -41,8 +65,60 @@ class PolicyLearner(PPOLearnerRank):
             tokens = micro["action_mask"].sum()
             return loss * tokens, {k: v.item() * tokens.item() for k, v in stats.items()}
 
-        return {f"policy/{k}": v for k, v in self.run_epochs(batch, iteration, token_loss).items()}
+        metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
+        if self.ema_beta is not None:
+            self.update_ema()
+        return {f"policy/{k}": v for k, v in metrics.items()}
 
+    # ---- PPO-ptx ------------------------------------------------------------------------------------------
+    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list[tuple[torch.Tensor, dict[str, float]]]:
+        """ptx_coef x the LM loss of mix batch k (a pure function of iteration and step: resumable), token-mean over
+        the global mix batch."""
+        if self.mix is None:
+            return []
+        k = plan.meta.iteration * len(plan.minibatches) + step
+        parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
+        if len(parts) != micro_batches:
+            raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")
+        (tokens,) = self.all_reduce_sum([sum(float((p["labels"][:, 1:] != IGNORE_INDEX).sum()) for p in parts)])
+        out = []
+        for part in parts:
+            part = {k: v.to(self.engine.device) for k, v in part.items()}
+            logits = self.engine(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits
+            lm = lm_loss_sum(logits, part["labels"]) / max(tokens, 1.0)
+            out.append((self.ptx_coef * lm, {"ptx_loss": lm.item()}))
+        return out
+
+    # ---- EMA ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_ema(self) -> None:
+        """ema = beta * ema + (1 - beta) * weights, on rank 0 in fp32 (a collective under ZeRO-3)."""
+        for group in self.gathered_groups(GATHER_BYTES):
+            for name, tensor in group:
+                self.ema[name].mul_(self.ema_beta).add_(tensor.float(), alpha=1 - self.ema_beta)
+
+    def save_checkpoint(self, directory: str, client_state: dict) -> None:
+        super().save_checkpoint(directory, client_state)
+        if self.ema is not None:
+            torch.save(self.ema, Path(directory) / EMA_FILE)
+
+    def load_checkpoint(self, directory: str) -> dict:
+        state = super().load_checkpoint(directory)
+        if self.ema_beta is not None and self.rank == 0:
+            self.ema = torch.load(Path(directory) / EMA_FILE)
+        return state
+
+    def export_ema(self, directory: str) -> str | None:
+        """The EMA weights as a Hugging Face model (rank 0; the others return None)."""
+        if self.rank != 0:
+            return None
+        from rlhf_ray.learners.export import save_hf_model
+
+        dtype = next(self.engine.module.parameters()).dtype
+        return save_hf_model(self.engine.module, {k: v.to(dtype) for k, v in self.ema.items()}, self.model_spec,
+                             Path(directory))
+
+    # ---- weights for the engines --------------------------------------------------------------------------
     def publish_weights(self, bucket_bytes: int) -> tuple[list, int] | None:
         """Rank 0 puts the full weights in the object store as buckets and returns (refs, bytes); the engines fetch
         them from there. A collective under ZeRO-3: every rank calls it, groups of parameters are gathered in turn."""

@@ -8,16 +8,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from rlhf_ray.data.split import stable_seed
 from rlhf_ray.learners.base import LearnerRank
 
 Batch = dict[str, torch.Tensor]
+TokenLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
 
 
 class PPOLearnerRank(LearnerRank):
-    def __init__(self, *, train_batch_size: int, ppo_epochs: int, temperature: float, **kwargs):
+    def __init__(self, *, temperature: float, **kwargs):
         super().__init__(**kwargs)
-        self.train_batch_size, self.ppo_epochs, self.temperature = train_batch_size, ppo_epochs, temperature
+        self.temperature = temperature
 
     def rank_slice(self, n: int) -> slice:
         """Contiguous equal chunks: every rank runs the same number of forwards (ZeRO-3 gathers are collective)."""
@@ -32,30 +32,42 @@ class PPOLearnerRank(LearnerRank):
     def to_device(self, batch: Batch, rows) -> Batch:
         return {k: v[rows].to(self.engine.device) for k, v in batch.items() if v.dim() > 0}
 
-    def run_epochs(self, batch: Batch, iteration: int,
-                   token_loss: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]) -> dict[str, float]:
+    def fetch(self, plan) -> Batch:
+        """The experience a TrainingPlan points to, from the object store."""
+        import ray
+
+        return ray.get(plan.refs[0])
+
+    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list[tuple[torch.Tensor, dict[str, float]]]:
+        """Extra loss terms for each micro-batch of mini-batch `step`, already normalised over the global batch
+        (e.g. the policy's pretraining mix); (loss, stats) per micro-batch, or [] for none."""
+        return []
+
+    def run_epochs(self, batch: Batch, plan, token_loss: TokenLoss) -> dict[str, float]:
         """`token_loss(micro_batch)` returns (sum of per-token losses, stats summed over tokens). Gradients equal
         those of sum / (answer tokens of the global mini-batch), whatever the split over ranks and micro-batches;
-        reported numbers are token means per mini-batch, averaged over mini-batches."""
-        n = batch["action_mask"].shape[0]
+        reported numbers are token means per mini-batch, averaged over mini-batches. The mini-batches (rows of the
+        experience, epoch after epoch) come from the replay buffer's plan."""
         self.engine.train()
         totals: dict[str, float] = {}
-        steps = 0
-        for epoch in range(self.ppo_epochs):
-            order = np.random.default_rng(stable_seed(self.seed, "ppo", iteration, epoch)).permutation(n)
-            for start in range(0, n, self.train_batch_size):
-                minibatch = order[start: start + self.train_batch_size]
-                mine = minibatch[self.rank_slice(len(minibatch))]
-                micro = [mine[s] for s in self.micro_slices(len(mine))]
-                (tokens,) = self.all_reduce_sum([float(batch["action_mask"][mine].sum())])
-                scale = self.world_size * self.engine.gradient_accumulation_steps() / max(tokens, 1.0)
-                for rows in micro:
-                    loss_sum, stats = token_loss(self.to_device(batch, torch.as_tensor(rows)))
-                    self.engine.backward(loss_sum * scale)
-                    self.engine.step()
-                    for key, value in {"loss": loss_sum.item(), **stats}.items():
-                        totals[key] = totals.get(key, 0.0) + value / max(tokens, 1.0)
-                steps += 1
+        scale = self.world_size * self.engine.gradient_accumulation_steps()  # DeepSpeed divides by both
+        for step, minibatch in enumerate(plan.minibatches):
+            rows = np.asarray(minibatch)
+            mine = rows[self.rank_slice(len(rows))]
+            micro = [mine[s] for s in self.micro_slices(len(mine))]
+            (tokens,) = self.all_reduce_sum([float(batch["action_mask"][mine].sum())])
+            tokens = max(tokens, 1.0)
+            extras = self.auxiliary_losses(plan, step, len(micro)) or [None] * len(micro)
+            for part, extra in zip(micro, extras):
+                loss_sum, stats = token_loss(self.to_device(batch, torch.as_tensor(part)))
+                loss = loss_sum / tokens
+                stats = {"loss": loss_sum.item() / tokens, **{k: v / tokens for k, v in stats.items()}}
+                if extra is not None:
+                    loss = loss + extra[0]
+                    stats |= extra[1]
+                self.engine.backward(loss * scale)
+                self.engine.step()
+                for key, value in stats.items():
+                    totals[key] = totals.get(key, 0.0) + value
         reduced = self.all_reduce_sum(list(totals.values()))
-        info = self.step_info()
-        return {k: v / max(steps, 1) for k, v in zip(totals, reduced)} | info
+        return {k: v / max(len(plan.minibatches), 1) for k, v in zip(totals, reduced)} | self.step_info()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
+from rlhf_ray.algorithms.losses import lm_loss_sum
 from rlhf_ray.data.collate import collate_sft
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.base import SupervisedRank
@@ -26,8 +26,7 @@ class SFTLearner(SupervisedRank):
     def _loss_sum(self, rows: list[dict]) -> torch.Tensor:
         batch = {k: v.to(self.engine.device) for k, v in collate_sft(rows, self.pad_token_id).items()}
         logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch["labels"][:, 1:].flatten(),
-                               ignore_index=IGNORE_INDEX, reduction="sum")
+        return lm_loss_sum(logits, batch["labels"])
 
     def train_step(self, step: int) -> dict:
         micro = self.step_micro_batches(step)

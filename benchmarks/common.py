@@ -1,0 +1,61 @@
+"""What every benchmark script shares: the machine line, library versions, and replacing its section of
+docs/benchmarks.md (up to the next '## ' heading) without touching the others."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    gpu = ""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            gpu = f", {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    except ImportError:
+        pass
+    ram = psutil.virtual_memory().total / 2**30
+    return (f"{len(os.sched_getaffinity(0))} cores ({cpu}){gpu}, {ram:.0f} GiB RAM, "
+            f"{platform.system()} {platform.release()}")
+
+
+def versions(*modules: str) -> str:
+    found = []
+    for name in modules:
+        try:
+            found.append(f"{name} {__import__(name).__version__}")
+        except ImportError:
+            found.append(f"{name} (not installed)")
+    return f"Python {platform.python_version()}, " + ", ".join(found)
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def write_section(doc: Path, heading: str, text: str) -> None:
+    """Replace the section that starts with `heading` or append it; other sections are left as they are."""
+    body = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    lines = body.splitlines(keepends=True)
+    start = next((i for i, line in enumerate(lines) if line.strip() == heading), None)
+    text = text.rstrip("\n") + "\n"
+    if start is None:
+        body = body.rstrip("\n") + "\n\n" + text
+    else:
+        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+        body = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(body)

@@ -1,0 +1,59 @@
+"""The reward role as a Python function (`reward.function: package.module:function`), run in its own actor like a
+reward model: the function gets decoded prompts and answers and returns one score per answer."""
+
+from __future__ import annotations
+
+import math
+
+import ray
+import torch
+
+from rlhf_ray.compare import load_function
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function raised or returned something unusable; the message shows the sample."""
+
+
+class RewardFunctionWorker:
+    def __init__(self, *, rank: int, world_size: int, function: str, tokenizer: str):
+        from transformers import AutoTokenizer
+
+        self.name, self.function = function, load_function(function)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+
+    def texts(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[list[str], list[str]]:
+        width = int(batch["prompt_width"])
+        seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
+        prompts = [self.tokenizer.decode(row[:width][m[:width].bool()]) for row, m in zip(seq, mask)]
+        answers = [self.tokenizer.decode(row[width:][m[width:].bool()], skip_special_tokens=True)
+                   for row, m in zip(seq, mask)]
+        return prompts, answers
+
+    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int):
+        prompts, answers = self.texts(batch, lo, hi)
+        return ray.put(self.score_texts(prompts, answers))
+
+    def score_texts(self, prompts: list[str], answers: list[str]) -> torch.Tensor:
+        """Scores one by one on failure, so the error names the sample that broke the function."""
+        try:
+            scores = [float(v) for v in self.function(prompts, answers)]
+            if len(scores) != len(answers):
+                raise ValueError(f"returned {len(scores)} scores for {len(answers)} answers")
+            if not all(math.isfinite(v) for v in scores):
+                raise ValueError("returned a non-finite score")
+            return torch.tensor(scores)
+        except Exception as batch_error:  # noqa: BLE001 - find and report the offending sample
+            for prompt, answer in zip(prompts, answers):
+                try:
+                    value = float(self.function([prompt], [answer])[0])
+                    if not math.isfinite(value):
+                        raise ValueError(f"returned {value}")
+                except Exception as exc:  # noqa: BLE001
+                    raise RewardFunctionError(f"reward function {self.name} failed on prompt {prompt!r} with answer "
+                                              f"{answer!r}: {type(exc).__name__}: {exc}") from exc
+            raise RewardFunctionError(f"reward function {self.name} failed on a batch of {len(answers)} answers "
+                                      f"(each alone works): {type(batch_error).__name__}: {batch_error}") from batch_error
+
+    def ping(self) -> int:
+        return 0

@@ -1,0 +1,110 @@
+"""The shared replay buffer (a Ray actor): experience as object references with metadata, never the tensors.
+
+Producers `put` a reference to one iteration's experience with the policy version that generated it; the trainer
+`take`s the oldest entry still fresh enough and gets, with it, the mini-batch order of every PPO epoch, so the
+policy and critic groups walk the same mini-batches. Entries more than `max_staleness` versions behind the learner
+are refused, on the way in and on the way out, and counted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from rlhf_ray.data.split import stable_seed
+
+
+@dataclass
+class ExperienceMeta:
+    version: int
+    """Policy version of the engines that sampled it."""
+    samples: int
+    """Rows in the experience batch."""
+    iteration: int
+    """PPO iteration that produced it."""
+    prompt_ids: list[int] = field(default_factory=list)
+    """Dataset indices of its prompts."""
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class TrainingPlan:
+    """What a learner group trains on: one experience reference and the row indices of each mini-batch, epoch
+    after epoch (identical for every group that gets the plan)."""
+
+    refs: list
+    """[ObjectRef] of the experience dict (wrapped in a list so Ray passes the reference, not the payload)."""
+    minibatches: list[list[int]]
+    meta: ExperienceMeta
+    staleness: int
+
+
+class StaleExperience(RuntimeError):
+    """Every entry in the buffer is older than the staleness bound allows."""
+
+
+class ReplayBuffer:
+    def __init__(self, *, rank: int = 0, world_size: int = 1, capacity: int, max_staleness: int):
+        self.capacity, self.max_staleness = capacity, max_staleness
+        self.entries: deque[tuple[list, ExperienceMeta]] = deque()
+        self.learner_version = 0
+        self.counts = {"put": 0, "taken": 0, "refused_stale": 0, "evicted": 0}
+        self.last_staleness = 0
+
+    def _stale(self, meta: ExperienceMeta) -> bool:
+        return self.learner_version - meta.version > self.max_staleness
+
+    def put(self, refs: list, meta: dict, learner_version: int) -> bool:
+        """Add one experience reference; False if it is already too stale to ever be used (then it is dropped).
+        A full buffer drops its oldest entry to make room."""
+        self.learner_version = max(self.learner_version, learner_version)
+        entry = ExperienceMeta(**meta)
+        if self._stale(entry):
+            self.counts["refused_stale"] += 1
+            return False
+        if len(self.entries) >= self.capacity:
+            self.entries.popleft()
+            self.counts["evicted"] += 1
+        self.entries.append((refs, entry))
+        self.counts["put"] += 1
+        return True
+
+    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> TrainingPlan:
+        """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batch plan.
+        Older entries met on the way are dropped and counted; raises StaleExperience if none is left."""
+        self.learner_version = max(self.learner_version, learner_version)
+        while self.entries:
+            refs, meta = self.entries.popleft()
+            if self._stale(meta):
+                self.counts["refused_stale"] += 1
+                continue
+            self.counts["taken"] += 1
+            self.last_staleness = self.learner_version - meta.version
+            plan = minibatch_plan(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.iteration))
+            return TrainingPlan(refs, plan, meta, self.last_staleness)
+        raise StaleExperience(
+            f"no experience within max_staleness={self.max_staleness} of policy version {self.learner_version} "
+            f"(refused so far: {self.counts['refused_stale']}); generation is falling behind training")
+
+    def stats(self) -> dict[str, float]:
+        now = time.time()
+        ages = [now - meta.created for _, meta in self.entries]
+        return {"buffer/entries": len(self.entries), "buffer/samples": sum(m.samples for _, m in self.entries),
+                "buffer/oldest_age_s": max(ages, default=0.0), "buffer/staleness": self.last_staleness,
+                **{f"buffer/{k}": v for k, v in self.counts.items()}}
+
+    def metas(self) -> list[dict]:
+        return [asdict(meta) for _, meta in self.entries]
+
+
+def minibatch_plan(n: int, train_batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+    """Each epoch a fresh seeded permutation of the n rows, cut into consecutive mini-batches."""
+    rng = np.random.default_rng(seed)
+    plan = []
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        plan += [order[i: i + train_batch_size].tolist() for i in range(0, n, train_batch_size)]
+    return plan

@@ -1,0 +1,187 @@
+"""The actor groups of one PPO job and the operations its loop composes. The driver holds references: samples,
+rollout batches, per-role results and experience live in the object store and move from actor to actor."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from rlhf_ray.actors.experience import assemble_batch, assemble_experience
+from rlhf_ray.actors.group import ActorGroup, gather
+from rlhf_ray.actors.pool import GenerationPool
+from rlhf_ray.actors.reward_function import RewardFunctionWorker
+from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
+from rlhf_ray.algorithms.experience import pack_rollouts
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer
+from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
+from rlhf_ray.data.split import stable_seed
+from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.learners.critic import CriticLearner
+from rlhf_ray.learners.group import actor_env, start_learner_group
+from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.plan import ResourcePlan
+
+log = logging.getLogger(__name__)
+
+
+def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
+    accumulation = role.accumulation_steps(job.train_batch_size)
+    deepspeed = role.deepspeed.model_copy(update={"gradient_accumulation_steps": accumulation})
+    return dict(model=role.model.model_dump(), optim=role.optim.model_dump(), deepspeed=deepspeed.model_dump(),
+                micro_batch_size=role.micro_batch_size, seed=job.seed,
+                temperature=job.generation.sampling.temperature)
+
+
+def row_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """k contiguous, balanced [lo, hi) ranges over n rows."""
+    cuts = [round(i * n / k) for i in range(k + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+class PPORun:
+    def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer):
+        self.job, self.tokenizer = job, tokenizer
+        pad, cluster = tokenizer.pad_token_id, job.cluster
+        updates = job.ppo.iterations * job.ppo.ppo_epochs * (job.samples_per_iteration // job.train_batch_size)
+
+        def slots(role):
+            name, bundles = plan.role_slots(role)
+            return groups[name], bundles
+
+        ppo = job.ppo
+        self.policy = start_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
+                                          updates, clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
+                                          pad_token_id=pad, train_batch_size=job.train_batch_size,
+                                          ema_beta=ppo.ema.beta if ppo.ema.enabled else None,
+                                          pretrain_data=ppo.pretrain_data, ptx_coef=ppo.ptx_coef,
+                                          **_learner_kwargs(job, job.policy))
+        self.critic = None
+        if job.critic is not None:
+            self.critic = start_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
+                                              cluster, updates, clip_value=job.ppo.clip_value, pad_token_id=pad,
+                                              **_learner_kwargs(job, job.critic))
+        self.reference = self._inference_group(ReferenceWorker, "reference", job.reference.placement,
+                                               slots("reference"), model=job.reference.model.model_dump(),
+                                               micro_batch_size=job.reference.micro_batch_size,
+                                               temperature=job.generation.sampling.temperature)
+        if job.reward.function:
+            self.reward = self._inference_group(RewardFunctionWorker, "reward", job.reward.placement, slots("reward"),
+                                                function=job.reward.function,
+                                                tokenizer=job.policy.model.tokenizer_path)
+        else:
+            self.reward = self._inference_group(RewardWorker, "reward", job.reward.placement, slots("reward"),
+                                                model=job.reward.model.model_dump(),
+                                                micro_batch_size=job.reward.micro_batch_size, pad_token_id=pad)
+        self.pool = GenerationPool.start(job, *slots("generation"), tokenizer.eos_token_id, pad)
+        self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
+                                 kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
+                                 call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
+        self.version = 0
+
+    def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
+        group = ActorGroup(cls, role, placement.replicas, placement_group=slot[0], bundle_indices=slot[1],
+                           num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
+                           call_timeout_s=self.job.cluster.call_timeout_s,
+                           start_timeout_s=self.job.cluster.startup_timeout_s, env_vars=actor_env(placement))
+        return group.wait_ready(self.job.cluster.startup_timeout_s)
+
+    def _split_submit(self, group: ActorGroup, method: str, batch_ref, rows: int) -> list:
+        """Replica i scores its contiguous share of the rows; returns the call refs (in row order)."""
+        return [getattr(actor, method).remote(batch_ref, lo, hi)
+                for actor, (lo, hi) in zip(group.actors, row_bounds(rows, len(group)))]
+
+    # ---- one iteration ------------------------------------------------------------------------------------
+    def rollout_seed(self, iteration: int) -> int:
+        return stable_seed(self.job.seed, "rollout", iteration)
+
+    def experience(self, rollout: dict) -> tuple:
+        """Score a rollout on every role at once; returns (reference to the experience, its metrics)."""
+        rows = rollout["samples"]
+        batch = assemble_batch.remote(rollout["refs"], self.tokenizer.pad_token_id)
+        calls = {"policy": self.policy.submit("logprobs", batch),
+                 "reference": self._split_submit(self.reference, "logprobs", batch, rows),
+                 "reward": self._split_submit(self.reward, "score", batch, rows)}
+        if self.critic is not None:
+            calls["critic"] = self.critic.submit("values", batch)
+        groups = {"policy": self.policy, "reference": self.reference, "reward": self.reward, "critic": self.critic}
+        parts = {role: groups[role].gather(refs, "score experience") for role, refs in calls.items()}
+        experience, metrics = assemble_experience.remote(
+            batch, parts["reward"], parts["policy"], parts["reference"], parts.get("critic"),
+            self.job.ppo.model_dump(), self.job.generation.sampling.n_samples_per_prompt)
+        (metrics,) = gather([metrics], ["experience-task"], self.job.cluster.call_timeout_s, "assemble_experience")
+        return experience, metrics
+
+    def step(self, iteration: int, rollout: dict, prompt_ids: list[int]) -> dict[str, float]:
+        """Experience -> replay buffer -> PPO epochs on policy and critic -> weights to the engines."""
+        timer = [time.perf_counter()]
+        experience, metrics = self.experience(rollout)
+        timer.append(time.perf_counter())
+        meta = {"version": rollout["version"], "samples": rollout["samples"], "iteration": iteration,
+                "prompt_ids": prompt_ids}
+        self.buffer.call("put", [experience], meta, self.version)
+        ppo = self.job.ppo
+        (plan,) = self.buffer.call("take", self.version, self.job.train_batch_size, ppo.ppo_epochs, self.job.seed)
+        calls = [(self.policy, self.policy.submit("train", plan))]
+        if self.critic is not None:
+            calls.append((self.critic, self.critic.submit("train", plan)))
+        for group, refs in calls:
+            metrics |= group.gather(refs, "train")[0]
+        timer.append(time.perf_counter())
+        sync = self.sync_weights()
+        timer.append(time.perf_counter())
+        (buffer_stats,) = self.buffer.call("stats")
+        return metrics | buffer_stats | {
+            "time/experience": timer[1] - timer[0], "time/train": timer[2] - timer[1], "time/sync": timer[3] - timer[2],
+            "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
+            "sync/bytes": sync["bytes"], "sync/gather_seconds": sync["gather_seconds"],
+            "sync/load_seconds": sync["load_seconds"], "policy_version": self.version,
+            "experience/staleness": plan.staleness,
+        }
+
+    def sync_weights(self) -> dict:
+        """Policy weights -> every engine, in buckets through the object store; the policy version goes up by one."""
+        start = time.perf_counter()
+        refs, nbytes = self.policy.call("publish_weights", int(self.job.generation.weight_sync.bucket_mb * 2**20))[0]
+        published = time.perf_counter()
+        self.version += 1
+        loaded = self.pool.broadcast(refs, self.version)
+        return {"bytes": float(nbytes), "gather_seconds": published - start, "load_seconds": loaded["seconds"]}
+
+    # ---- checkpoints --------------------------------------------------------------------------------------
+    def save(self, checkpoints: Checkpoints, iteration: int, extra: dict) -> None:
+        """Policy and critic engines (weights, optimizer, scheduler, RNG) of every rank, then the loop state."""
+        staging = checkpoints.staging(iteration)
+        refs = self.policy.submit("save_checkpoint", str(staging / "policy"), {"iteration": iteration})
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", str(staging / "critic"), {"iteration": iteration})
+        self.policy.gather(refs, "save_checkpoint")
+        checkpoints.commit(staging, iteration, {"policy_version": self.version, **extra})
+
+    def restore(self, path: Path) -> dict:
+        """Load the newest checkpoint and bring the engines to its policy version."""
+        state = Checkpoints.state(path)
+        self.policy.call("load_checkpoint", str(path / "policy"))
+        if self.critic is not None:
+            self.critic.call("load_checkpoint", str(path / "critic"))
+        self.version = state["policy_version"] - 1
+        self.sync_weights()
+        return state
+
+    # ---- evaluation ---------------------------------------------------------------------------------------
+    def evaluate(self, rows: list[dict], rule) -> dict[str, float]:
+        """Greedy answers to held-out prompts: mean reward score and, with a rule, the task accuracy. (Small: the
+        answers come to the driver, which decodes them for the rule.)"""
+        samples = self.pool.generate([r["prompt_ids"] for r in rows], seed=0, greedy=True)
+        batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
+                              self.tokenizer.pad_token_id)
+        parts = self.reward.gather(self._split_submit(self.reward, "score", ray.put(batch), len(samples)), "score")
+        out = {"reward": torch.cat(ray.get(parts)).float().mean().item()}
+        if rule is not None:
+            answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
+            prompts = [rows[s["prompt_index"]]["prompt"] for s in samples]
+            out["task_accuracy"] = sum(rule(prompts, answers)) / len(rows)
+        return out

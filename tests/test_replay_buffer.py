@@ -1,0 +1,70 @@
+"""The replay buffer: references in, a staleness bound, mini-batch plans out. Unit tests on the class, and one
+on the real Ray actor holding a real object reference."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+import torch
+
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer, StaleExperience, minibatch_plan
+
+
+def meta(version: int, iteration: int = 0, samples: int = 8) -> dict:
+    return {"version": version, "samples": samples, "iteration": iteration}
+
+
+def test_stale_experience_is_refused_on_the_way_in_and_out():
+    buffer = ReplayBuffer(capacity=4, max_staleness=1)
+    assert buffer.put(["a"], meta(version=0), learner_version=0)
+    assert buffer.put(["b"], meta(version=1), learner_version=1)
+    assert not buffer.put(["c"], meta(version=0), learner_version=2)  # 2 versions behind: refused at once
+    plan = buffer.take(learner_version=2, train_batch_size=4, epochs=1, seed=0)
+    assert plan.refs == ["b"] and plan.staleness == 1  # "a" (version 0) was dropped on the way out
+    stats = buffer.stats()
+    assert stats["buffer/refused_stale"] == 2 and stats["buffer/taken"] == 1 and stats["buffer/entries"] == 0
+    with pytest.raises(StaleExperience, match="max_staleness=1 of policy version 2"):
+        buffer.take(learner_version=2, train_batch_size=4, epochs=1, seed=0)
+
+
+def test_zero_staleness_takes_only_current_experience():
+    buffer = ReplayBuffer(capacity=4, max_staleness=0)
+    buffer.put(["old"], meta(version=3), learner_version=3)
+    with pytest.raises(StaleExperience):
+        buffer.take(learner_version=4, train_batch_size=8, epochs=1, seed=0)
+
+
+def test_full_buffer_drops_its_oldest_entry():
+    buffer = ReplayBuffer(capacity=2, max_staleness=10)
+    for i in range(3):
+        buffer.put([f"e{i}"], meta(version=i, iteration=i), learner_version=i)
+    assert buffer.stats()["buffer/evicted"] == 1
+    assert [m["iteration"] for m in buffer.metas()] == [1, 2]
+    assert buffer.take(2, 8, 1, 0).refs == ["e1"]  # first in, first out
+
+
+def test_plan_covers_every_row_once_per_epoch_in_minibatches():
+    plan = minibatch_plan(12, 4, epochs=2, seed=7)
+    assert [len(b) for b in plan] == [4] * 6
+    for epoch in (plan[:3], plan[3:]):
+        assert sorted(i for b in epoch for i in b) == list(range(12))
+    assert plan[:3] != plan[3:]  # a fresh order each epoch
+    assert minibatch_plan(12, 4, 2, seed=7) == plan and minibatch_plan(12, 4, 2, seed=8) != plan
+
+
+def test_buffer_actor_hands_out_references_not_payloads():
+    from rlhf_ray import cluster
+    from rlhf_ray.actors.group import ActorGroup
+    from rlhf_ray.config.placement import ClusterSpec
+
+    with cluster.connect(ClusterSpec(num_cpus=1, dashboard=False)):
+        group = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
+                           kwargs={"capacity": 2, "max_staleness": 1}).wait_ready(60)
+        payload = {"x": torch.arange(6)}
+        ref = ray.put(payload)
+        assert group.call("put", [ref], meta(version=5, samples=6), 5) == [True]
+        (plan,) = group.call("take", 6, 3, 1, 0)
+        assert isinstance(plan.refs[0], ray.ObjectRef) and plan.staleness == 1
+        assert torch.equal(ray.get(plan.refs[0])["x"], payload["x"])
+        assert group.call("put", [ref], meta(version=4), 6) == [False]  # 2 behind the learner
+        assert group.call("stats")[0]["buffer/refused_stale"] == 1
