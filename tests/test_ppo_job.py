@@ -30,14 +30,16 @@ def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
     assert summary["task_accuracy_after"] > summary["task_accuracy_before"], summary
 
 
-def test_grpo_runs_without_a_critic(tmp_path, stage_models):
+def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_models):
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
-                  "ppo.rollout_batch_size=8", "ppo.iterations=3", "critic=null",
-                  "reward.placement.colocate_with=policy")
+                  "ppo.rollout_batch_size=8", "ppo.iterations=3", "critic=null", "reward.model.path=null",
+                  "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy")
     assert job.critic is None and "critic" not in job.placement_roles()
     summary = run_ppo(job)
     assert summary["iterations"] == 3
+    # the rule reward of a greedy answer is its task accuracy: the function ran on decoded prompts and answers
+    assert summary["reward_before"] == summary["task_accuracy_before"]
 
 
 @pytest.mark.parametrize("engine,zero_stage", [("hf", 2), ("vllm", 3)])
@@ -103,3 +105,34 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
     b = load_file(str(tmp_path / "b" / "ppo" / "model" / "model.safetensors"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
+
+
+def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
+    import json
+
+    import torch
+    from safetensors.torch import load_file
+
+    from rlhf_ray.data.preprocess import preprocess
+
+    sft, rm = stage_models
+    text = tmp_path / "plain.txt"
+    text.write_text("\n".join(f"The number {i} comes before {i + 1}. Sorting puts small numbers first." for i in range(200)))
+    preprocess([text], sft, tmp_path / "corpus", max_len=32, workers=1)
+    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.iterations=4", "ppo.rollout_batch_size=16",
+                  "ppo.eval_prompts=8", "policy.micro_batch_size=8", "critic.micro_batch_size=8",
+                  "ppo.ema.enabled=true", "ppo.ema.beta=0.5",
+                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5")
+    summary = run_ppo(job)
+    assert summary["iterations"] == 4
+    out = tmp_path / "ppo"
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "experience/staleness" in m]
+    assert len(steps) == 4
+    # iteration 0 was sampled by the starting weights; every later batch by the weights one update older
+    assert [m["experience/staleness"] for m in steps] == [0, 1, 1, 1]
+    assert all(m["buffer/refused_stale"] == 0 for m in steps)
+    assert all(m["policy/ptx_loss"] > 0 for m in steps)
+    final, ema, start = (load_file(str(p / "model.safetensors")) for p in (out / "model", out / "model_ema", sft))
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(ema[key], final[key]) and not torch.equal(ema[key], start[key])  # an average of both
