@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -241,8 +242,20 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def setup_logging() -> None:
+    """rlhf_ray's own messages (engine choice, resume point, replaced actors) on stderr; RLHF_RAY_LOG_LEVEL
+    changes the level (e.g. WARNING for quiet runs, DEBUG for more)."""
+    logger = logging.getLogger("rlhf_ray")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+    logger.setLevel(os.environ.get("RLHF_RAY_LOG_LEVEL", "INFO").upper())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    setup_logging()
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:

@@ -6,6 +6,7 @@ only debuggable when the error says which rank never answered.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+log = logging.getLogger(__name__)
 
 
 class ActorCallTimeout(RuntimeError):
@@ -108,24 +111,46 @@ class ActorGroup:
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         self.names = [f"{role}-{rank}" for rank in range(replicas)]
-        remote_cls = ray.remote(actor_cls)
+        self._remote_cls = ray.remote(actor_cls)
+        self._spawn_args = (args, kwargs or {}, num_cpus, num_gpus, placement_group, bundle_indices, env_vars,
+                            ray_options or {})
         self.actors: list = []
         try:
-            for rank, name in enumerate(self.names):
-                opts: dict[str, Any] = {"name": name, "num_cpus": num_cpus, "num_gpus": num_gpus,
-                                        **(ray_options or {})}
-                if placement_group is not None:
-                    opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                        placement_group, placement_group_bundle_index=bundle_indices[rank],
-                        placement_group_capture_child_tasks=True)
-                if env_vars:
-                    opts["runtime_env"] = {"env_vars": dict(env_vars)}
-                handle = remote_cls.options(**opts).remote(*args, rank=rank, world_size=replicas,
-                                                           **(kwargs or {}))
-                self.actors.append(handle)
+            for rank in range(replicas):
+                self.actors.append(self._spawn(rank))
         except Exception:
             self.kill()
             raise
+
+    def _spawn(self, rank: int):
+        args, kwargs, num_cpus, num_gpus, placement_group, bundle_indices, env_vars, ray_options = self._spawn_args
+        opts: dict[str, Any] = {"name": self.names[rank], "num_cpus": num_cpus, "num_gpus": num_gpus, **ray_options}
+        if placement_group is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=bundle_indices[rank],
+                placement_group_capture_child_tasks=True)
+        if env_vars:
+            opts["runtime_env"] = {"env_vars": dict(env_vars)}
+        return self._remote_cls.options(**opts).remote(*args, rank=rank, world_size=len(self.names), **kwargs)
+
+    def replace(self, rank: int, timeout: float | None = None) -> None:
+        """Start a fresh replica `rank` on the same bundle, under the same name (the old one is killed first if it
+        still runs). For stateless roles: a learner rank cannot rejoin its ZeRO group this way."""
+        try:
+            ray.kill(self.actors[rank], no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+        deadline = time.monotonic() + (self.start_timeout_s if timeout is None else timeout)
+        while True:  # the name is released once Ray has marked the old actor dead
+            try:
+                self.actors[rank] = self._spawn(rank)
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        gather([self.actors[rank].__ray_ready__.remote()], [self.names[rank]],
+               self.start_timeout_s if timeout is None else timeout, f"{self.actor_cls.__name__}.__init__")
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -172,3 +197,40 @@ class ActorGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead or Ray shut down: nothing left to kill
                 pass
+
+
+class RestartBudget:
+    """How many stateless actors (engines, reference, reward) a job may replace before it gives up: a replica
+    that keeps dying (out of memory on every start, say) must end the job, not loop."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.replaced: list[str] = []
+
+    def spend(self, err: ActorDiedError) -> None:
+        if len(self.replaced) >= self.limit:
+            raise ActorDiedError(f"{err} (no restarts left: cluster.max_actor_restarts={self.limit} already used "
+                                 f"by {', '.join(self.replaced)})", err.actor) from err
+        self.replaced.append(err.actor)
+        log.warning("%s died; replacing it (restart %d of %d): %s", err.actor, len(self.replaced), self.limit,
+                    str(err).splitlines()[0])
+
+
+def resilient_gather(group: ActorGroup, method: str, per_rank_args: Sequence[tuple], refs: Sequence[Any],
+                     budget: RestartBudget, after_replace=None) -> list:
+    """Results of `refs` (one call of `method` per replica, started with `per_rank_args`). A replica that died is
+    replaced on its bundle, `after_replace(rank)` brings it up to date (e.g. loads the current weights), and its
+    call is issued again with the same arguments."""
+    results = []
+    for rank, ref in enumerate(refs):
+        while True:
+            try:
+                results.append(gather([ref], [group.names[rank]], group.call_timeout_s, method)[0])
+                break
+            except ActorDiedError as err:
+                budget.spend(err)
+                group.replace(rank)
+                if after_replace is not None:
+                    after_replace(rank)
+                ref = getattr(group.actors[rank], method).remote(*per_rank_args[rank])
+    return results

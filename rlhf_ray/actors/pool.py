@@ -1,5 +1,8 @@
 """The generation pool: K engine replicas behind one call. Prompts are split across engines in contiguous,
-balanced chunks; results come back in input order; weight updates reach every engine from the same buckets."""
+balanced chunks; results come back in input order; weight updates reach every engine from the same buckets.
+
+An engine that dies is replaced on its bundle, loaded with the current policy weights (the pool keeps the
+references of the last broadcast) and given its prompts again, within the job's restart budget."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import time
 
 from rlhf_ray.actors.engine import engine_env, resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker
-from rlhf_ray.actors.group import ActorGroup
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.learners.group import threads
 
@@ -16,12 +19,13 @@ log = logging.getLogger(__name__)
 
 
 class GenerationPool:
-    def __init__(self, group: ActorGroup, engine: str):
-        self.group, self.engine = group, engine
+    def __init__(self, group: ActorGroup, engine: str, budget: RestartBudget):
+        self.group, self.engine, self.budget = group, engine, budget
+        self.weights: tuple[list, int] | None = None  # (bucket refs, version) of the last broadcast
 
     @classmethod
-    def start(cls, job, placement_group, bundle_indices: list[int], eos_token_id: int,
-              pad_token_id: int) -> "GenerationPool":
+    def start(cls, job, placement_group, bundle_indices: list[int], eos_token_id: int, pad_token_id: int,
+              budget: RestartBudget | None = None) -> "GenerationPool":
         spec = job.generation
         engine, reason = resolve_engine(spec, job.policy.model)
         log.info("generation engine: %s (%s)", engine, reason)
@@ -32,37 +36,53 @@ class GenerationPool:
                                    "engine": engine, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id},
                            call_timeout_s=job.cluster.call_timeout_s, start_timeout_s=job.cluster.startup_timeout_s,
                            env_vars=engine_env(engine, spec, threads(placement)))
-        return cls(group.wait_ready(job.cluster.startup_timeout_s), engine)
+        return cls(group.wait_ready(job.cluster.startup_timeout_s), engine,
+                   budget or RestartBudget(job.cluster.max_actor_restarts))
 
     def _shards(self, prompts: list[list[int]], seed: int, greedy: bool) -> tuple[list[int], list[tuple]]:
         k = len(self.group)
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
         return bounds, [(prompts[bounds[i]: bounds[i + 1]], stable_seed(seed, "engine", i), greedy) for i in range(k)]
 
+    def _resync(self, rank: int) -> None:
+        """A replacement engine starts from the model files (version 0); bring it to the current version."""
+        if self.weights is not None:
+            refs, version = self.weights
+            gather([self.group.actors[rank].load_weights.remote(refs, version)], [self.group.names[rank]],
+                   self.group.call_timeout_s, "load_weights")
+            log.info("%s re-synced to policy version %d", self.group.names[rank], version)
+
+    def _call(self, method: str, per_rank_args: list[tuple], refs: list | None = None) -> list:
+        if refs is None:
+            refs = [getattr(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
+        return resilient_gather(self.group, method, per_rank_args, refs, self.budget, self._resync)
+
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
         """All samples, in prompt order, brought to the caller (evaluation; training uses `submit`)."""
         bounds, args = self._shards(prompts, seed, greedy)
         merged = []
-        for i, rows in enumerate(self.group.call_each("generate", args)):
+        for i, rows in enumerate(self._call("generate", args)):
             merged += [{**row, "prompt_index": row["prompt_index"] + bounds[i]} for row in rows]
         return merged
 
-    def submit(self, prompts: list[list[int]], seed: int) -> list:
+    def submit(self, prompts: list[list[int]], seed: int) -> dict:
         """Start a rollout without waiting (async mode overlaps it with training); `collect` its result."""
         _, args = self._shards(prompts, seed, False)
-        return [actor.rollout.remote(*a[:2]) for actor, a in zip(self.group.actors, args)]
+        args = [a[:2] for a in args]
+        return {"args": args, "refs": [actor.rollout.remote(*a) for actor, a in zip(self.group.actors, args)]}
 
-    def collect(self, pending: list) -> dict:
+    def collect(self, pending: dict) -> dict:
         """References to each engine's samples (engine order = prompt order) and what the metrics need."""
-        parts = self.group.gather(pending, "rollout")
-        versions = {p["version"] for p in parts}
-        return {"refs": [p["ref"] for p in parts], "version": min(versions), "samples": sum(p["samples"] for p in parts),
-                "tokens": sum(p["tokens"] for p in parts), "engine_seconds": max(p["seconds"] for p in parts)}
+        parts = self._call("rollout", pending["args"], pending["refs"])
+        return {"refs": [p["ref"] for p in parts], "version": min(p["version"] for p in parts),
+                "samples": sum(p["samples"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
+                "engine_seconds": max(p["seconds"] for p in parts), "restarts": len(self.budget.replaced)}
 
     def broadcast(self, bucket_refs: list, version: int) -> dict[str, float]:
         """Every engine loads the same buckets (object refs; the driver never holds the tensors)."""
         start = time.perf_counter()
-        results = self.group.call("load_weights", bucket_refs, version)
+        self.weights = (bucket_refs, version)
+        results = self._call("load_weights", [(bucket_refs, version)] * len(self.group))
         stale = [name for name, r in zip(self.group.names, results) if r["version"] != version]
         if stale:
             raise RuntimeError(f"{', '.join(stale)} did not reach policy version {version}")

@@ -66,3 +66,7 @@ class ClusterSpec(StrictModel):
     """Longest wait for any one remote call before the actor is reported as hung."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """Longest wait for placement groups and actors to start."""
+    max_actor_restarts: int = Field(3, ge=0)
+    """Stateless actors (generation engines, reference, reward) that die are replaced on their bundle and their
+    work re-issued, this many times per job; then the job fails. A dead learner rank always fails the job (its
+    ZeRO group cannot continue without it): run the job again to resume from the last checkpoint."""

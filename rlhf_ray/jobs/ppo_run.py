@@ -11,7 +11,7 @@ import ray
 import torch
 
 from rlhf_ray.actors.experience import assemble_batch, assemble_experience
-from rlhf_ray.actors.group import ActorGroup, gather
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
@@ -76,7 +76,8 @@ class PPORun:
             self.reward = self._inference_group(RewardWorker, "reward", job.reward.placement, slots("reward"),
                                                 model=job.reward.model.model_dump(),
                                                 micro_batch_size=job.reward.micro_batch_size, pad_token_id=pad)
-        self.pool = GenerationPool.start(job, *slots("generation"), tokenizer.eos_token_id, pad)
+        self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
+        self.pool = GenerationPool.start(job, *slots("generation"), tokenizer.eos_token_id, pad, self.restarts)
         self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
                                  kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
                                  call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
@@ -89,10 +90,14 @@ class PPORun:
                            start_timeout_s=self.job.cluster.startup_timeout_s, env_vars=actor_env(placement))
         return group.wait_ready(self.job.cluster.startup_timeout_s)
 
-    def _split_submit(self, group: ActorGroup, method: str, batch_ref, rows: int) -> list:
-        """Replica i scores its contiguous share of the rows; returns the call refs (in row order)."""
-        return [getattr(actor, method).remote(batch_ref, lo, hi)
-                for actor, (lo, hi) in zip(group.actors, row_bounds(rows, len(group)))]
+    def _split_submit(self, group: ActorGroup, method: str, batch_ref, rows: int) -> tuple[list, list]:
+        """Replica i scores its contiguous share of the rows; returns (per-replica args, call refs) in row order."""
+        args = [(batch_ref, lo, hi) for lo, hi in row_bounds(rows, len(group))]
+        return args, [getattr(actor, method).remote(*a) for actor, a in zip(group.actors, args)]
+
+    def _split_gather(self, group: ActorGroup, method: str, submitted: tuple[list, list]) -> list:
+        """Results of `_split_submit`; a replica that died is replaced and its rows scored again."""
+        return resilient_gather(group, method, submitted[0], submitted[1], self.restarts)
 
     # ---- one iteration ------------------------------------------------------------------------------------
     def rollout_seed(self, iteration: int) -> int:
@@ -107,8 +112,11 @@ class PPORun:
                  "reward": self._split_submit(self.reward, "score", batch, rows)}
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
-        groups = {"policy": self.policy, "reference": self.reference, "reward": self.reward, "critic": self.critic}
-        parts = {role: groups[role].gather(refs, "score experience") for role, refs in calls.items()}
+        parts = {"policy": self.policy.gather(calls["policy"], "logprobs"),
+                 "reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
+                 "reward": self._split_gather(self.reward, "score", calls["reward"])}
+        if self.critic is not None:
+            parts["critic"] = self.critic.gather(calls["critic"], "values")
         experience, metrics = assemble_experience.remote(
             batch, parts["reward"], parts["policy"], parts["reference"], parts.get("critic"),
             self.job.ppo.model_dump(), self.job.generation.sampling.n_samples_per_prompt)
@@ -139,7 +147,7 @@ class PPORun:
             "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
             "sync/bytes": sync["bytes"], "sync/gather_seconds": sync["gather_seconds"],
             "sync/load_seconds": sync["load_seconds"], "policy_version": self.version,
-            "experience/staleness": plan.staleness,
+            "experience/staleness": plan.staleness, "actors/restarts": len(self.restarts.replaced),
         }
 
     def sync_weights(self) -> dict:
@@ -178,7 +186,8 @@ class PPORun:
         samples = self.pool.generate([r["prompt_ids"] for r in rows], seed=0, greedy=True)
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokenizer.pad_token_id)
-        parts = self.reward.gather(self._split_submit(self.reward, "score", ray.put(batch), len(samples)), "score")
+        parts = self._split_gather(self.reward, "score",
+                                   self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
         out = {"reward": torch.cat(ray.get(parts)).float().mean().item()}
         if rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)

@@ -1,0 +1,160 @@
+"""Faults injected into real PPO runs on a local Ray (CPU): engines, reward actors and learner ranks killed, the
+whole job killed and run again. Stateless actors are replaced and their work re-issued; a dead learner rank stops
+the job with its name and the checkpoint to resume from; no checkpoint is ever half-written."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from rlhf_ray.actors.reward_function import RewardFunctionError, RewardFunctionWorker
+from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
+from tests.test_ppo_job import ppo_job
+
+pytestmark = pytest.mark.system
+
+SMALL = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
+         "critic.micro_batch_size=16", "checkpoint.every_steps=1", "checkpoint.keep_last=10"]
+
+
+def complete_checkpoints(out: Path) -> list[Path]:
+    return Checkpoints(out, keep_last=1).complete()
+
+
+def assert_no_half_written_checkpoint(out: Path) -> None:
+    for path in (out / "checkpoints").glob("step-*"):
+        assert (path / STATE_FILE).is_file(), f"{path} has no {STATE_FILE}"
+
+
+def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp_path, sft_model, rm_model):
+    from transformers import AutoTokenizer
+
+    from rlhf_ray import cluster
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.jobs.ppo_run import PPORun
+    from rlhf_ray.plan import ResourcePlan
+
+    job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
+                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25")
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
+    prompts = [r["prompt_ids"] for r in data.train[:32]]
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), 120)
+        try:
+            run = PPORun(job, plan, groups, tokenizer)
+            run.step(0, run.pool.collect(run.pool.submit(prompts, seed=0)), list(range(32)))
+            assert run.pool.versions() == [1, 1]
+
+            pending = run.pool.submit(prompts, seed=1)
+            ray.kill(run.pool.group.actors[1], no_restart=True)  # dies while generating its half of the prompts
+            rollout = run.pool.collect(pending)
+            assert run.restarts.replaced == ["generation-1"]
+            assert rollout["samples"] == 32 and rollout["version"] == 1  # the new engine was brought to version 1
+            assert run.pool.versions() == [1, 1]
+            greedy = run.pool.generate(prompts[:4] * 2, seed=0, greedy=True)  # engine 0 and engine 1, same prompts
+            assert [s["answer_ids"] for s in greedy[:4]] == [s["answer_ids"] for s in greedy[4:]]
+
+            ray.kill(run.reward.actors[0], no_restart=True)
+            result = run.step(1, rollout, list(range(32)))  # the reward rows are scored again by a new actor
+            assert run.restarts.replaced == ["generation-1", "reward-0"]
+            assert result["actors/restarts"] == 2 and result["policy_version"] == 2
+        finally:
+            cluster.remove(groups)
+
+
+def test_killed_learner_rank_stops_the_job_naming_it_and_a_rerun_resumes(tmp_path, sft_model, rm_model):
+    from rlhf_ray.jobs.ppo import LearnerRankDied, run_ppo
+
+    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL)
+    out = Path(job.output_dir)
+
+    def kill_policy_after_first_checkpoint():
+        deadline = time.monotonic() + 300
+        while not complete_checkpoints(out) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ray.kill(ray.get_actor("policy-0", namespace=job.cluster.namespace), no_restart=True)
+
+    killer = threading.Thread(target=kill_policy_after_first_checkpoint, daemon=True)
+    killer.start()
+    with pytest.raises(LearnerRankDied) as info:
+        run_ppo(job)
+    killer.join()
+    message = str(info.value)
+    assert "policy-0 died" in message and "resume from" in message and "step-" in message
+    assert_no_half_written_checkpoint(out)
+    done = int(Checkpoints.state(complete_checkpoints(out)[-1])["step"])
+    assert 1 <= done < 4
+
+    summary = run_ppo(job)  # the same job again: resumes from the last complete checkpoint
+    assert summary["iterations"] == 4
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged if "policy_version" in m][-(4 - done):] == list(range(done + 1, 5))
+    assert_no_half_written_checkpoint(out)
+
+
+def test_killed_job_resubmitted_resumes_from_its_last_checkpoint(tmp_path, sft_model, rm_model):
+    from tests.conftest import ROOT
+
+    overrides = [f"policy.model.path={sft_model}", f"reward.model.path={rm_model}",
+                 f"output_dir={tmp_path / 'ppo'}", "cluster.dashboard=false", "logging.progress=false", *SMALL]
+    command = [sys.executable, "-m", "rlhf_ray.cli", "ppo", "--config", str(ROOT / "configs/quickstart/ppo.yaml")]
+    for item in overrides:
+        command += ["--set", item]
+    out = tmp_path / "ppo"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    deadline = time.monotonic() + 400
+    while not complete_checkpoints(out) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert first.poll() is None, "the job ended before it could be killed"
+    os.killpg(first.pid, signal.SIGKILL)  # the driver, the embedded Ray and every actor, at once
+    first.wait()
+    assert_no_half_written_checkpoint(out)
+    done = int(Checkpoints.state(complete_checkpoints(out)[-1])["step"])
+
+    second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed PPO from {out / 'checkpoints' / f'step-{done:08d}'}" in second.stderr
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 4
+
+
+def failing_reward(prompts: list[str], answers: list[str]) -> list[float]:
+    if any("7" in p for p in prompts):
+        raise ValueError("cannot score sevens")
+    return [1.0] * len(answers)
+
+
+def test_a_raising_reward_function_is_reported_with_the_sample(tiny_model):
+    worker = RewardFunctionWorker(rank=0, world_size=1, function="tests.test_fault_tolerance:failing_reward",
+                                  tokenizer=str(tiny_model))
+    assert worker.score_texts(["Sort 1 2"], ["1 2"]).tolist() == [1.0]
+    with pytest.raises(RewardFunctionError) as info:
+        worker.score_texts(["Sort 1 2", "Sort 7 3"], ["1 2", "3 7"])
+    assert "'Sort 7 3'" in str(info.value) and "'3 7'" in str(info.value) and "ValueError: cannot score sevens" in str(info.value)
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_last_complete_one(tmp_path):
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+    staged = checkpoints.staging(1)
+    torch.save({"w": torch.ones(2)}, staged / "weights.pt")
+    first = checkpoints.commit(staged, 1, {"policy_version": 1})
+    half = checkpoints.staging(2)
+    (half / "weights.pt").write_bytes(b"partial")  # the process dies here, before commit
+    assert checkpoints.latest() == first
+    for step in (2, 3, 4):
+        checkpoints.commit(checkpoints.staging(step), step, {"policy_version": step})
+    assert [p.name for p in checkpoints.complete()] == ["step-00000003", "step-00000004"]  # keep_last
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
