@@ -140,7 +140,7 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
                 ctx = ray.init(address="local", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
                                include_dashboard=spec.dashboard, dashboard_host="127.0.0.1",
                                dashboard_port=spec.dashboard_port, namespace=spec.namespace,
-                               runtime_env=runtime_env)
+                               runtime_env=runtime_env, _metrics_export_port=spec.metrics_export_port)
             else:
                 ctx = _init_remote(ray, address, spec.namespace, runtime_env)
             gcs = ray.get_runtime_context().gcs_address
@@ -148,8 +148,9 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
             if url and "://" not in url:
                 url = f"http://{url}"
             if local:
-                log.info("started embedded Ray on %s in %.1f s (dashboard: %s, namespace %s)",
-                         gcs, time.monotonic() - t0, url or "off", spec.namespace)
+                log.info("started embedded Ray on %s in %.1f s (dashboard: %s, Prometheus metrics: "
+                         "http://127.0.0.1:%s/metrics, namespace %s)", gcs, time.monotonic() - t0, url or "off",
+                         metrics_port(), spec.namespace)
             else:
                 log.info("connected to Ray at %s (gcs %s) in %.1f s (dashboard: %s, namespace %s)",
                          address, gcs, time.monotonic() - t0, url or "unknown", spec.namespace)
@@ -157,6 +158,14 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
         finally:
             ray.shutdown()
             log.info("%s Ray at %s", "stopped embedded" if local else "disconnected from", address or "127.0.0.1")
+
+
+def metrics_port() -> int | None:
+    """The Prometheus port of this driver's node (Ray's metrics agent serves every process's metrics there)."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    return next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("NodeID") == me), None)
 
 
 def _init_remote(ray, address: str, namespace: str, runtime_env: dict | None):

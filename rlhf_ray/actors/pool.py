@@ -76,7 +76,8 @@ class GenerationPool:
         parts = self._call("rollout", pending["args"], pending["refs"])
         return {"refs": [p["ref"] for p in parts], "version": min(p["version"] for p in parts),
                 "samples": sum(p["samples"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
-                "engine_seconds": max(p["seconds"] for p in parts), "restarts": len(self.budget.replaced)}
+                "engine_seconds": max(p["seconds"] for p in parts),
+                "engine_busy_seconds": sum(p["seconds"] for p in parts), "restarts": len(self.budget.replaced)}
 
     def broadcast(self, bucket_refs: list, version: int) -> dict[str, float]:
         """Every engine loads the same buckets (object refs; the driver never holds the tensors)."""

@@ -60,6 +60,9 @@ class ClusterSpec(StrictModel):
     """Start the Ray dashboard (on 127.0.0.1) with the embedded cluster."""
     dashboard_port: int = Field(8265, ge=1, le=65535)
     """Port of the embedded cluster's dashboard (and of `ray job submit --address http://127.0.0.1:PORT`)."""
+    metrics_export_port: int | None = Field(None, ge=1, le=65535)
+    """Port of the embedded cluster's Prometheus endpoint (http://127.0.0.1:PORT/metrics); default: Ray picks one
+    (shown by `ray.nodes()` as MetricsExportPort and in the job's log)."""
     namespace: str = "rlhf_ray"
     """Ray namespace of the job's named actors."""
     call_timeout_s: float = Field(1800.0, gt=0)

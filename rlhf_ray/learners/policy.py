@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf_ray.algorithms.logprobs import answer_logprobs
+from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy
 from rlhf_ray.algorithms.losses import lm_loss_sum, policy_loss
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
@@ -41,10 +41,17 @@ class PolicyLearner(PPOLearnerRank):
                 self.ema = {k: v.float() for k, v in self.ema.items()}
         return info
 
-    def _logprobs(self, batch: Batch) -> torch.Tensor:
+    def _logprobs(self, batch: Batch, with_entropy: bool = False):
+        """Answer-token log-probs at the sampling temperature (and the sampling distribution's entropy there)."""
         answer_len = batch["action_mask"].shape[1]
         logits = self.engine(input_ids=batch["sequences"], attention_mask=batch["attention_mask"]).logits
-        return answer_logprobs(logits, batch["sequences"], answer_len, self.temperature) * batch["action_mask"]
+        logp = answer_logprobs(logits, batch["sequences"], answer_len, self.temperature) * batch["action_mask"]
+        if not with_entropy:
+            return logp
+        start = batch["sequences"].shape[1] - answer_len
+        with torch.no_grad():
+            ent = entropy(logits[:, start - 1: -1], self.temperature) * batch["action_mask"]
+        return logp, ent
 
     @torch.no_grad()
     def logprobs(self, batch: Batch):
@@ -59,11 +66,12 @@ class PolicyLearner(PPOLearnerRank):
 
     def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):
-            logp = self._logprobs(micro)
+            logp, ent = self._logprobs(micro, with_entropy=True)
             loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["action_mask"],
                                       self.clip_ratio, self.dual_clip)
             tokens = micro["action_mask"].sum()
-            return loss * tokens, {k: v.item() * tokens.item() for k, v in stats.items()}
+            return loss * tokens, {**{k: v.item() * tokens.item() for k, v in stats.items()},
+                                   "entropy": ent.sum().item()}
 
         metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
         if self.ema_beta is not None:
