@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-import ray
 import torch
 
+from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.compare import load_function
 
 
@@ -30,9 +30,10 @@ class RewardFunctionWorker:
                    for row, m in zip(seq, mask)]
         return prompts, answers
 
-    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int):
+    @by_reference
+    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         prompts, answers = self.texts(batch, lo, hi)
-        return ray.put(self.score_texts(prompts, answers))
+        return self.score_texts(prompts, answers)
 
     def score_texts(self, prompts: list[str], answers: list[str]) -> torch.Tensor:
         """Scores one by one on failure, so the error names the sample that broke the function."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
-import ray
 import torch
 
+from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.config.model import ModelSpec
@@ -34,15 +34,16 @@ class ReferenceWorker:
         self.model = load_causal_lm(self.spec).to(_device()).eval()
         self.micro, self.temperature = micro_batch_size, temperature
 
+    @by_reference
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor], lo: int, hi: int):
+    def logprobs(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
         answer_len = batch["action_mask"].shape[1]
         parts = []
         for s in micro_batches(len(seq), self.micro):
             logits = self.model(input_ids=seq[s].to(_device()), attention_mask=mask[s].to(_device())).logits
             parts.append(answer_logprobs(logits, seq[s].to(_device()), answer_len, self.temperature).cpu())
-        return ray.put(torch.cat(parts) * batch["action_mask"][lo:hi])
+        return torch.cat(parts) * batch["action_mask"][lo:hi]
 
     def ping(self) -> int:
         return 0
@@ -57,14 +58,15 @@ class RewardWorker:
         self.model = load_scalar_model(self.spec, pad_token_id).to(_device()).eval()
         self.micro = micro_batch_size
 
+    @by_reference
     @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int):
+    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
         parts = []
         for s in micro_batches(len(seq), self.micro):
             values = token_values(self.model, seq[s].to(_device()), mask[s].to(_device()))
             parts.append(end_scores(values, mask[s].to(_device())).cpu())
-        return ray.put(torch.cat(parts))
+        return torch.cat(parts)
 
     def ping(self) -> int:
         return 0

@@ -126,7 +126,10 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         if not overlap and not last:
             pending = submit(iteration + 1)
         elapsed = time.perf_counter() - began
+        compute = rollout["engine_seconds"] + sum(result[f"compute/{part}_seconds"]
+                                                  for part in ("experience", "train", "sync"))
         result |= {"time/generate_wait": wait, "time/iteration": elapsed,
+                   "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,
                    "generate/tokens_per_s": rollout["tokens"] / max(rollout["engine_seconds"], 1e-9),
                    "generate/engine_utilisation": rollout["engine_busy_seconds"] / (engines * elapsed)}
         bar.set_postfix(reward=f"{result['reward/mean']:.3f}", kl=f"{result['kl/mean']:.3f}")

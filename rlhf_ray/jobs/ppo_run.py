@@ -112,16 +112,18 @@ class PPORun:
                  "reward": self._split_submit(self.reward, "score", batch, rows)}
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
-        parts = {"policy": self.policy.gather(calls["policy"], "logprobs"),
-                 "reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
-                 "reward": self._split_gather(self.reward, "score", calls["reward"])}
+        results = {"policy": self.policy.gather(calls["policy"], "logprobs"),
+                   "reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
+                   "reward": self._split_gather(self.reward, "score", calls["reward"])}
         if self.critic is not None:
-            parts["critic"] = self.critic.gather(calls["critic"], "values")
+            results["critic"] = self.critic.gather(calls["critic"], "values")
+        parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         experience, metrics = assemble_experience.remote(
             batch, parts["reward"], parts["policy"], parts["reference"], parts.get("critic"),
             self.job.ppo.model_dump(), self.job.generation.sampling.n_samples_per_prompt)
         (metrics,) = gather([metrics], ["experience-task"], self.job.cluster.call_timeout_s, "assemble_experience")
-        return experience, metrics
+        seconds = {f"compute/{role}_seconds": max(r["seconds"] for r in out) for role, out in results.items()}
+        return experience, metrics | seconds
 
     def step(self, iteration: int, rollout: dict, prompt_ids: list[int]) -> dict[str, float]:
         """Experience -> replay buffer -> PPO epochs on policy and critic -> weights to the engines."""
@@ -136,15 +138,21 @@ class PPORun:
         calls = [(self.policy, self.policy.submit("train", plan))]
         if self.critic is not None:
             calls.append((self.critic, self.critic.submit("train", plan)))
+        train_seconds = 0.0
         for group, refs in calls:
-            metrics |= group.gather(refs, "train")[0]
+            out = group.gather(refs, "train")
+            metrics |= out[0]
+            train_seconds = max([train_seconds] + [m[f"{group.role}/seconds"] for m in out])
         timer.append(time.perf_counter())
         sync = self.sync_weights()
         timer.append(time.perf_counter())
         (buffer_stats,) = self.buffer.call("stats")
+        experience_compute = max(v for k, v in metrics.items() if k.startswith("compute/"))
         return metrics | buffer_stats | {
             "time/experience": timer[1] - timer[0], "time/train": timer[2] - timer[1], "time/sync": timer[3] - timer[2],
             "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
+            "compute/experience_seconds": experience_compute, "compute/train_seconds": train_seconds,
+            "compute/sync_seconds": sync["learner_gather_seconds"] + sync["engine_load_seconds"],
             "sync/bytes": sync["bytes"], "sync/gather_seconds": sync["gather_seconds"],
             "sync/load_seconds": sync["load_seconds"], "policy_version": self.version,
             "experience/staleness": plan.staleness, "actors/restarts": len(self.restarts.replaced),
@@ -153,11 +161,13 @@ class PPORun:
     def sync_weights(self) -> dict:
         """Policy weights -> every engine, in buckets through the object store; the policy version goes up by one."""
         start = time.perf_counter()
-        refs, nbytes = self.policy.call("publish_weights", int(self.job.generation.weight_sync.bucket_mb * 2**20))[0]
-        published = time.perf_counter()
+        published = self.policy.call("publish_weights", int(self.job.generation.weight_sync.bucket_mb * 2**20))[0]
+        gathered = time.perf_counter()
         self.version += 1
-        loaded = self.pool.broadcast(refs, self.version)
-        return {"bytes": float(nbytes), "gather_seconds": published - start, "load_seconds": loaded["seconds"]}
+        loaded = self.pool.broadcast(published["refs"], self.version)
+        return {"bytes": float(published["bytes"]), "gather_seconds": gathered - start,
+                "learner_gather_seconds": published["seconds"], "load_seconds": loaded["seconds"],
+                "engine_load_seconds": loaded["engine_seconds"]}
 
     # ---- checkpoints --------------------------------------------------------------------------------------
     def save(self, checkpoints: Checkpoints, iteration: int, extra: dict) -> None:
@@ -188,7 +198,7 @@ class PPORun:
                               self.tokenizer.pad_token_id)
         parts = self._split_gather(self.reward, "score",
                                    self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
-        out = {"reward": torch.cat(ray.get(parts)).float().mean().item()}
+        out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}
         if rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
             prompts = [rows[s["prompt_index"]]["prompt"] for s in samples]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.losses import value_loss
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.models.loading import load_scalar_model, token_values
@@ -24,16 +25,14 @@ class CriticLearner(PPOLearnerRank):
         values = token_values(self.engine.module, batch["sequences"], batch["attention_mask"])
         return values[:, start: start + answer_len] * batch["action_mask"]
 
+    @by_reference
     @torch.no_grad()
-    def values(self, batch: Batch):
-        """Values of this rank's slice of the batch (rank order), as a reference in the object store."""
-        import ray
-
+    def values(self, batch: Batch) -> torch.Tensor:
+        """Values of this rank's slice of the batch (rank order)."""
         self.engine.eval()
         mine = self.rank_slice(batch["sequences"].shape[0])
         rows = torch.arange(batch["sequences"].shape[0])[mine]
-        return ray.put(torch.cat([self._values(self.to_device(batch, rows[s])).cpu()
-                                  for s in self.micro_slices(len(rows))]))
+        return torch.cat([self._values(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
 
     def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):

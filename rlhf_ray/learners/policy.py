@@ -4,10 +4,12 @@ publishes its weights for the generation engines."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
 
+from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy
 from rlhf_ray.algorithms.losses import lm_loss_sum, policy_loss
 from rlhf_ray.data.tokenized import IGNORE_INDEX
@@ -53,16 +55,14 @@ class PolicyLearner(PPOLearnerRank):
             ent = entropy(logits[:, start - 1: -1], self.temperature) * batch["action_mask"]
         return logp, ent
 
+    @by_reference
     @torch.no_grad()
-    def logprobs(self, batch: Batch):
-        """Log-probs of this rank's slice of the batch (rank order) at the sampling temperature, as a reference."""
-        import ray
-
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Log-probs of this rank's slice of the batch (rank order) at the sampling temperature."""
         self.engine.eval()
         mine = self.rank_slice(batch["sequences"].shape[0])
         rows = torch.arange(batch["sequences"].shape[0])[mine]
-        return ray.put(torch.cat([self._logprobs(self.to_device(batch, rows[s])).cpu()
-                                  for s in self.micro_slices(len(rows))]))
+        return torch.cat([self._logprobs(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
 
     def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):
@@ -127,14 +127,16 @@ class PolicyLearner(PPOLearnerRank):
                              Path(directory))
 
     # ---- weights for the engines --------------------------------------------------------------------------
-    def publish_weights(self, bucket_bytes: int) -> tuple[list, int] | None:
-        """Rank 0 puts the full weights in the object store as buckets and returns (refs, bytes); the engines fetch
-        them from there. A collective under ZeRO-3: every rank calls it, groups of parameters are gathered in turn."""
+    def publish_weights(self, bucket_bytes: int) -> dict | None:
+        """Rank 0 puts the full weights in the object store as buckets and returns their refs, bytes and seconds;
+        the engines fetch them from there. A collective under ZeRO-3: every rank calls it, groups of parameters
+        are gathered in turn."""
         import ray
 
+        start = time.perf_counter()
         refs, total = [], 0
         for group in self.gathered_groups(bucket_bytes):
             for bucket in pack(group):
                 refs.append(ray.put(bucket))
                 total += bucket.nbytes
-        return (refs, total) if self.rank == 0 else None
+        return {"refs": refs, "bytes": total, "seconds": time.perf_counter() - start} if self.rank == 0 else None

@@ -3,6 +3,7 @@ whose loss is a token mean over the whole global mini-batch."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -48,6 +49,7 @@ class PPOLearnerRank(LearnerRank):
         those of sum / (answer tokens of the global mini-batch), whatever the split over ranks and micro-batches;
         reported numbers are token means per mini-batch, averaged over mini-batches. The mini-batches (rows of the
         experience, epoch after epoch) come from the replay buffer's plan."""
+        started = time.perf_counter()
         self.engine.train()
         totals: dict[str, float] = {}
         scale = self.world_size * self.engine.gradient_accumulation_steps()  # DeepSpeed divides by both
@@ -70,4 +72,5 @@ class PPOLearnerRank(LearnerRank):
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
         reduced = self.all_reduce_sum(list(totals.values()))
-        return {k: v / max(len(plan.minibatches), 1) for k, v in zip(totals, reduced)} | self.step_info()
+        means = {k: v / max(len(plan.minibatches), 1) for k, v in zip(totals, reduced)}
+        return means | self.step_info() | {"seconds": time.perf_counter() - started}
