@@ -59,3 +59,32 @@ def write_section(doc: Path, heading: str, text: str) -> None:
         body = "".join(lines[:start]) + text + ("\n" + "".join(lines[end:]) if end < len(lines) else "")
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(body)
+
+
+def run_job(kind: str, config: Path, overrides: list[str], env: dict[str, str] | None = None,
+            timeout: float = 3600) -> tuple[dict, list[dict]]:
+    """`rlhf-ray KIND --config CONFIG --set ...` in a fresh process; (summary.json, metrics.jsonl rows). The
+    overrides must include output_dir."""
+    import json
+    import subprocess
+    import sys
+
+    out = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")))
+    command = [sys.executable, "-m", "rlhf_ray.cli", kind, "--config", str(config)]
+    for item in ["cluster.dashboard=false", "logging.progress=false", "logging.tensorboard=false", *overrides]:
+        command += ["--set", item]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING", **(env or {})}
+    proc = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-4000:]}")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), metrics
+
+
+def steady(rows: list[dict], key: str, skip: int = 1) -> float:
+    """Median of `key` over the logged iterations after the first `skip` (warm-up: first forward passes, lazy
+    allocations)."""
+    import statistics
+
+    values = [r[key] for r in rows if key in r][skip:]
+    return statistics.median(values) if values else float("nan")

@@ -3,6 +3,8 @@ passes references in and gets back a reference to the experience plus a few numb
 
 from __future__ import annotations
 
+import time
+
 import ray
 import torch
 
@@ -24,6 +26,8 @@ def assemble_batch(sample_refs: list, pad_token_id: int) -> dict[str, torch.Tens
 def assemble_experience(batch: dict, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                         value_refs: list | None, ppo: dict, group_size: int) -> tuple[dict, dict]:
     """Per-role results (each a list of per-replica parts, in row order) -> (experience, metrics)."""
+    start = time.perf_counter()
+
     def cat(refs):
         return torch.cat(ray.get(refs)) if refs else None
 
@@ -33,5 +37,6 @@ def assemble_experience(batch: dict, score_refs: list, old_logp_refs: list, ref_
     metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
                "kl/mean": experience["kl"].mean().item(),
                "answer/length": batch["action_mask"].sum(-1).mean().item(),
-               "answer/ended": batch["ended"].float().mean().item()}
+               "answer/ended": batch["ended"].float().mean().item(),
+               "compute/advantages_seconds": time.perf_counter() - start}
     return {**batch, **experience}, metrics

@@ -40,6 +40,8 @@ class TrainingPlan:
     minibatches: list[list[int]]
     meta: ExperienceMeta
     staleness: int
+    stats: dict[str, float] = field(default_factory=dict)
+    """The buffer's metrics after this take (saves the trainer a round trip)."""
 
 
 class StaleExperience(RuntimeError):
@@ -84,7 +86,7 @@ class ReplayBuffer:
             self.counts["taken"] += 1
             self.last_staleness = self.learner_version - meta.version
             plan = minibatch_plan(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.iteration))
-            return TrainingPlan(refs, plan, meta, self.last_staleness)
+            return TrainingPlan(refs, plan, meta, self.last_staleness, self.stats())
         raise StaleExperience(
             f"no experience within max_staleness={self.max_staleness} of policy version {self.learner_version} "
             f"(refused so far: {self.counts['refused_stale']}); generation is falling behind training")

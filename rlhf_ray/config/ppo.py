@@ -67,4 +67,5 @@ class PPOSpec(StrictModel):
     buffer_capacity: int = Field(4, ge=1)
     """Experience batches the replay buffer holds; when full, the oldest is dropped (and counted)."""
     eval_prompts: int = Field(64, ge=0)
-    """Held-out prompts scored before and after training (summary.json's reward_before / reward_after)."""
+    """Held-out prompts scored before and after training (summary.json's reward_before / reward_after; 0 skips
+    both evaluations and leaves them null)."""

@@ -146,7 +146,8 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
     if job.ppo.ema.enabled:
         run.policy.call("export_ema", str(out / EMA_MODEL_DIR))
     summary = {"iterations": job.ppo.iterations, "seconds": round(time.time() - started, 2),
-               "reward_before": before["reward"], "reward_after": after["reward"], "eval_prompts": len(eval_rows)}
+               "reward_before": before.get("reward"), "reward_after": after.get("reward"),
+               "eval_prompts": len(eval_rows)}
     if "task_accuracy" in before:
         summary.update(task_accuracy_before=before["task_accuracy"], task_accuracy_after=after["task_accuracy"])
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

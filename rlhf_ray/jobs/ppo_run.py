@@ -132,9 +132,10 @@ class PPORun:
         timer.append(time.perf_counter())
         meta = {"version": rollout["version"], "samples": rollout["samples"], "iteration": iteration,
                 "prompt_ids": prompt_ids}
-        self.buffer.call("put", [experience], meta, self.version)
+        put = self.buffer.submit("put", [experience], meta, self.version)  # the actor runs calls in order
         ppo = self.job.ppo
         (plan,) = self.buffer.call("take", self.version, self.job.train_batch_size, ppo.ppo_epochs, self.job.seed)
+        self.buffer.gather(put, "put")
         calls = [(self.policy, self.policy.submit("train", plan))]
         if self.critic is not None:
             calls.append((self.critic, self.critic.submit("train", plan)))
@@ -146,9 +147,9 @@ class PPORun:
         timer.append(time.perf_counter())
         sync = self.sync_weights()
         timer.append(time.perf_counter())
-        (buffer_stats,) = self.buffer.call("stats")
-        experience_compute = max(v for k, v in metrics.items() if k.startswith("compute/"))
-        return metrics | buffer_stats | {
+        roles = [v for k, v in metrics.items() if k.startswith("compute/") and k != "compute/advantages_seconds"]
+        experience_compute = max(roles) + metrics["compute/advantages_seconds"]  # roles in parallel, then the math
+        return metrics | plan.stats | {
             "time/experience": timer[1] - timer[0], "time/train": timer[2] - timer[1], "time/sync": timer[3] - timer[2],
             "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
             "compute/experience_seconds": experience_compute, "compute/train_seconds": train_seconds,
@@ -192,7 +193,9 @@ class PPORun:
     # ---- evaluation ---------------------------------------------------------------------------------------
     def evaluate(self, rows: list[dict], rule) -> dict[str, float]:
         """Greedy answers to held-out prompts: mean reward score and, with a rule, the task accuracy. (Small: the
-        answers come to the driver, which decodes them for the rule.)"""
+        answers come to the driver, which decodes them for the rule.) No prompts: nothing to report."""
+        if not rows:
+            return {}
         samples = self.pool.generate([r["prompt_ids"] for r in rows], seed=0, greedy=True)
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokenizer.pad_token_id)

@@ -103,10 +103,11 @@ class LearnerRank:
         return client_state or {}
 
     # ---- export ------------------------------------------------------------------------------------------
-    def gathered_groups(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def gathered_groups(self, bucket_bytes: int, copy: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights on rank 0 in groups of about `bucket_bytes`, in the module's order (empty lists on the other
         ranks, which must iterate along: under ZeRO-3 each group is gathered by every rank together). Only one
-        group is ever materialised at a time, so no rank holds more than a bucket beyond its own shard."""
+        group is ever materialised at a time, so no rank holds more than a bucket beyond its own shard. With
+        copy=False rank 0 gets the live parameters, valid only until it asks for the next group."""
         import deepspeed
 
         module = self.engine.module
@@ -121,7 +122,12 @@ class LearnerRank:
             group = [params[n] for n in names]
             gather = deepspeed.zero.GatheredParameters(group, modifier_rank=None) if zero3 else nullcontext()
             with gather:
-                yield [(n, p.detach().cpu().clone()) for n, p in zip(names, group)] if self.rank == 0 else []
+                if self.rank != 0:
+                    yield []
+                elif copy:
+                    yield [(n, p.detach().cpu().clone()) for n, p in zip(names, group)]
+                else:
+                    yield [(n, p.detach()) for n, p in zip(names, group)]
         if self.rank == 0:
             persistent = set(module.state_dict().keys())  # rotary caches and the like are rebuilt, not saved
             buffers = [(n, b.detach().cpu().clone()) for n, b in module.named_buffers() if n in persistent]

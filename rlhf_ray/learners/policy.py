@@ -135,7 +135,7 @@ class PolicyLearner(PPOLearnerRank):
 
         start = time.perf_counter()
         refs, total = [], 0
-        for group in self.gathered_groups(bucket_bytes):
+        for group in self.gathered_groups(bucket_bytes, copy=False):  # pack copies while the group is gathered
             for bucket in pack(group):
                 refs.append(ray.put(bucket))
                 total += bucket.nbytes

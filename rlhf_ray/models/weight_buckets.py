@@ -1,12 +1,17 @@
 """Weights in transit from a learner to the generation engines: named tensors packed into flat buckets of about
 `bucket_bytes`, so a sync moves a few large objects instead of hundreds of small ones, and a receiver can load
-one bucket at a time."""
+one bucket at a time.
+
+A bucket's bytes are a numpy uint8 array: Ray stores and reads numpy buffers without pickling them, so a bucket
+crosses the object store with one copy in (pack) and the receiver reads it in place (no copy out)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 Named = tuple[str, torch.Tensor]
@@ -14,15 +19,16 @@ Named = tuple[str, torch.Tensor]
 
 @dataclass
 class Bucket:
-    """Tensors of one dtype laid end to end in `flat`."""
+    """Tensors of one dtype laid end to end in `data` (raw bytes)."""
 
     names: list[str]
     shapes: list[tuple[int, ...]]
-    flat: torch.Tensor
+    dtype: torch.dtype
+    data: np.ndarray
 
     @property
     def nbytes(self) -> int:
-        return self.flat.numel() * self.flat.element_size()
+        return int(self.data.nbytes)
 
 
 def group_by_size(items: Iterable[tuple[str, int]], bucket_bytes: int) -> Iterator[list[str]]:
@@ -39,7 +45,8 @@ def group_by_size(items: Iterable[tuple[str, int]], bucket_bytes: int) -> Iterat
 
 
 def pack(named: list[Named]) -> list[Bucket]:
-    """One bucket per run of equal dtype (mixed-precision models keep each tensor's own dtype)."""
+    """One bucket per run of equal dtype (mixed-precision models keep each tensor's own dtype). The tensors are
+    read, never kept: callers may pass live (e.g. just gathered) parameters."""
     buckets: list[Bucket] = []
     run: list[Named] = []
     for name, tensor in named:
@@ -53,16 +60,22 @@ def pack(named: list[Named]) -> list[Bucket]:
 
 
 def _flatten(run: list[Named]) -> Bucket:
-    flat = torch.cat([t.detach().reshape(-1).cpu() for _, t in run])
-    return Bucket([n for n, _ in run], [tuple(t.shape) for _, t in run], flat)
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1) for _, t in run]).cpu()  # one copy (on the tensors' device)
+    data = flat.view(torch.uint8).numpy()  # the same bytes, as numpy (bf16 has no numpy dtype)
+    return Bucket([n for n, _ in run], [tuple(t.shape) for _, t in run], run[0][1].dtype, data)
 
 
 def unpack(bucket: Bucket) -> Iterator[Named]:
-    """Views into the bucket's flat tensor, no copies."""
+    """Views into the bucket's bytes, no copies (read-only when they live in the object store: load, don't
+    modify)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "non-writable array": the views are only read
+        flat = torch.from_numpy(bucket.data).view(bucket.dtype)
     offset = 0
     for name, shape in zip(bucket.names, bucket.shapes):
         numel = 1
         for dim in shape:
             numel *= dim
-        yield name, bucket.flat[offset: offset + numel].view(shape)
+        yield name, flat[offset: offset + numel].view(shape)
         offset += numel
