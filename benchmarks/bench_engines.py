@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, today, versions, write_section  # noqa: E402
+from common import ROOT, machine, pyplot, save_figure, today, versions, write_section  # noqa: E402
 
 SECTION = "## Generation engines: tokens/s"
 CONFIGS = {
@@ -227,10 +227,26 @@ def main() -> int:
                     pools.append(pool_run(engine, replicas, Path(tmp) / "small", args))
                     print("pool", json.dumps(pools[-1]), flush=True)
     text = render(single, pools, args, sizes)
-    print(text)
     if args.write:
+        text += plot(single, sizes, args.write)
         write_section(args.write, SECTION, text)
+    print(text)
     return 0
+
+
+def plot(single: dict[str, list[dict]], sizes: dict[str, int], doc: Path) -> str:
+    """Grouped bars: tokens/s of every engine setting, one group per model size."""
+    plt = pyplot()
+    if plt is None:
+        return ""
+    fig, axes = plt.subplots(1, len(single), figsize=(5 * len(single), 3))
+    for ax, (size, rows) in zip(axes if len(single) > 1 else [axes], single.items()):
+        ok = [r for r in rows if "error" not in r]
+        ax.bar([r["config"] for r in ok], [r["tokens"] / r["seconds"] for r in ok])
+        ax.set_title(f"{size} ({sizes[size] / 1e6:.1f}M parameters)")
+        ax.set_ylabel("generated tokens/s")
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+    return "\n" + save_figure(fig, doc, "engine_throughput.png") + "\n"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, run_job, steady, today, versions, write_section  # noqa: E402
+from common import ROOT, machine, pyplot, run_job, save_figure, steady, today, versions, write_section  # noqa: E402,E501
 
 SECTION = "## PPO iterations: where the time goes"
 CONFIG = ROOT / "configs/quickstart/ppo.yaml"
@@ -109,10 +109,29 @@ def main() -> int:
             results["scaling"].append({"engines": engines, "ranks": ranks, "new_tokens": new_tokens,
                                        **breakdown(rows)})
     text = render(results, args, iterations)
-    print(text)
     if args.write:
+        text += plot(results, args.write)
         write_section(args.write, SECTION, text)
+    print(text)
     return 0
+
+
+def plot(results: dict, doc: Path) -> str:
+    """Stacked bars: one per iteration kind, one segment per part."""
+    plt = pyplot()
+    if plt is None:
+        return ""
+    names = list(results["runs"])
+    fig, ax = plt.subplots(figsize=(7, 2.2 + 0.4 * len(names)))
+    left = [0.0] * len(names)
+    for part in [p for p, _ in PARTS] + ["overhead"]:
+        widths = [results["runs"][n][part] for n in names]
+        ax.barh(names, widths, left=left, label="orchestration" if part == "overhead" else part)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.set_xlabel("seconds per iteration (median)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.invert_yaxis()
+    return "\n" + save_figure(fig, doc, "iteration_breakdown.png") + "\n"
 
 
 def render(results: dict, args, iterations: int) -> str:

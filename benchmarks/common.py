@@ -88,3 +88,23 @@ def steady(rows: list[dict], key: str, skip: int = 1) -> float:
 
     values = [r[key] for r in rows if key in r][skip:]
     return statistics.median(values) if values else float("nan")
+
+
+def pyplot():
+    """matplotlib's pyplot on a file-only backend, or None when matplotlib is missing (tables still get written)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, doc: Path, name: str) -> str:
+    """Save next to the doc under img/; returns the markdown link."""
+    path = doc.parent / "img" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return f"![{name}](img/{name})"

@@ -36,7 +36,8 @@ def assert_no_half_written_checkpoint(out: Path) -> None:
         assert (path / STATE_FILE).is_file(), f"{path} has no {STATE_FILE}"
 
 
-def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp_path, sft_model, rm_model):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp_path, sft_model, rm_model, transport):
     from transformers import AutoTokenizer
 
     from rlhf_ray import cluster
@@ -45,7 +46,8 @@ def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp
     from rlhf_ray.plan import ResourcePlan
 
     job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
-                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25")
+                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
+                  f"generation.weight_sync.transport={transport}")
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     prompts = [r["prompt_ids"] for r in data.train[:32]]

@@ -42,8 +42,10 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert summary["reward_before"] == summary["task_accuracy_before"]
 
 
-@pytest.mark.parametrize("engine,zero_stage", [("hf", 2), ("vllm", 3)])
-def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage):
+@pytest.mark.parametrize("engine,zero_stage,transport", [("hf", 2, "object_store"), ("vllm", 3, "object_store"),
+                                                          ("hf", 3, "collective")])
+def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
+                                                                transport):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -56,7 +58,8 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
     # two policy ranks and 64 KiB buckets: under ZeRO-3 every bucket is a separate gather of parameter groups
     job = ppo_job(tmp_path, sft, rm, "generation.placement.replicas=2", "generation.placement.num_cpus=0.25",
                   f"generation.engine={engine}", "generation.vllm.dtype=fp32", "generation.vllm.max_model_len=128",
-                  "generation.weight_sync.bucket_mb=0.0625", f"policy.deepspeed.zero_stage={zero_stage}",
+                  "generation.weight_sync.bucket_mb=0.0625", f"generation.weight_sync.transport={transport}",
+                  f"policy.deepspeed.zero_stage={zero_stage}",
                   "policy.placement.replicas=2", "policy.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
                   "policy.micro_batch_size=16", "policy.optim.lr=0.001")
     tokenizer = AutoTokenizer.from_pretrained(sft)

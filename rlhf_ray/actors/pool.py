@@ -22,6 +22,8 @@ class GenerationPool:
     def __init__(self, group: ActorGroup, engine: str, budget: RestartBudget):
         self.group, self.engine, self.budget = group, engine, budget
         self.weights: tuple[list, int] | None = None  # (bucket refs, version) of the last broadcast
+        self.on_replaced = self._resync
+        """Brings a replacement engine to the current weights; the collective transport sets its own."""
 
     @classmethod
     def start(cls, job, placement_group, bundle_indices: list[int], eos_token_id: int, pad_token_id: int,
@@ -55,7 +57,7 @@ class GenerationPool:
     def _call(self, method: str, per_rank_args: list[tuple], refs: list | None = None) -> list:
         if refs is None:
             refs = [getattr(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
-        return resilient_gather(self.group, method, per_rank_args, refs, self.budget, self._resync)
+        return resilient_gather(self.group, method, per_rank_args, refs, self.budget, lambda rank: self.on_replaced(rank))
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
         """All samples, in prompt order, brought to the caller (evaluation; training uses `submit`)."""
@@ -88,6 +90,10 @@ class GenerationPool:
         if stale:
             raise RuntimeError(f"{', '.join(stale)} did not reach policy version {version}")
         return {"seconds": time.perf_counter() - start, "engine_seconds": max(r["seconds"] for r in results)}
+
+    def receive(self, version: int) -> list:
+        """Every engine starts receiving a collective broadcast (returns the call refs)."""
+        return [actor.receive_weights.remote(version) for actor in self.group.actors]
 
     def versions(self) -> list[int]:
         return self.group.call("get_version")

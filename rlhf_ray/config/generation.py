@@ -65,6 +65,10 @@ class HfEngineSpec(StrictModel):
 class WeightSyncSpec(StrictModel):
     """How new policy weights reach the engines after each update."""
 
+    transport: Literal["auto", "object_store", "collective"] = "auto"
+    """object_store: rank 0 puts buckets in Ray's object store and every engine reads them. collective: rank 0
+    broadcasts buckets over a process group of its own with the engines (NCCL between GPUs, gloo on CPU), no host
+    round trip. auto: collective when the policy and the engines have GPUs, else object_store."""
     bucket_mb: float = Field(256, gt=0)
     """Weights travel in flat buckets of about this size; under ZeRO-3 a bucket's parameters are gathered together,
     so it also bounds the extra memory a learner rank holds during a sync."""

@@ -36,6 +36,15 @@ def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
                 temperature=job.generation.sampling.temperature)
 
 
+def weight_transport(job: PPOJob) -> str:
+    """auto: the collective transport when policy and engines have GPUs (NCCL), the object store otherwise."""
+    chosen = job.generation.weight_sync.transport
+    if chosen == "auto":
+        gpus = job.policy.placement.num_gpus > 0 and job.generation.placement.num_gpus > 0
+        chosen = "collective" if gpus else "object_store"
+    return chosen
+
+
 def row_bounds(n: int, k: int) -> list[tuple[int, int]]:
     """k contiguous, balanced [lo, hi) ranges over n rows."""
     cuts = [round(i * n / k) for i in range(k + 1)]
@@ -78,6 +87,10 @@ class PPORun:
                                                 micro_batch_size=job.reward.micro_batch_size, pad_token_id=pad)
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
         self.pool = GenerationPool.start(job, *slots("generation"), tokenizer.eos_token_id, pad, self.restarts)
+        self.transport = weight_transport(job)
+        if self.transport == "collective":
+            self._form_weight_group()
+            self.pool.on_replaced = self._rejoin
         self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
                                  kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
                                  call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
@@ -159,12 +172,41 @@ class PPORun:
             "experience/staleness": plan.staleness, "actors/restarts": len(self.restarts.replaced),
         }
 
-    def sync_weights(self) -> dict:
-        """Policy weights -> every engine, in buckets through the object store; the policy version goes up by one."""
+    def _form_weight_group(self) -> None:
+        """Policy rank 0 and every engine join a fresh weight-sync group (again after an engine is replaced)."""
+        timeout = self.job.cluster.call_timeout_s
+        (address,) = gather([self.policy.actors[0].rendezvous_address.remote()], self.policy.names[:1], timeout,
+                            "rendezvous_address")
+        world = len(self.pool.group) + 1
+        learner = self.policy.submit("join_weight_sync", *address, world, timeout)
+        engines = [actor.join_weight_sync.remote(*address, rank + 1, world, timeout)
+                   for rank, actor in enumerate(self.pool.group.actors)]
+        self.policy.gather(learner, "join_weight_sync")
+        self.pool.group.gather(engines, "join_weight_sync")
+
+    def _rejoin(self, rank: int) -> None:
+        """Collective transport: a replacement engine joins a new group with everyone, then all get the weights."""
+        self._form_weight_group()
+        self.sync_weights(bump=False)
+
+    def sync_weights(self, bump: bool = True) -> dict:
+        """Policy weights -> every engine, bucket by bucket; the policy version goes up by one (unless `bump` is
+        false: a re-sync after an engine was replaced)."""
         start = time.perf_counter()
-        published = self.policy.call("publish_weights", int(self.job.generation.weight_sync.bucket_mb * 2**20))[0]
+        bucket_bytes = int(self.job.generation.weight_sync.bucket_mb * 2**20)
+        self.version += int(bump)
+        if self.transport == "collective":
+            learner = self.policy.submit("broadcast_weights", bucket_bytes)
+            engines = self.pool.receive(self.version)
+            sent = self.policy.gather(learner, "broadcast_weights")[0]
+            loaded = self.pool.group.gather(engines, "receive_weights")
+            if stale := [n for n, r in zip(self.pool.group.names, loaded) if r["version"] != self.version]:
+                raise RuntimeError(f"{', '.join(stale)} did not reach policy version {self.version}")
+            seconds = time.perf_counter() - start
+            return {"bytes": float(sent["bytes"]), "gather_seconds": seconds, "learner_gather_seconds": sent["seconds"],
+                    "load_seconds": seconds, "engine_load_seconds": 0.0}  # one pipelined transfer: all in the gather
+        published = self.policy.call("publish_weights", bucket_bytes)[0]
         gathered = time.perf_counter()
-        self.version += 1
         loaded = self.pool.broadcast(published["refs"], self.version)
         return {"bytes": float(published["bytes"]), "gather_seconds": gathered - start,
                 "learner_gather_seconds": published["seconds"], "load_seconds": loaded["seconds"],
@@ -186,8 +228,8 @@ class PPORun:
         self.policy.call("load_checkpoint", str(path / "policy"))
         if self.critic is not None:
             self.critic.call("load_checkpoint", str(path / "critic"))
-        self.version = state["policy_version"] - 1
-        self.sync_weights()
+        self.version = state["policy_version"]
+        self.sync_weights(bump=False)
         return state
 
     # ---- evaluation ---------------------------------------------------------------------------------------

@@ -39,7 +39,8 @@ class LearnerRank:
 
     # ---- setup -------------------------------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0's address and a free port for the process group."""
+        """This rank's node address and a free port, for a process group it hosts (rank 0: DeepSpeed's group, and
+        the weight-sync group with the engines)."""
         import ray
 
         return ray.util.get_node_ip_address(), free_port()

@@ -127,6 +127,25 @@ class PolicyLearner(PPOLearnerRank):
                              Path(directory))
 
     # ---- weights for the engines --------------------------------------------------------------------------
+    def join_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float) -> bool:
+        """Rank 0 becomes rank 0 of the weight-sync group with the engines (the other ranks take no part)."""
+        if self.rank == 0:
+            from rlhf_ray.models.weight_transport import WeightSyncGroup
+
+            self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s)
+        return self.rank == 0
+
+    def broadcast_weights(self, bucket_bytes: int) -> dict | None:
+        """Rank 0 broadcasts the full weights to the engines, bucket by bucket (a collective under ZeRO-3: every
+        rank gathers along)."""
+        start = time.perf_counter()
+        groups = self.gathered_groups(bucket_bytes, copy=False)
+        if self.rank != 0:
+            for _ in groups:
+                pass
+            return None
+        return {"bytes": self.sync_group.send(groups), "seconds": time.perf_counter() - start}
+
     def publish_weights(self, bucket_bytes: int) -> dict | None:
         """Rank 0 puts the full weights in the object store as buckets and returns their refs, bytes and seconds;
         the engines fetch them from there. A collective under ZeRO-3: every rank calls it, groups of parameters

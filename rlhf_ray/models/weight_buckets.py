@@ -44,26 +44,41 @@ def group_by_size(items: Iterable[tuple[str, int]], bucket_bytes: int) -> Iterat
         yield group
 
 
-def pack(named: list[Named]) -> list[Bucket]:
-    """One bucket per run of equal dtype (mixed-precision models keep each tensor's own dtype). The tensors are
-    read, never kept: callers may pass live (e.g. just gathered) parameters."""
-    buckets: list[Bucket] = []
+def dtype_runs(named: list[Named]) -> Iterator[list[Named]]:
+    """Consecutive runs of tensors of one dtype (mixed-precision models keep each tensor's own dtype)."""
     run: list[Named] = []
     for name, tensor in named:
         if run and tensor.dtype != run[0][1].dtype:
-            buckets.append(_flatten(run))
+            yield run
             run = []
         run.append((name, tensor))
     if run:
-        buckets.append(_flatten(run))
+        yield run
+
+
+def flatten(run: list[Named], device: torch.device | None = None) -> torch.Tensor:
+    """One flat tensor of a same-dtype run (one copy, on `device` or the tensors' own)."""
+    with torch.no_grad():
+        return torch.cat([t.detach().reshape(-1).to(device or t.device) for _, t in run])
+
+
+def pack(named: list[Named]) -> list[Bucket]:
+    """Buckets for the object store. The tensors are read, never kept: callers may pass live (e.g. just
+    gathered) parameters."""
+    buckets = []
+    for run in dtype_runs(named):
+        data = flatten(run).cpu().view(torch.uint8).numpy()  # the same bytes, as numpy (bf16 has no numpy dtype)
+        buckets.append(Bucket([n for n, _ in run], [tuple(t.shape) for _, t in run], run[0][1].dtype, data))
     return buckets
 
 
-def _flatten(run: list[Named]) -> Bucket:
-    with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1) for _, t in run]).cpu()  # one copy (on the tensors' device)
-    data = flat.view(torch.uint8).numpy()  # the same bytes, as numpy (bf16 has no numpy dtype)
-    return Bucket([n for n, _ in run], [tuple(t.shape) for _, t in run], run[0][1].dtype, data)
+def split_flat(flat: torch.Tensor, names: list[str], shapes: list[tuple[int, ...]]) -> Iterator[Named]:
+    """Views of a flat tensor as the named tensors laid end to end in it."""
+    offset = 0
+    for name, shape in zip(names, shapes):
+        numel = int(torch.Size(shape).numel())
+        yield name, flat[offset: offset + numel].view(shape)
+        offset += numel
 
 
 def unpack(bucket: Bucket) -> Iterator[Named]:
@@ -72,10 +87,4 @@ def unpack(bucket: Bucket) -> Iterator[Named]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "non-writable array": the views are only read
         flat = torch.from_numpy(bucket.data).view(bucket.dtype)
-    offset = 0
-    for name, shape in zip(bucket.names, bucket.shapes):
-        numel = 1
-        for dim in shape:
-            numel *= dim
-        yield name, flat[offset: offset + numel].view(shape)
-        offset += numel
+    yield from split_flat(flat, bucket.names, bucket.shapes)

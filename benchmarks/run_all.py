@@ -1,0 +1,59 @@
+"""Every benchmark, one after another, each replacing its own section of docs/benchmarks.md (and its plots in
+docs/img/). Each runs alone on the machine: the numbers are timings, and a second job would skew them.
+
+Set up first (TRL and matplotlib come with the bench extra):
+    RLHF_RAY_EXTRAS=cpu,test,bench bash scripts/setup.sh
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only engines,trl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DOC = HERE.parent / "docs" / "benchmarks.md"
+SCRIPTS = {
+    "preprocess": "bench_preprocess.py",  # mmap corpus: tokens/s per core, reader memory
+    "engines": "bench_engines.py",  # hf vs vLLM default vs vLLM tuned; the pool with 1 and 2 engines
+    "iteration": "bench_iteration.py",  # PPO / GRPO iteration breakdown, weight sync vs memcpy, scaling
+    "trl": "bench_trl.py",  # the same GRPO job with TRL's GRPOTrainer
+    "quickstart": "bench_quickstart.py",  # the README's main command: wall time and peak memory
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller runs where a script supports it")
+    parser.add_argument("--only", help="comma-separated subset of: " + ", ".join(SCRIPTS))
+    args = parser.parse_args()
+    chosen = args.only.split(",") if args.only else list(SCRIPTS)
+    unknown = [c for c in chosen if c not in SCRIPTS]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(SCRIPTS)}")
+    if "trl" in chosen:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            sys.exit("the TRL comparison needs TRL: RLHF_RAY_EXTRAS=cpu,test,bench bash scripts/setup.sh")
+    failed = []
+    for name in chosen:
+        command = [sys.executable, str(HERE / SCRIPTS[name]), "--write", str(DOC)]
+        if args.quick and name in ("engines", "iteration", "trl"):
+            command.append("--quick")
+        start = time.perf_counter()
+        print(f"== {name}: {' '.join(command[1:])}", flush=True)
+        code = subprocess.call(command)
+        print(f"== {name}: exit {code} after {time.perf_counter() - start:.0f} s", flush=True)
+        if code:
+            failed.append(name)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
