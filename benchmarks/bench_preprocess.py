@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, write_section  # noqa: E402
+from common import machine, tree_pss, write_section  # noqa: E402
 
 SECTION = "## Data: mmap corpus preprocessing and reader memory"
 MB = 1 << 20
@@ -69,18 +69,6 @@ def train_tokenizer(sample: str, out: Path) -> Path:
     tok.train_from_iterator(sample.split("\n\n"), trainer)
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>").save_pretrained(out)
     return out
-
-
-def tree_pss(proc: psutil.Process) -> int:
-    """Memory of a process and its children, summed as PSS (shared pages split between sharers): summing RSS
-    would count a forked worker's copy-on-write pages, or a spawned one before its exec, twice."""
-    total = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        try:
-            total += p.memory_full_info().pss
-        except psutil.Error:
-            pass
-    return total
 
 
 def cpu_seconds() -> float:

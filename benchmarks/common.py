@@ -108,3 +108,15 @@ def save_figure(fig, doc: Path, name: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return f"![{name}](img/{name})"
+
+
+def tree_pss(proc: psutil.Process) -> int:
+    """Memory of a process and its children, summed as PSS (shared pages split between sharers): summing RSS
+    would count shared libraries and a forked worker's copy-on-write pages once per process."""
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_full_info().pss
+        except psutil.Error:
+            pass
+    return total

@@ -26,13 +26,9 @@ class CriticLearner(PPOLearnerRank):
         return values[:, start: start + answer_len] * batch["action_mask"]
 
     @by_reference
-    @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:
         """Values of this rank's slice of the batch (rank order)."""
-        self.engine.eval()
-        mine = self.rank_slice(batch["sequences"].shape[0])
-        rows = torch.arange(batch["sequences"].shape[0])[mine]
-        return torch.cat([self._values(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
+        return self.over_my_rows(batch, self._values)
 
     def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):

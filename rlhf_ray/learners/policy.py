@@ -56,13 +56,9 @@ class PolicyLearner(PPOLearnerRank):
         return logp, ent
 
     @by_reference
-    @torch.no_grad()
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """Log-probs of this rank's slice of the batch (rank order) at the sampling temperature."""
-        self.engine.eval()
-        mine = self.rank_slice(batch["sequences"].shape[0])
-        rows = torch.arange(batch["sequences"].shape[0])[mine]
-        return torch.cat([self._logprobs(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
+        return self.over_my_rows(batch, self._logprobs)
 
     def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):

@@ -30,6 +30,13 @@ class PPOLearnerRank(LearnerRank):
     def micro_slices(self, n: int) -> list[slice]:
         return [slice(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
 
+    @torch.no_grad()
+    def over_my_rows(self, batch: Batch, forward: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
+        """`forward` over this rank's slice of the batch (rank order), micro-batch by micro-batch, in eval mode."""
+        self.engine.eval()
+        rows = torch.arange(batch["sequences"].shape[0])[self.rank_slice(batch["sequences"].shape[0])]
+        return torch.cat([forward(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
+
     def to_device(self, batch: Batch, rows) -> Batch:
         return {k: v[rows].to(self.engine.device) for k, v in batch.items() if v.dim() > 0}
 
