@@ -105,6 +105,7 @@ def main() -> int:
                 f"generation.placement.replicas={engines}", "generation.placement.num_cpus=0.25",
                 f"generation.placement.threads={2 // engines}", f"policy.placement.replicas={ranks}",
                 "policy.placement.num_cpus=0.25", f"policy.placement.threads={2 // ranks}",
+                f"policy.micro_batch_size={32 // ranks}",
                 "reference.placement.num_cpus=0.2", "reward.placement.num_cpus=0.05"], new_tokens)
             results["scaling"].append({"engines": engines, "ranks": ranks, "new_tokens": new_tokens,
                                        **breakdown(rows)})

@@ -88,7 +88,8 @@ def run_ours(model_dir: Path, out: Path, steps: int, new_tokens: int, engine: st
                  f"generation.sampling.max_new_tokens={new_tokens}", f"ppo.iterations={steps}", "ppo.eval_prompts=0",
                  f"ppo.kl_coef={KL}", f"policy.optim.lr={LR}", "policy.micro_batch_size=16",
                  f"generation.engine={engine}", "generation.vllm.max_model_len=256", "checkpoint.every_steps=0",
-                 "policy.placement.threads=2", "reference.placement.threads=2", "reward.placement.threads=2",
+                 "policy.deepspeed.zero_stage=0", "policy.placement.threads=2", "reference.placement.threads=2",
+                 "reward.placement.threads=2",
                  "generation.placement.threads=2"]
     _, rows = run_job("ppo", ROOT / "configs/quickstart/ppo.yaml", overrides)
     return rows
@@ -147,7 +148,7 @@ def render(rows: list[dict], args, steps: int) -> str:
              f"Command: `python benchmarks/bench_trl.py{' --quick' if args.quick else ''} --write docs/benchmarks.md`. "
              f"Per step: {PROMPTS} demo/sort prompts x {SAMPLES} answers, rule reward, KL {KL} against a reference "
              f"model, one optimizer step (lr {LR}), fp32, {steps} steps, median of steps 2-{steps}. rlhf-ray: "
-             "policy (DeepSpeed ZeRO-2, 1 rank), reference, reward-function and generation actors on an embedded "
+             "policy (DeepSpeed, 1 rank, ZeRO stage 0: nothing to partition), reference, reward-function and generation actors on an embedded "
              "Ray, sync mode, every role 2 threads.", "",
              "| model | new tokens | TRL GRPOTrainer s/step | rlhf-ray hf engine s/step (generation) | TRL / ours | "
              "rlhf-ray vLLM engine s/step (generation) | TRL / ours |", "|---|---:|---:|---:|---:|---:|---:|"]

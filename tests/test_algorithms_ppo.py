@@ -8,7 +8,7 @@ import torch
 from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
-from rlhf_ray.algorithms.losses import policy_loss, value_loss
+from rlhf_ray.algorithms.losses import lm_loss_sum, policy_loss, value_loss
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
 from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, shaped_rewards
 
@@ -106,3 +106,12 @@ def test_value_loss_clips_around_the_old_values():
     values, old, returns = T([[1.0, 2.0, 9.0]]), T([[0.5, 2.0, 0.0]]), T([[2.0, 1.0, 0.0]])
     # token 0: clipped value 0.7 -> max(1, 1.69) = 1.69; token 1: 1; 0.5 * mean = 0.6725
     close(value_loss(values, old, returns, MASK, clip_value=0.2), 0.6725)
+
+
+def test_lm_loss_sums_next_token_cross_entropy_and_skips_ignored_labels():
+    # vocab 2; position t predicts label t+1. Logits [0, 0] give log 2 per token; [ln 3, 0] gives p(0) = 3/4.
+    logits = T([[[0.0, 0.0], [math.log(3.0), 0.0], [5.0, 5.0]]])
+    labels = T([[7, 1, 0]])  # label 0 is never predicted (nothing before it): 7 is not even checked
+    close(lm_loss_sum(logits, labels), math.log(2.0) + -math.log(0.75))  # -log p(1)=ln2 at t=0, -log p(0) at t=1
+    close(lm_loss_sum(logits, T([[7, -100, 0]])), -math.log(0.75))  # an ignored label carries no loss
+    close(lm_loss_sum(logits, T([[7, -100, -100]])), 0.0)

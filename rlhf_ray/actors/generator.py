@@ -72,4 +72,5 @@ class GenerationWorker:
         return self.engine.name
 
     def sleep(self) -> None:
+        """Release engine memory until the next generate or weight load (vLLM on GPUs; a no-op elsewhere)."""
         getattr(self.engine, "sleep", lambda: None)()

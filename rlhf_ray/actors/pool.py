@@ -95,5 +95,10 @@ class GenerationPool:
         """Every engine starts receiving a collective broadcast (returns the call refs)."""
         return [actor.receive_weights.remote(version) for actor in self.group.actors]
 
+    def sleep(self) -> None:
+        """vLLM engines on GPUs with `vllm.sleep_when_idle` release their memory until the next call wakes them
+        (so colocated learners can train); elsewhere nothing happens."""
+        self.group.call("sleep")
+
     def versions(self) -> list[int]:
         return self.group.call("get_version")

@@ -10,7 +10,7 @@ from pathlib import Path
 import ray
 import torch
 
-from rlhf_ray.actors.experience import assemble_batch, assemble_experience
+from rlhf_ray.actors.experience import ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
@@ -91,6 +91,10 @@ class PPORun:
         if self.transport == "collective":
             self._form_weight_group()
             self.pool.on_replaced = self._rejoin
+        self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
+                                    kwargs={"ppo": job.ppo.model_dump(), "pad_token_id": pad,
+                                            "group_size": job.generation.sampling.n_samples_per_prompt},
+                                    call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
         self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
                                  kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
                                  call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
@@ -119,7 +123,8 @@ class PPORun:
     def experience(self, rollout: dict) -> tuple:
         """Score a rollout on every role at once; returns (reference to the experience, its metrics)."""
         rows = rollout["samples"]
-        batch = assemble_batch.remote(rollout["refs"], self.tokenizer.pad_token_id)
+        (assembler,) = self.assembler.actors
+        batch = assembler.batch.remote(rollout["refs"])
         calls = {"policy": self.policy.submit("logprobs", batch),
                  "reference": self._split_submit(self.reference, "logprobs", batch, rows),
                  "reward": self._split_submit(self.reward, "score", batch, rows)}
@@ -131,10 +136,10 @@ class PPORun:
         if self.critic is not None:
             results["critic"] = self.critic.gather(calls["critic"], "values")
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
-        experience, metrics = assemble_experience.remote(
-            batch, parts["reward"], parts["policy"], parts["reference"], parts.get("critic"),
-            self.job.ppo.model_dump(), self.job.generation.sampling.n_samples_per_prompt)
-        (metrics,) = gather([metrics], ["experience-task"], self.job.cluster.call_timeout_s, "assemble_experience")
+        (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts["policy"],
+                                                                    parts["reference"], parts.get("critic"))],
+                                       "experience")
+        experience, metrics = out["ref"], out["metrics"]
         seconds = {f"compute/{role}_seconds": max(r["seconds"] for r in out) for role, out in results.items()}
         return experience, metrics | seconds
 
@@ -142,6 +147,8 @@ class PPORun:
         """Experience -> replay buffer -> PPO epochs on policy and critic -> weights to the engines."""
         timer = [time.perf_counter()]
         experience, metrics = self.experience(rollout)
+        if self.job.generation.vllm.sleep_when_idle and self.job.ppo.mode == "sync":
+            self.pool.sleep()  # engines are idle until the weight sync, which wakes them
         timer.append(time.perf_counter())
         meta = {"version": rollout["version"], "samples": rollout["samples"], "iteration": iteration,
                 "prompt_ids": prompt_ids}
