@@ -135,6 +135,10 @@ def plot(results: dict, doc: Path) -> str:
     return "\n" + save_figure(fig, doc, "iteration_breakdown.png") + "\n"
 
 
+def _x(ratio: float) -> str:
+    return f"{ratio:.1f}x" if ratio < 10 else f"{ratio:.0f}x"
+
+
 def render(results: dict, args, iterations: int) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers')}. Date: {today()}.", "",
@@ -163,11 +167,22 @@ def render(results: dict, args, iterations: int) -> str:
     for r in results["scaling"]:
         lines.append(f"| {r['engines']} | {r['ranks']} | {r['new_tokens']} | {r['wall']:.2f} | {r['generation']:.2f} "
                      f"| {r['training']:.2f} | {100 * r['overhead'] / r['wall']:.0f}% |")
-    overheads = [100 * r["overhead"] / r["wall"] for r in results["runs"].values()]
-    ratio = statistics.median(r["sync"] / r["memcpy"] for r in results["sync"])
-    lines += ["", f"Goals: orchestration under 10% of an iteration (measured: "
-              f"{', '.join(f'{o:.0f}%' for o in overheads)}); weight sync within 3x of the memory-copy bound "
-              f"(measured: median {ratio:.0f}x).", ""]
+    overheads = {name: 100 * r["overhead"] / r["wall"] for name, r in results["runs"].items()}
+    ratios: dict[str, list[float]] = {}
+    for r in results["sync"]:
+        ratios.setdefault(f"{r['model']} ({r['bytes'] / 2**20:.0f} MB)", []).append(r["sync"] / r["memcpy"])
+    lines += ["", "Goals:", "- orchestration under 10% of an iteration: " + "; ".join(
+        f"{name.split(' (')[0]} {o:.0f}% ({'met' if o < 10 else 'missed'})" for name, o in overheads.items()) + ".",
+        "- weight sync within 3x of the memory-copy bound: " + "; ".join(
+        f"{model} {_x(min(v))}-{_x(max(v))} ({'met' if max(v) <= 3 else 'missed'})" for model, v in ratios.items())
+        + ".",
+        "", "Where a goal is missed, why: a tiny iteration is a few tens of milliseconds of compute, so the fixed "
+        "cost of the calls between actors (a Ray call is ~1-2 ms; an iteration makes a few dozen, several in "
+        "sequence) is a visible share of it; with the 26M model of the TRL comparison it is under 1% (`time/orchestration_fraction`). Likewise a sync "
+        "of 2 MB is latency, not bandwidth: its ~10 ms are the gather, the object-store put and one call per "
+        "engine, against a 0.1 ms copy; at 100 MB the sync is within the bound. What would close the gaps at tiny "
+        "sizes: fewer round trips per iteration (one call that chains experience, buffer and training), which "
+        "matters little once the model is worth distributing.", ""]
     return "\n".join(lines)
 
 

@@ -7,10 +7,12 @@ import torch
 
 from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
+from rlhf_ray.algorithms.experience import make_experience, pack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
-from rlhf_ray.algorithms.losses import lm_loss_sum, policy_loss, value_loss
+from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss, value_loss
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
 from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, shaped_rewards
+from rlhf_ray.config.ppo import PPOSpec
 
 T = torch.tensor
 MASK = T([[1.0, 1.0, 0.0]])  # a two-token answer, then padding
@@ -115,3 +117,51 @@ def test_lm_loss_sums_next_token_cross_entropy_and_skips_ignored_labels():
     close(lm_loss_sum(logits, labels), math.log(2.0) + -math.log(0.75))  # -log p(1)=ln2 at t=0, -log p(0) at t=1
     close(lm_loss_sum(logits, T([[7, -100, 0]])), -math.log(0.75))  # an ignored label carries no loss
     close(lm_loss_sum(logits, T([[7, -100, -100]])), 0.0)
+
+
+def test_kl_loss_is_the_token_mean_estimate_and_pulls_towards_the_reference():
+    logp, ref = T([[0.5, -1.0, 4.0]], requires_grad=True), T([[0.0, 0.0, 0.0]])
+    loss = kl_loss(logp, ref, MASK, "k3")
+    close(loss, ((math.exp(-0.5) - 1 + 0.5) + (math.exp(1.0) - 1 - 1)) / 2)  # padding token 2 carries nothing
+    loss.backward()
+    # d/dx (e^-x - 1 + x) / 2 = (1 - e^-x) / 2: a step against the gradient moves each log-prob towards ref
+    close(logp.grad, [[(1 - math.exp(-0.5)) / 2, (1 - math.exp(1.0)) / 2, 0.0]])
+
+
+def test_pack_rollouts_aligns_every_answer_at_the_same_column():
+    batch = pack_rollouts([[5, 6], [7]], [[8], [9, 10, 11]], pad_id=0)
+    assert batch["sequences"].tolist() == [[5, 6, 8, 0, 0], [0, 7, 9, 10, 11]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert batch["action_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert int(batch["prompt_width"]) == 2
+
+
+def test_make_experience_grpo_kl_in_reward_or_in_loss():
+    scores, mask, ended = T([1.0, 0.0, 0.0]), T([[1.0], [1.0], [1.0]]), T([True, True, True])  # one prompt, 3 answers
+    logp, ref = T([[-1.0], [0.0], [-2.0]]), T([[-1.0], [-1.0], [-2.0]])  # k1 KL per answer: [0, 1, 0]
+    spec = PPOSpec(advantage_estimator="grpo", kl_coef=0.5)
+    out = make_experience(scores, logp, ref, None, mask, ended, spec, group_size=3)
+    # sequence rewards [1, -0.5, 0]: mean 1/6, unbiased std sqrt(7/12)
+    close(out["advantages"], [[5 / 6 / math.sqrt(7 / 12)], [-2 / 3 / math.sqrt(7 / 12)], [-1 / 6 / math.sqrt(7 / 12)]],
+          1e-4)
+    close(out["kl"], [0.0, 1.0, 0.0])
+    assert out["old_logp"] is logp
+    # KL in the loss: the reward is the score alone ([1, 0, 0]: mean 1/3, std sqrt(1/3)), and the old log-probs
+    # may be left to the learner
+    spec = PPOSpec(advantage_estimator="grpo", kl_coef=0.5, kl_in_loss=True)
+    out = make_experience(scores, None, ref, None, mask, ended, spec, group_size=3)
+    third = math.sqrt(1 / 3)
+    close(out["advantages"], [[2 / 3 / third], [-1 / 3 / third], [-1 / 3 / third]], 1e-4)
+    assert "old_logp" not in out and "kl" not in out and out["ref_logp"] is ref
+    with pytest.raises(ValueError, match="old log-probs"):
+        make_experience(scores, None, ref, None, mask, ended, PPOSpec(advantage_estimator="grpo"), 3)
+
+
+def test_make_experience_gae_shapes_rewards_before_the_critic():
+    spec = PPOSpec(kl_coef=0.1, whiten_advantages=False, lam=1.0)
+    logp, ref, values = T([[-1.0, -2.0, -3.0]]), T([[-1.5, -1.0, -3.0]]), T([[0.2, 0.4, 7.0]])
+    out = make_experience(T([7.0]), logp, ref, values, MASK, T([True]), spec, group_size=1)
+    # rewards [-0.05, 5.1, pad] (as in the shaped-rewards test); lam 1, gamma 1: returns are reward-to-go
+    close(out["rewards"], [[-0.05, 5.1, 0.0]])
+    close(out["returns"], [[5.05, 5.1, 0.0]])
+    close(out["advantages"], [[5.05 - 0.2, 5.1 - 0.4, 0.0]])

@@ -41,15 +41,26 @@ def test_ppo_with_vllm_engines_raises_held_out_reward(tmp_path, stage_models):
 
 
 def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_models):
+    """GRPO as published: KL (k3) in the loss. One on-policy step per rollout, so the policy's old log-probs come
+    from its training forward and no separate policy forward runs during experience."""
+    import json
+
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
                   "ppo.rollout_batch_size=8", "ppo.iterations=3", "critic=null", "reward.model.path=null",
-                  "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy")
+                  "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
+                  "ppo.kl_in_loss=true", "ppo.kl_estimator=k3", "ppo.kl_coef=0.5", "policy.optim.lr=1e-3")
     assert job.critic is None and "critic" not in job.placement_roles()
+    assert job.old_logprobs_from_training
     summary = run_ppo(job)
     assert summary["iterations"] == 3
     # the rule reward of a greedy answer is its task accuracy: the function ran on decoded prompts and answers
     assert summary["reward_before"] == summary["task_accuracy_before"]
+    rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "policy/kl" in r]
+    assert len(steps) == 3 and all("compute/policy_seconds" not in r for r in steps)  # no old-log-prob forward
+    assert all(abs(r["policy/approx_kl"]) < 1e-12 and r["policy/clip_fraction"] == 0 for r in steps)  # ratio 1
+    assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
 
 
 @pytest.mark.parametrize("engine,zero_stage,transport", [("hf", 2, "object_store"), ("vllm", 3, "object_store"),

@@ -40,8 +40,9 @@ class ExperienceWorker:
         experience = make_experience(scores, old_logp, ref_logp, values, batch["action_mask"], batch["ended"],
                                      self.spec, self.group_size)
         metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
-                   "kl/mean": experience["kl"].mean().item(),
                    "answer/length": batch["action_mask"].sum(-1).mean().item(),
                    "answer/ended": batch["ended"].float().mean().item(),
                    "compute/advantages_seconds": time.perf_counter() - start}
+        if "kl" in experience:  # else the policy reports it from its training forward (policy/kl)
+            metrics["kl/mean"] = experience["kl"].mean().item()
         return {"ref": ray.put({**batch, **experience}), "metrics": metrics}

@@ -27,13 +27,18 @@ def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: in
             "prompt_width": torch.tensor(width_p)}
 
 
-def make_experience(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, values: torch.Tensor | None,
-                    action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
+def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,
+                    values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
                     group_size: int) -> dict[str, torch.Tensor]:
-    """Advantages and returns by the configured estimator, plus what the metrics report."""
-    rewards = shaped_rewards(scores, logp, ref_logp, action_mask, spec.kl_coef, spec.clip_reward, spec.kl_estimator,
-                             ended, spec.eos_penalty)
-    out: dict[str, torch.Tensor] = {}
+    """Advantages and returns by the configured estimator, plus what the metrics report. `logp` (the policy's old
+    log-probs) may be None when the reward carries no KL term: the learner then uses its training forward's."""
+    reward_kl_coef = 0.0 if spec.kl_in_loss else spec.kl_coef
+    if logp is None and reward_kl_coef:
+        raise ValueError("the KL-shaped reward needs the policy's old log-probs")
+    kl = None if logp is None else kl_estimate(logp, ref_logp, spec.kl_estimator) * action_mask
+    rewards = shaped_rewards(scores, ref_logp if logp is None else logp, ref_logp, action_mask, reward_kl_coef,
+                             spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty)
+    out: dict[str, torch.Tensor] = {"ref_logp": ref_logp}
     if spec.advantage_estimator == "gae":
         assert values is not None, "gae needs critic values"
         advantages, returns = gae(rewards, values, action_mask, spec.gamma, spec.lam)
@@ -43,12 +48,13 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Te
     else:
         # GRPO / RLOO: the sequence score (with the KL as a per-token penalty folded in as its sum)
         seq_reward = scores.float().clamp(-spec.clip_reward, spec.clip_reward)
-        seq_reward = seq_reward - spec.kl_coef * (kl_estimate(logp, ref_logp, spec.kl_estimator) * action_mask).sum(-1)
+        if reward_kl_coef:
+            seq_reward = seq_reward - reward_kl_coef * kl.sum(-1)
         norm = group_normalized if spec.advantage_estimator == "grpo" else leave_one_out
         advantages = broadcast_to_tokens(norm(seq_reward, group_size), action_mask)
     if spec.whiten_advantages and spec.advantage_estimator in ("gae", "rloo"):
         advantages = masked_whiten(advantages, action_mask)
-    kl = kl_estimate(logp, ref_logp, spec.kl_estimator)
-    out.update(advantages=advantages, old_logp=logp, action_mask=action_mask,
-               kl=masked_mean(kl, action_mask, dim=-1), rewards=rewards)
+    out.update(advantages=advantages, action_mask=action_mask, rewards=rewards)
+    if logp is not None:
+        out.update(old_logp=logp, kl=masked_mean(kl, action_mask, dim=-1))
     return out

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from rlhf_ray.algorithms.masked import masked_mean
+from rlhf_ray.algorithms.rewards import KLEstimator, kl_estimate
 from rlhf_ray.data.tokenized import IGNORE_INDEX
-
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -30,6 +30,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), action_mask),
              "approx_kl": masked_mean(0.5 * (logp - old_logp) ** 2, action_mask)}
     return masked_mean(loss, action_mask), stats
+
+
+def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor,
+            estimator: KLEstimator = "k3") -> torch.Tensor:
+    """Token-mean KL(policy || reference) estimate, differentiable in `logp` (the KL term of GRPO's loss)."""
+    return masked_mean(kl_estimate(logp, ref_logp, estimator), action_mask)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,

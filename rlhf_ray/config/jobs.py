@@ -201,6 +201,14 @@ class PPOJob(JobBase):
     def train_batch_size(self) -> int:
         return self.ppo.train_batch_size or self.samples_per_iteration
 
+    @property
+    def old_logprobs_from_training(self) -> bool:
+        """True when the policy's only update per rollout sees the weights that sampled it and the reward needs no
+        log-probs: the old log-probs are then its training forward's, detached, and no extra forward is run."""
+        ppo = self.ppo
+        one_step = ppo.mode == "sync" and ppo.ppo_epochs == 1 and self.train_batch_size == self.samples_per_iteration
+        return one_step and (ppo.kl_in_loss or ppo.kl_coef == 0)
+
     @model_validator(mode="after")
     def _checks(self) -> "PPOJob":
         self._fill_model_defaults()

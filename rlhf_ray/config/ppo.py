@@ -35,7 +35,12 @@ class PPOSpec(StrictModel):
     advantage_estimator: AdvantageEstimator = "gae"
     """gae uses a critic; grpo, rloo and reinforce_pp need none, and then no critic group is created."""
     kl_coef: float = Field(0.1, ge=0)
-    """Per-token KL penalty beta in the shaped reward."""
+    """KL penalty beta: per token in the shaped reward, or in the policy loss with `kl_in_loss`."""
+    kl_in_loss: bool = False
+    """Put the KL penalty in the policy loss (kl_coef x token-mean KL to the reference, as GRPO does; usually with
+    kl_estimator k3) instead of the reward. With one on-policy step per rollout (sync mode, ppo_epochs 1, one
+    train batch per iteration) the policy then skips the forward pass for old log-probs: they equal its
+    training forward's, detached."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator: k1 = log ratio (DeepSpeed-Chat), k2 = squared log ratio / 2, k3 = ratio - 1 - log ratio."""
     clip_reward: float = Field(5.0, gt=0)

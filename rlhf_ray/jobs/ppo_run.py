@@ -65,6 +65,8 @@ class PPORun:
         self.policy = start_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
                                           updates, clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
                                           pad_token_id=pad, train_batch_size=job.train_batch_size,
+                                          kl_loss_coef=ppo.kl_coef if ppo.kl_in_loss else 0.0,
+                                          kl_estimator=ppo.kl_estimator,
                                           ema_beta=ppo.ema.beta if ppo.ema.enabled else None,
                                           pretrain_data=ppo.pretrain_data, ptx_coef=ppo.ptx_coef,
                                           **_learner_kwargs(job, job.policy))
@@ -125,18 +127,20 @@ class PPORun:
         rows = rollout["samples"]
         (assembler,) = self.assembler.actors
         batch = assembler.batch.remote(rollout["refs"])
-        calls = {"policy": self.policy.submit("logprobs", batch),
-                 "reference": self._split_submit(self.reference, "logprobs", batch, rows),
+        calls = {"reference": self._split_submit(self.reference, "logprobs", batch, rows),
                  "reward": self._split_submit(self.reward, "score", batch, rows)}
+        if not self.job.old_logprobs_from_training:
+            calls["policy"] = self.policy.submit("logprobs", batch)
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
-        results = {"policy": self.policy.gather(calls["policy"], "logprobs"),
-                   "reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
+        results = {"reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
                    "reward": self._split_gather(self.reward, "score", calls["reward"])}
+        if "policy" in calls:
+            results["policy"] = self.policy.gather(calls["policy"], "logprobs")
         if self.critic is not None:
             results["critic"] = self.critic.gather(calls["critic"], "values")
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
-        (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts["policy"],
+        (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
                                                                     parts["reference"], parts.get("critic"))],
                                        "experience")
         experience, metrics = out["ref"], out["metrics"]
@@ -164,6 +168,7 @@ class PPORun:
             out = group.gather(refs, "train")
             metrics |= out[0]
             train_seconds = max([train_seconds] + [m[f"{group.role}/seconds"] for m in out])
+        metrics.setdefault("kl/mean", metrics["policy/kl"])  # no old log-probs: the training forward's KL
         timer.append(time.perf_counter())
         sync = self.sync_weights()
         timer.append(time.perf_counter())

@@ -11,7 +11,7 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy
-from rlhf_ray.algorithms.losses import lm_loss_sum, policy_loss
+from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
@@ -24,10 +24,11 @@ GATHER_BYTES = 2**28
 
 class PolicyLearner(PPOLearnerRank):
     def __init__(self, *, clip_ratio: float, dual_clip: float | None, pad_token_id: int, train_batch_size: int,
-                 ema_beta: float | None = None, pretrain_data: list[str] | None = None, ptx_coef: float = 0.0,
-                 **kwargs):
+                 kl_loss_coef: float = 0.0, kl_estimator: str = "k3", ema_beta: float | None = None,
+                 pretrain_data: list[str] | None = None, ptx_coef: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.clip_ratio, self.dual_clip = clip_ratio, dual_clip
+        self.kl_loss_coef, self.kl_estimator = kl_loss_coef, kl_estimator
         self.ema_beta, self.ema = ema_beta, None
         self.ptx_coef = ptx_coef
         self.mix = PretrainMix(pretrain_data, train_batch_size, self.seed, pad_token_id) if pretrain_data else None
@@ -63,11 +64,16 @@ class PolicyLearner(PPOLearnerRank):
     def train(self, plan) -> dict[str, float]:
         def token_loss(micro: Batch):
             logp, ent = self._logprobs(micro, with_entropy=True)
-            loss, stats = policy_loss(logp, micro["old_logp"], micro["advantages"], micro["action_mask"],
-                                      self.clip_ratio, self.dual_clip)
-            tokens = micro["action_mask"].sum()
+            # without old log-probs in the experience this is the rollout's only update: they equal these
+            old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
+            mask = micro["action_mask"]
+            loss, stats = policy_loss(logp, old_logp, micro["advantages"], mask, self.clip_ratio, self.dual_clip)
+            kl = kl_loss(logp, micro["ref_logp"], mask, self.kl_estimator)
+            if self.kl_loss_coef:
+                loss = loss + self.kl_loss_coef * kl
+            tokens = mask.sum()
             return loss * tokens, {**{k: v.item() * tokens.item() for k, v in stats.items()},
-                                   "entropy": ent.sum().item()}
+                                   "kl": kl.item() * tokens.item(), "entropy": ent.sum().item()}
 
         metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
         if self.ema_beta is not None:
