@@ -73,6 +73,9 @@ def test_vllm_dtype_follows_the_policy_unless_the_cpu_has_bf16_units(monkeypatch
     assert engine_kwargs(fp32, spec(), on_gpu=False)["dtype"] == "float32"
     cpu = engine_kwargs(fp32, spec(vllm={"kv_cache_gb": 0.5, "extra": {"max_num_seqs": 8}}), on_gpu=False)
     assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 2**29 and cpu["max_num_seqs"] == 8
+    assert cpu["block_size"] == 32
     gpu = engine_kwargs(fp32, spec(vllm={"gpu_memory_utilization": 0.5}), on_gpu=True)
     assert gpu["enforce_eager"] is False and gpu["gpu_memory_utilization"] == 0.5
+    assert "block_size" not in gpu
+    assert engine_kwargs(fp32, spec(vllm={"block_size": 64}), on_gpu=True)["block_size"] == 64
 

