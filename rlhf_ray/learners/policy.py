@@ -68,7 +68,8 @@ class PolicyLearner(PPOLearnerRank):
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
             mask = micro["action_mask"]
             loss, stats = policy_loss(logp, old_logp, micro["advantages"], mask, self.clip_ratio, self.dual_clip)
-            kl = kl_loss(logp, micro["ref_logp"], mask, self.kl_estimator)
+            # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept)
+            kl = kl_loss(logp if self.kl_loss_coef else logp.detach(), micro["ref_logp"], mask, self.kl_estimator)
             if self.kl_loss_coef:
                 loss = loss + self.kl_loss_coef * kl
             tokens = mask.sum()
