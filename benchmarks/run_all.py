@@ -22,6 +22,7 @@ SCRIPTS = {
     "iteration": "bench_iteration.py",  # PPO / GRPO iteration breakdown, weight sync vs memcpy, scaling
     "trl": "bench_trl.py",  # the same GRPO job with TRL's GRPOTrainer
     "quickstart": "bench_quickstart.py",  # the README's main command: wall time and peak memory
+    "demo_accuracy": "bench_demo_accuracy.py",  # PPO's greedy and sampled accuracy on demo/sort, by reward
 }
 
 
