@@ -72,8 +72,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         tiny = build_tiny_model(tmp / "tiny", seed=0)
-        stage = lambda kind, name, *extra: run_job(kind, QUICK / f"{kind}.yaml", [f"model.path={tiny}",  # noqa: E731
-                                                                             f"output_dir={tmp / name}", *extra])
+
+        def stage(kind: str, name: str, *extra: str) -> tuple[dict, list[dict]]:
+            return run_job(kind, QUICK / f"{kind}.yaml", [f"model.path={tiny}", f"output_dir={tmp / name}", *extra])
+
         stage("sft", "sft")
         sft = tmp / "sft/model"
         rms = {"rm": stage("rm", "rm")[0], "rm_sft": stage("rm", "rm_sft", f"model.path={sft}", "train.epochs=4")[0]}
@@ -81,9 +83,9 @@ def main() -> int:
         rows.append(("(the SFT policy, before PPO)", "", "", base, None, None))
         print("sft", base, flush=True)
         for i, (reward, rm, change, extra, engine) in enumerate(RUNS):
-            critic_rm = tmp / (rm or "rm_sft") / "model"
-            overrides = [f"policy.model.path={sft}", f"reward.model.path={critic_rm}", f"output_dir={tmp / f'ppo{i}'}",
-                         f"critic.model.path={critic_rm}", f"generation.engine={engine}", *extra]
+            rm_path = tmp / (rm or "rm_sft") / "model"  # the reward model, and the critic's start (also for the rule)
+            overrides = [f"policy.model.path={sft}", f"reward.model.path={rm_path}", f"output_dir={tmp / f'ppo{i}'}",
+                         f"critic.model.path={rm_path}", f"generation.engine={engine}", *extra]
             if engine == "vllm":
                 overrides.append("generation.vllm.dtype=fp32")
             started = time.time()
