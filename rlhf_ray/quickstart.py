@@ -59,10 +59,11 @@ def _report(summary: dict) -> None:
                       f"(perplexity {sft['eval_perplexity']:.2f})")
     if "eval_accuracy" in rm:
         console.print(f"RM: held-out pair accuracy {rm['eval_accuracy_first']:.2f} -> {rm['eval_accuracy']:.2f}")
-    if "reward_after" in ppo:
-        console.print(f"PPO: held-out reward {ppo['reward_before']:.3f} -> {ppo['reward_after']:.3f}")
-    if "task_accuracy_after" in ppo:
-        console.print(f"PPO: held-out task accuracy (rule-checked) {ppo['task_accuracy_before']:.3f} -> "
-                      f"{ppo['task_accuracy_after']:.3f}")
+    for key, label in (("reward", "reward"), ("task_accuracy", "task accuracy (rule-checked)")):
+        if ppo.get(f"{key}_after") is not None:
+            line = f"PPO: held-out {label}, greedy {ppo[f'{key}_before']:.3f} -> {ppo[f'{key}_after']:.3f}"
+            if f"sampled_{key}_after" in ppo:
+                line += f", sampled {ppo[f'sampled_{key}_before']:.3f} -> {ppo[f'sampled_{key}_after']:.3f}"
+            console.print(line)
     if ppo.get("status") == NOT_IMPLEMENTED:
         console.print("PPO: not implemented in this version.")

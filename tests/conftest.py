@@ -50,6 +50,6 @@ def sft_model(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def rm_model(tmp_path_factory, tiny_model) -> Path:
-    """A reward model trained by the quickstart RM config on demo/sort pairs."""
-    return _quick_stage("rm", tmp_path_factory.mktemp("stages"), tiny_model)
+def rm_model(tmp_path_factory, sft_model) -> Path:
+    """A reward model trained by the quickstart RM config on demo/sort pairs, from the SFT model as there."""
+    return _quick_stage("rm", tmp_path_factory.mktemp("stages"), sft_model)

@@ -174,10 +174,13 @@ def test_pipeline_wires_stage_outputs_into_ppo():
     assert isinstance(job, PipelineJob)
     assert job.sft.output_dir == "outputs/quickstart/sft"
     assert job.ppo.policy.model.path == f"outputs/quickstart/sft/{FINAL_MODEL_DIR}"
+    assert job.rm.model.path == job.ppo.policy.model.path  # the reward model starts from the SFT model
     assert job.ppo.reference.model.path == job.ppo.policy.model.path
     assert job.ppo.reward.model.path == f"outputs/quickstart/rm/{FINAL_MODEL_DIR}"
     assert job.ppo.critic is not None and job.ppo.critic.model.path == job.ppo.reward.model.path
     assert job.ppo.seed == job.seed and job.ppo.cluster == job.cluster
+    given = load_job(ROOT / "configs/quickstart/pipeline.yaml", ["rm.model.path=my/rm-base"])
+    assert given.rm.model.path == "my/rm-base"  # a path given is kept
 
 
 def test_deepspeed_config_translation():

@@ -15,10 +15,16 @@ def test_splits_are_deterministic_and_disjoint():
 
 def test_chosen_is_right_and_rejected_is_wrong_by_the_rule():
     raw = demo_sort.load()
+    lengths = []
     for s in raw.train + raw.eval:
         assert demo_sort.check_answer(s.prompt, s.chosen)
         assert not demo_sort.check_answer(s.prompt, s.rejected)
-        assert len(s.rejected.split()) == demo_sort.LENGTH  # length never gives a rejection away
+        lengths.append(len(s.rejected.split()))
+    # a digit dropped or repeated in about LENGTH_MISS of the rejections, so a reward model learns the length too;
+    # the rest have the right length, so length alone never tells most rejections apart
+    assert set(lengths) == {demo_sort.LENGTH - 1, demo_sort.LENGTH, demo_sort.LENGTH + 1}
+    off = sum(n != demo_sort.LENGTH for n in lengths) / len(lengths)
+    assert abs(off - demo_sort.LENGTH_MISS) < 0.03
 
 
 def test_check_answer_and_score():

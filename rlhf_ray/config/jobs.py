@@ -294,14 +294,15 @@ def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) ->
 
 
 class PipelineJob(JobBase):
-    """SFT -> RM -> PPO. Stage outputs default to `<output_dir>/{sft,rm,ppo}`; PPO's policy and reference start
-    from the SFT model and its critic and reward model from the RM, unless a path is given."""
+    """SFT -> RM -> PPO. Stage outputs default to `<output_dir>/{sft,rm,ppo}`; the reward model starts from the SFT
+    model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic and reward model
+    from the RM, unless a path is given."""
 
     kind: Literal["pipeline"] = "pipeline"
     sft: SFTJob
     """Stage 1, as in an sft config (`kind` and `output_dir` may be left out)."""
     rm: RMJob
-    """Stage 2, as in an rm config."""
+    """Stage 2, as in an rm config; `model.path` left unset takes the SFT output."""
     ppo: PPOJob
     """Stage 3, as in a ppo config; model paths left unset take the SFT / RM outputs."""
 
@@ -323,6 +324,7 @@ class PipelineJob(JobBase):
             stages[stage] = section
         sft_model = f"{stages['sft']['output_dir']}/{FINAL_MODEL_DIR}"
         rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
+        _with_default(stages["rm"], ("model", "path"), sft_model)
         _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
         if not (isinstance(stages["ppo"].get("reward"), dict) and stages["ppo"]["reward"].get("function")):
             _with_default(stages["ppo"], ("reward", "model", "path"), rm_model)

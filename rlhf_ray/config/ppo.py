@@ -74,3 +74,7 @@ class PPOSpec(StrictModel):
     eval_prompts: int = Field(64, ge=0)
     """Held-out prompts scored before and after training (summary.json's reward_before / reward_after; 0 skips
     both evaluations and leaves them null)."""
+    eval_samples: int = Field(4, ge=0)
+    """Answers sampled per held-out prompt with `generation.sampling` (rounded up to a multiple of
+    n_samples_per_prompt) for summary.json's sampled_reward_* and sampled_task_accuracy_*: the policy PPO
+    optimises, where greedy answers show only its most likely one. 0 skips them."""

@@ -20,8 +20,11 @@ from rlhf_ray.data.demo import strip_answer
 from rlhf_ray.data.raw import RawDataset, RawSample
 
 NAME = "demo/sort"
-VERSION = 1
+VERSION = 2
 LENGTH = 4
+LENGTH_MISS = 0.2
+"""Share of rejections with a digit dropped or repeated: without them a reward model never sees a wrong length
+rejected, and PPO learns to append a fifth digit it scores highly (docs/benchmarks.md, "PPO on the demo task")."""
 TRAIN_SIZE = 3000
 EVAL_SIZE = 300
 SEED = 0
@@ -38,10 +41,18 @@ def answer_of(digits: Sequence[int]) -> str:
 
 
 def near_miss(digits: Sequence[int], rng: random.Random) -> str:
-    """A wrong answer close to the right one: the right digits in a wrong order, or sorted with one digit
-    changed (so a reward model must check both order and content)."""
+    """A wrong answer close to the right one: sorted with one digit dropped or repeated (LENGTH_MISS of them), else
+    the right digits in a wrong order, or sorted with one digit changed (so a reward model must check length, order
+    and content)."""
     good = sorted(digits)
-    if len(set(good)) > 1 and rng.random() < 0.5:
+    if rng.random() < LENGTH_MISS:
+        bad = good[:]
+        i = rng.randrange(len(bad))
+        if rng.random() < 0.5:
+            del bad[i]
+        else:
+            bad.insert(i, bad[i])
+    elif len(set(good)) > 1 and rng.random() < 0.5:
         bad = good[:]
         while bad == good:
             rng.shuffle(bad)

@@ -97,7 +97,7 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         start, before = state["step"], state["eval_before"]
         log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, start, run.version)
     else:
-        start, before = 0, run.evaluate(eval_rows, rule)
+        start, before = 0, run.evaluate(eval_rows, rule, job.ppo.eval_samples)
         metrics.log(0, {f"eval/{k}": v for k, v in before.items()})
     end = min(job.ppo.iterations, stop_after) if stop_after is not None else job.ppo.iterations
 
@@ -140,7 +140,7 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
             run.save(checkpoints, iteration + 1, {"eval_before": before})
     if end < job.ppo.iterations:
         return {"stopped_at_iteration": end, "iterations": job.ppo.iterations}
-    after = run.evaluate(eval_rows, rule)
+    after = run.evaluate(eval_rows, rule, job.ppo.eval_samples)
     metrics.log(job.ppo.iterations, {f"eval/{k}": v for k, v in after.items()})
     run.policy.call("export_hf", str(out / FINAL_MODEL_DIR))
     if job.ppo.ema.enabled:
@@ -148,7 +148,8 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
     summary = {"iterations": job.ppo.iterations, "seconds": round(time.time() - started, 2),
                "reward_before": before.get("reward"), "reward_after": after.get("reward"),
                "eval_prompts": len(eval_rows)}
-    if "task_accuracy" in before:
-        summary.update(task_accuracy_before=before["task_accuracy"], task_accuracy_after=after["task_accuracy"])
+    for key in ("task_accuracy", "sampled_reward", "sampled_task_accuracy"):
+        if key in before:
+            summary.update({f"{key}_before": before[key], f"{key}_after": after[key]})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -245,12 +245,22 @@ class PPORun:
         return state
 
     # ---- evaluation ---------------------------------------------------------------------------------------
-    def evaluate(self, rows: list[dict], rule) -> dict[str, float]:
-        """Greedy answers to held-out prompts: mean reward score and, with a rule, the task accuracy. (Small: the
-        answers come to the driver, which decodes them for the rule.) No prompts: nothing to report."""
+    def evaluate(self, rows: list[dict], rule, samples: int = 0) -> dict[str, float]:
+        """Held-out prompts answered greedily (the policy's mode) and, with `samples`, sampled with the training
+        settings (the distribution PPO optimises): mean reward score and, with a rule, the task accuracy, as
+        `reward` / `task_accuracy` and `sampled_reward` / `sampled_task_accuracy`. (Small: the answers come to the
+        driver, which decodes them for the rule.) No prompts: nothing to report."""
         if not rows:
             return {}
-        samples = self.pool.generate([r["prompt_ids"] for r in rows], seed=0, greedy=True)
+        prompt_ids = [r["prompt_ids"] for r in rows]
+        out = self._score_answers(self.pool.generate(prompt_ids, seed=0, greedy=True), rows, rule)
+        if samples:
+            rounds = -(-samples // self.job.generation.sampling.n_samples_per_prompt)
+            sampled = self.pool.generate(prompt_ids * rounds, seed=1)
+            out |= {f"sampled_{k}": v for k, v in self._score_answers(sampled, rows, rule).items()}
+        return out
+
+    def _score_answers(self, samples: list[dict], rows: list[dict], rule) -> dict[str, float]:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokenizer.pad_token_id)
         parts = self._split_gather(self.reward, "score",
@@ -258,6 +268,6 @@ class PPORun:
         out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}
         if rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
-            prompts = [rows[s["prompt_index"]]["prompt"] for s in samples]
-            out["task_accuracy"] = sum(rule(prompts, answers)) / len(rows)
+            prompts = [rows[s["prompt_index"] % len(rows)]["prompt"] for s in samples]
+            out["task_accuracy"] = sum(rule(prompts, answers)) / len(samples)
         return out
