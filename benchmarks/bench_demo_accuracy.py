@@ -102,15 +102,18 @@ def main() -> int:
 
 
 def render(rows, rms) -> str:
+    from rlhf_ray.config import load_job
     from rlhf_ray.data import demo_sort
 
+    ppo = load_job(QUICK / "ppo.yaml")
     base = rows[0][2]
     quick = [r[2] for r in rows if r[0] == "quickstart reward model" and "iterations" not in r[1]]
     mean = {k: statistics.mean(q[k] for q in quick) for k in ("greedy", "sampled")}
     out = [HEADING, "", f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
            f"Date: {today()}.", "",
            "Command: `python benchmarks/bench_demo_accuracy.py --write docs/benchmarks.md`. The quickstart's SFT, RM "
-           "and PPO configs (PPO: seed 1234, 100 iterations, policy lr 2e-4, critic lr 1e-3) with what the second "
+           f"and PPO configs (PPO: seed {ppo.seed}, {ppo.ppo.iterations} iterations, "
+           f"policy lr {ppo.policy.optim.lr:g}, critic lr {ppo.critic.optim.lr:g}, KL coefficient {ppo.ppo.kl_coef:g}) with what the second "
            "column changes; reward models: the quickstart's, trained from the SFT model for 4 epochs (held-out pair "
            f"accuracy {rms['rm']['eval_accuracy']:.2f}), and one trained from the base model for 2 epochs "
            f"({rms['rm_base']['eval_accuracy']:.2f}); with the rule as reward the critic starts from the quickstart "
