@@ -14,6 +14,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,13 +30,16 @@ SECTION = "## Quickstart pipeline: wall time and peak memory"
 def run() -> dict:
     shutil.rmtree(ROOT / "outputs" / "quickstart", ignore_errors=True)
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_ray.cli", "quickstart"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watcher, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
-        peak = max(peak, tree_pss(watcher))
-        time.sleep(0.25)
-    output = proc.stdout.read()
+    # the output goes to a file, not a pipe: a pipe nobody reads until the end fills up and blocks the job
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rlhf_ray.cli", "quickstart"], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        watcher, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            peak = max(peak, tree_pss(watcher))
+            time.sleep(0.25)
+        log.seek(0)
+        output = log.read()
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"quickstart failed:\n{output[-4000:]}")

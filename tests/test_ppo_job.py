@@ -27,13 +27,13 @@ def ppo_job(tmp_path, sft, rm, *overrides):
                          ids=["hf", "vllm"])
 def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models, engine):
     """The quickstart PPO run with each engine: the reward-model score and the rule accuracy of the policy's
-    sampled answers rise; its greedy answers stay about as accurate (docs/jobs.md, "What to expect on the demo
-    task")."""
+    sampled answers (what PPO optimises) rise; its greedy answers, already the SFT policy's most likely ones, keep
+    about their score and accuracy (docs/jobs.md, "What to expect on the demo task")."""
     sft, rm = stage_models
     summary = run_ppo(ppo_job(tmp_path, sft, rm, *engine))
-    assert summary["reward_after"] > summary["reward_before"] + 0.05, summary
-    assert summary["sampled_reward_after"] > summary["sampled_reward_before"] + 0.1, summary
+    assert summary["sampled_reward_after"] > summary["sampled_reward_before"] + 0.5, summary
     assert summary["sampled_task_accuracy_after"] > summary["sampled_task_accuracy_before"] + 0.03, summary
+    assert summary["reward_after"] > summary["reward_before"] - 0.1, summary
     assert summary["task_accuracy_after"] >= summary["task_accuracy_before"] - 0.1, summary
 
 
