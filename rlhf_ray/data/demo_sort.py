@@ -24,7 +24,7 @@ VERSION = 2
 LENGTH = 4
 LENGTH_MISS = 0.2
 """Share of rejections with a digit dropped or repeated: without them a reward model never sees a wrong length
-rejected, and PPO learns to append a fifth digit it scores highly (docs/benchmarks.md, "PPO on the demo task")."""
+rejected, and PPO learns to append a fifth digit it scores highly (docs/jobs.md, "What to expect on the demo task")."""
 TRAIN_SIZE = 3000
 EVAL_SIZE = 300
 SEED = 0
