@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 import pytest
@@ -14,7 +13,8 @@ from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.collate import collate_pairs, collate_prompts, collate_sft
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.raw import RawSample
-from rlhf_ray.data.tokenized import IGNORE_INDEX, check_tokenizer, pack, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_ray.data.tokenized import IGNORE_INDEX, pack, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_ray.data.tokens import TokenConventions
 
 
 @pytest.fixture(scope="module")
@@ -22,33 +22,38 @@ def tok(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
+@pytest.fixture(scope="module")
+def conv(tok, tiny_model):
+    return TokenConventions.from_tokenizer(tok, tiny_model)
+
+
 SAMPLE = RawSample(" Human: Sort 3 1 2 0 Assistant:", " 0 1 2 3", " 0 2 1 3")
 
 
-def test_sft_labels_mask_the_prompt_and_end_with_eos(tok):
-    (row,), report = tokenize_sft([SAMPLE], tok, max_seq_len=64)
+def test_sft_labels_mask_the_prompt_and_end_with_eos(tok, conv):
+    (row,), report = tokenize_sft([SAMPLE], tok, conv, max_seq_len=64)
     prompt = tok(SAMPLE.prompt, add_special_tokens=False)["input_ids"]
     assert row["input_ids"][: len(prompt)] == prompt and row["input_ids"][-1] == tok.eos_token_id
     assert row["labels"][: len(prompt)] == [IGNORE_INDEX] * len(prompt)
     assert row["labels"][len(prompt):] == row["input_ids"][len(prompt):]
-    (row,), _ = tokenize_sft([SAMPLE], tok, max_seq_len=64, train_on_prompt=True)
+    (row,), _ = tokenize_sft([SAMPLE], tok, conv, max_seq_len=64, train_on_prompt=True)
     assert row["labels"] == row["input_ids"]
     assert report.kept == 1 and not report.dropped
 
 
-def test_overlong_samples_keep_eos_and_are_counted(tok):
+def test_overlong_samples_keep_eos_and_are_counted(tok, conv):
     answer_len = len(tok(SAMPLE.chosen, add_special_tokens=False)["input_ids"]) + 1
-    rows, report = tokenize_sft([SAMPLE], tok, max_seq_len=answer_len + 2)
+    rows, report = tokenize_sft([SAMPLE], tok, conv, max_seq_len=answer_len + 2)
     assert len(rows[0]["input_ids"]) == answer_len + 2 and rows[0]["input_ids"][-1] == tok.eos_token_id
     assert sum(report.repaired.values()) == 1
-    rows, report = tokenize_sft([SAMPLE], tok, max_seq_len=answer_len + 2, overlong="drop")
+    rows, report = tokenize_sft([SAMPLE], tok, conv, max_seq_len=answer_len + 2, overlong="drop")
     assert rows == [] and sum(report.dropped.values()) == 1 and "dropped 1" in report.summary()
-    rows, report = tokenize_sft([SAMPLE], tok, max_seq_len=answer_len - 1)  # the answer alone does not fit
+    rows, report = tokenize_sft([SAMPLE], tok, conv, max_seq_len=answer_len - 1)  # the answer alone does not fit
     assert rows == [] and sum(report.dropped.values()) == 1
 
 
-def test_pairs_share_the_prompt_and_identical_pairs_are_dropped(tok):
-    rows, report = tokenize_pairs([SAMPLE, RawSample(SAMPLE.prompt, " 1", " 1")], tok, max_seq_len=64)
+def test_pairs_share_the_prompt_and_identical_pairs_are_dropped(tok, conv):
+    rows, report = tokenize_pairs([SAMPLE, RawSample(SAMPLE.prompt, " 1", " 1")], tok, conv, max_seq_len=64)
     assert len(rows) == 1 and report.dropped["chosen == rejected"] == 1
     c, r = rows[0]["chosen_ids"], rows[0]["rejected_ids"]
     n = len(tok(SAMPLE.prompt, add_special_tokens=False)["input_ids"])
@@ -57,41 +62,28 @@ def test_pairs_share_the_prompt_and_identical_pairs_are_dropped(tok):
     assert batch["input_ids"].shape[0] == 4 and batch["input_ids"][0].tolist()[: len(c)] == c
 
 
-def test_prompts_are_cut_from_the_left_and_left_padded(tok):
+def test_prompts_are_cut_from_the_left_and_left_padded(tok, conv):
     long = RawSample(" Human: " + "word " * 50 + "Sort 1 0 Assistant:")
     limit = len(tok(SAMPLE.prompt, add_special_tokens=False)["input_ids"])
-    rows, report = tokenize_prompts([SAMPLE, long], tok, max_prompt_len=limit)
+    rows, report = tokenize_prompts([SAMPLE, long], tok, conv, max_prompt_len=limit)
     assert len(rows[1]["prompt_ids"]) == limit and sum(report.repaired.values()) == 1
     assert tok.decode(rows[1]["prompt_ids"]).endswith("Assistant:")  # the end the answer follows is kept
     batch = collate_prompts(rows, tok.pad_token_id)
     assert batch["input_ids"][:, -1].tolist() == [rows[0]["prompt_ids"][-1], rows[1]["prompt_ids"][-1]]
-    short = tokenize_prompts([RawSample(" Human: Sort 1 Assistant:")], tok, max_prompt_len=limit)[0]
+    short = tokenize_prompts([RawSample(" Human: Sort 1 Assistant:")], tok, conv, max_prompt_len=limit)[0]
     batch = collate_prompts(short + rows, tok.pad_token_id)
     assert batch["attention_mask"][0, 0] == 0 and batch["input_ids"][0, 0] == tok.pad_token_id
     assert batch["attention_mask"][0, -1] == 1
 
 
-def test_sft_collation_pads_right_without_labels_and_packing_keeps_samples_whole(tok):
-    rows, _ = tokenize_sft([SAMPLE, RawSample(" Human: hi Assistant:", " yes")], tok, max_seq_len=64)
+def test_sft_collation_pads_right_without_labels_and_packing_keeps_samples_whole(tok, conv):
+    rows, _ = tokenize_sft([SAMPLE, RawSample(" Human: hi Assistant:", " yes")], tok, conv, max_seq_len=64)
     batch = collate_sft(rows, tok.pad_token_id)
     short = min(range(2), key=lambda i: len(rows[i]["input_ids"]))
     n = len(rows[short]["input_ids"])
     assert (batch["labels"][short, n:] == IGNORE_INDEX).all() and (batch["input_ids"][short, n:] == tok.pad_token_id).all()
     packed = pack(rows, max_seq_len=64)
     assert len(packed) == 1 and packed[0]["input_ids"] == rows[0]["input_ids"] + rows[1]["input_ids"]
-
-
-def test_tokenizer_whose_pad_is_eos_is_refused_unless_allowed(tok, caplog):
-    class PadIsEos:
-        name_or_path = "odd-tokenizer"
-        eos_token, eos_token_id, pad_token_id = "<eos>", 5, 5
-
-    with pytest.raises(DataError, match="odd-tokenizer: pad token == eos token"):
-        check_tokenizer(PadIsEos())
-    with caplog.at_level(logging.WARNING):
-        check_tokenizer(PadIsEos(), allow_pad_equals_eos=True)
-    assert "pad token == eos token" in caplog.text
-    check_tokenizer(tok)
 
 
 def test_phases_are_disjoint_and_deterministic(tok, tmp_path):

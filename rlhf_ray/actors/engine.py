@@ -1,7 +1,8 @@
 """The contract every generation engine keeps, so the pool, the tests and the PPO loop never ask which one runs.
 
 An engine turns prompt token ids into sampled answers and takes new weights in place. Both engines stop an
-answer at the first end-of-text token (kept as the answer's last token) or after `max_new_tokens`, and report the
+answer at the first of the model's stop ids (`TokenConventions.stop_ids`, kept as the answer's last token) or after
+`max_new_tokens`, and report the
 log-prob of each drawn token under the sampling distribution, log softmax(logits / temperature), which is what the
 learners recompute.
 """
@@ -20,6 +21,7 @@ import torch
 
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.tokens import TokenConventions
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +33,11 @@ class Sample(TypedDict):
     """Position of the prompt in the list given to `generate`."""
     prompt_ids: list[int]
     answer_ids: list[int]
-    """Ends with end-of-text when `finished`."""
+    """Ends with a stop id when `finished`."""
     logprobs: list[float]
     """Sampling log-prob of each answer token."""
     finished: bool
-    """The answer ended with end-of-text (False: cut at max_new_tokens)."""
+    """The answer ended with a stop id (False: cut at max_new_tokens)."""
 
 
 class GenerationEngine(ABC):
@@ -54,17 +56,16 @@ class GenerationEngine(ABC):
         (fetched bucket by bucket), so an engine must consume it once, in order."""
 
 
-def build_engine(model: ModelSpec, spec: GenerationSpec, eos_token_id: int, pad_token_id: int,
-                 engine: str) -> GenerationEngine:
+def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions, engine: str) -> GenerationEngine:
     """The engine named by `engine` ("hf" or "vllm"; `resolve_engine` turns "auto" into one of them)."""
     if engine == "hf":
         from rlhf_ray.actors.hf_engine import HFEngine
 
-        return HFEngine(model, spec, eos_token_id, pad_token_id)
+        return HFEngine(model, spec, tokens)
     if engine == "vllm":
         from rlhf_ray.actors.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model, spec, eos_token_id, pad_token_id)
+        return VLLMEngine(model, spec, tokens)
     raise ValueError(f"unknown generation engine {engine!r}; expected hf or vllm")
 
 

@@ -11,16 +11,17 @@ import torch
 from rlhf_ray.actors.engine import build_engine
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.weight_buckets import unpack
 
 
 class GenerationWorker:
-    def __init__(self, *, rank: int, world_size: int, model: dict, generation: dict, engine: str, eos_token_id: int,
-                 pad_token_id: int):
+    def __init__(self, *, rank: int, world_size: int, model: dict, generation: dict, engine: str,
+                 tokens: TokenConventions):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank = rank
         self.spec = GenerationSpec.model_validate(generation)
-        self.engine = build_engine(ModelSpec.model_validate(model), self.spec, eos_token_id, pad_token_id, engine)
+        self.engine = build_engine(ModelSpec.model_validate(model), self.spec, tokens, engine)
         self.version = 0
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:

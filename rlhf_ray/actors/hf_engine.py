@@ -8,17 +8,18 @@ import torch
 from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm
 
 
 class HFEngine(GenerationEngine):
     name = "hf"
 
-    def __init__(self, model: ModelSpec, spec: GenerationSpec, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions):
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = load_causal_lm(model).to(self.device).eval()
         self.batch_size = spec.hf.batch_size
-        self.eos, self.pad = eos_token_id, pad_token_id
+        self.tokens = tokens
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False) -> list[Sample]:
@@ -32,13 +33,13 @@ class HFEngine(GenerationEngine):
 
     def _generate_batch(self, chunk: list[tuple[int, list[int]]], sampling: SamplingSpec, greedy: bool) -> list[Sample]:
         width = max(len(p) for _, p in chunk)
-        ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+        ids = torch.full((len(chunk), width), self.tokens.pad_id, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, (_, p) in enumerate(chunk):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         kwargs = dict(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens,
-                      min_new_tokens=sampling.min_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad,
+                      min_new_tokens=sampling.min_new_tokens, eos_token_id=list(self.tokens.stop_ids), pad_token_id=self.tokens.pad_id,
                       output_logits=True, return_dict_in_generate=True,
                       repetition_penalty=sampling.repetition_penalty)
         if not greedy:
@@ -50,11 +51,9 @@ class HFEngine(GenerationEngine):
         logprobs = torch.log_softmax(logits, -1).gather(-1, answers.unsqueeze(-1)).squeeze(-1)
         rows: list[Sample] = []
         for row, (index, prompt) in enumerate(chunk):
-            tokens = answers[row].tolist()
-            finished = self.eos in tokens
-            length = tokens.index(self.eos) + 1 if finished else len(tokens)
-            rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=tokens[:length],
-                               logprobs=logprobs[row, :length].tolist(), finished=finished))
+            answer, finished = self.tokens.cut(answers[row].tolist())
+            rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=answer,
+                               logprobs=logprobs[row, :len(answer)].tolist(), finished=finished))
         return rows
 
     @torch.no_grad()

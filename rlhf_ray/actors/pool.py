@@ -13,6 +13,7 @@ from rlhf_ray.actors.engine import engine_env, resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.data.split import stable_seed
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.learners.group import threads
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ class GenerationPool:
         """Brings a replacement engine to the current weights; the collective transport sets its own."""
 
     @classmethod
-    def start(cls, job, placement_group, bundle_indices: list[int], eos_token_id: int, pad_token_id: int,
+    def start(cls, job, placement_group, bundle_indices: list[int], tokens: TokenConventions,
               budget: RestartBudget | None = None) -> "GenerationPool":
         spec = job.generation
         engine, reason = resolve_engine(spec, job.policy.model)
@@ -35,7 +36,7 @@ class GenerationPool:
         group = ActorGroup(GenerationWorker, "generation", placement.replicas, placement_group=placement_group,
                            bundle_indices=bundle_indices, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
                            kwargs={"model": job.policy.model.model_dump(), "generation": spec.model_dump(),
-                                   "engine": engine, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id},
+                                   "engine": engine, "tokens": tokens},
                            call_timeout_s=job.cluster.call_timeout_s, start_timeout_s=job.cluster.startup_timeout_s,
                            env_vars=engine_env(engine, spec, threads(placement)))
         return cls(group.wait_ready(job.cluster.startup_timeout_s), engine,

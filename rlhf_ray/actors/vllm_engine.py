@@ -12,6 +12,7 @@ import torch
 from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights, cpu_supports_bf16
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.data.split import stable_seed
 
 log = logging.getLogger(__name__)
@@ -50,16 +51,40 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
     return {**kwargs, **v.extra}
 
 
+def _parameter_names(worker) -> list[str]:
+    """Run inside the vLLM worker (collective_rpc): the names of its model's parameters."""
+    return [name for name, _ in worker.model_runner.get_model().named_parameters(remove_duplicate=False)]
+
+
+def tied_head_alias(model: ModelSpec, engine_parameters: list[str]) -> str | None:
+    """The HF name of the input embedding to copy into `lm_head.weight`, or None. A learner sends a tied model's
+    shared embedding once (under its embedding name); where vLLM keeps its own `lm_head` parameter for a tied
+    model (Llama, Qwen2, SmolLM2 on CPU), that copy is not updated by reloading the embedding, and the engine
+    would sample from the old head. Gemma and others compute the head from the embedding and have no such
+    parameter: nothing to copy there."""
+    if "lm_head.weight" not in engine_parameters:
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code,
+                                        revision=model.revision)
+    if not getattr(config, "tie_word_embeddings", False):
+        return None
+    embeddings = [n for n in engine_parameters if n.endswith(("embed_tokens.weight", "wte.weight"))]
+    return embeddings[0] if len(embeddings) == 1 else None
+
+
 class VLLMEngine(GenerationEngine):
     name = "vllm"
 
-    def __init__(self, model: ModelSpec, spec: GenerationSpec, eos_token_id: int, pad_token_id: int):
+    def __init__(self, model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions):
         from vllm import LLM
 
         self.on_gpu = torch.cuda.is_available() and spec.placement.num_gpus > 0
         self.kwargs = engine_kwargs(model, spec, self.on_gpu)
         self.llm = LLM(**self.kwargs)
-        self.eos = eos_token_id
+        self.tokens = tokens
+        self.head_alias = tied_head_alias(model, self.llm.collective_rpc(_parameter_names)[0])
         self.sleeping = False
         log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
 
@@ -67,7 +92,7 @@ class VLLMEngine(GenerationEngine):
         from vllm import SamplingParams
 
         common = dict(max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens, n=n, logprobs=0,
-                      stop_token_ids=[self.eos], repetition_penalty=sampling.repetition_penalty, seed=seed,
+                      stop_token_ids=list(self.tokens.stop_ids), repetition_penalty=sampling.repetition_penalty, seed=seed,
                       detokenize=False)
         if greedy:
             return SamplingParams(temperature=0.0, **common)
@@ -87,10 +112,9 @@ class VLLMEngine(GenerationEngine):
         rows: list[Sample] = []
         for index, (prompt, output) in enumerate(zip(prompts, outputs)):
             for completion in output.outputs:
-                tokens = list(completion.token_ids)
-                finished = bool(tokens) and tokens[-1] == self.eos
-                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, tokens)]
-                rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=tokens, logprobs=logprobs,
+                answer, finished = self.tokens.cut(list(completion.token_ids))
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, answer)]
+                rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=answer, logprobs=logprobs,
                                    finished=finished))
         return rows
 
@@ -104,6 +128,8 @@ class VLLMEngine(GenerationEngine):
             for name, tensor in weights:
                 count += 1
                 yield name, tensor
+                if name == self.head_alias:
+                    yield "lm_head.weight", tensor
 
         stream = counted()
         if self.kwargs["distributed_executor_backend"] != "uni":

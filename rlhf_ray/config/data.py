@@ -83,6 +83,11 @@ class DatasetSpec(StrictModel):
     2 repeats it twice, 0.5 keeps a random half."""
     format: DatasetFormatSpec | None = None
     """Field mapping for a dataset the registry does not know (name `custom` or an unregistered hub id)."""
+    chat_template: bool = False
+    """Render this dataset with the model tokenizer's chat template (for instruct models): the prompt becomes the
+    conversation so far (DeepSpeed-Chat's " Human: ... Assistant:" turns become user / assistant messages) plus
+    the generation prompt, each answer the assistant's reply with the template's end-of-turn. Works for any
+    dataset; for a `format:` dataset it is the same as `template: chat_template`."""
     subset: str | None = None
     """Hub configuration name of a dataset that has several (the second argument of `load_dataset`)."""
     revision: str | None = None
@@ -117,9 +122,6 @@ class DataSpec(StrictModel):
     overlong: Literal["trim_prompt", "drop"] = "trim_prompt"
     """A sample longer than its limit with its end-of-text token: trim its prompt from the left, or drop it.
     The answer and its end-of-text are never cut. Either way it is counted in the data report."""
-    allow_pad_equals_eos: bool = False
-    """Accept a tokenizer whose pad token is its eos token (a warning says why it hurts: first-pad heuristics
-    then also find every answer's end). Default: refuse, and ask for a distinct pad token."""
     cache_dir: str | None = None
     """Tokenised cache; default `<output_dir>/data_cache`."""
 

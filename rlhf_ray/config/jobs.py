@@ -112,7 +112,7 @@ class _SupervisedJob(JobBase):
 
     @model_validator(mode="after")
     def _checks(self) -> "_SupervisedJob":
-        if self.model.path is None:
+        if not self.model.is_set:
             raise FieldProblem("model.path", "no model to train: set a hub id or a local HF directory")
         if self.train.global_batch_size is not None:
             check_global_batch("train.global_batch_size", self.train.global_batch_size, "train.micro_batch_size",
@@ -218,16 +218,17 @@ class PPOJob(JobBase):
 
     def _fill_model_defaults(self) -> None:
         """Reference starts from the policy and the critic from the reward model (DeepSpeed-Chat step 3)."""
-        if self.reference.model.path is None:
+        if not self.reference.model.is_set:
             self.reference.model = self.policy.model.model_copy(update={"lora": self.reference.model.lora})
-        if self.critic is not None and self.critic.model.path is None and self.reward.model.path is not None:
+        if self.critic is not None and not self.critic.model.is_set and self.reward.model.is_set:
             self.critic.model = self.critic.model.model_copy(update={"path": self.reward.model.path,
+                                                                     "gguf_file": self.reward.model.gguf_file,
                                                                      "tokenizer": self.reward.model.tokenizer})
 
     def _check_roles(self) -> None:
-        if self.policy.model.path is None:
+        if not self.policy.model.is_set:
             raise FieldProblem("policy.model.path", "no policy to train: set the SFT model (hub id or local path)")
-        if self.reward.function is None and self.reward.model.path is None:
+        if self.reward.function is None and not self.reward.model.is_set:
             raise FieldProblem("reward.model.path",
                                "no reward: set reward.model.path (a reward model) or reward.function (module:function)")
         if self.reward.function is not None and ":" not in self.reward.function:
@@ -243,7 +244,7 @@ class PPOJob(JobBase):
             if self.critic is None:
                 raise FieldProblem("critic", "advantage_estimator gae needs a critic: add a critic section "
                                              "(its model defaults to the reward model)")
-            if self.critic.model.path is None:
+            if not self.critic.model.is_set:
                 raise FieldProblem("critic.model.path", "the critic starts from the reward model, but the reward is a "
                                                         "function; set critic.model.path")
         if self.ppo.mode == "async" and self.ppo.max_staleness < 1:

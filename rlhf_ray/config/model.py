@@ -37,6 +37,10 @@ class ModelSpec(StrictModel):
 
     path: str | None = None
     """Hub id or local path. In a pipeline, leave it unset on PPO roles to take the SFT / RM stage outputs."""
+    gguf_file: str | None = None
+    """A GGUF file to start from instead of an HF folder (relative to `path` when that is set). It is dequantised
+    once, before any actor starts, into a plain safetensors folder under `<output_dir>/models/` that every role
+    loads; `rlhf-ray import-gguf` does the same ahead of time."""
     tokenizer: str | None = None
     """Tokenizer hub id or path; defaults to `path`."""
     dtype: Dtype = "bf16"
@@ -54,6 +58,11 @@ class ModelSpec(StrictModel):
     @property
     def tokenizer_path(self) -> str | None:
         return self.tokenizer or self.path
+
+    @property
+    def is_set(self) -> bool:
+        """A model is named, by path or by GGUF file."""
+        return self.path is not None or self.gguf_file is not None
 
     @model_validator(mode="after")
     def _lora_has_targets(self) -> "ModelSpec":

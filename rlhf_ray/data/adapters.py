@@ -298,20 +298,38 @@ class ChatTokenizer(Protocol):
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
 
 
-def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSample:
-    """Render a `template: chat_template` sample with the tokenizer's chat template, for the tokenising step.
+_DSCHAT_TURN = re.compile(r"\s*(Human|Assistant):\s?")
 
-    The prompt becomes the rendered user turn plus the generation prompt; each answer becomes what the template
-    puts after that (the reply and the template's own end-of-turn marker), so prompt + answer is exactly the
-    rendered two-turn conversation. Tokenise the result with add_special_tokens=False (the template already wrote
-    any BOS) and do not append another end-of-conversation token."""
-    user = [{"role": "user", "content": sample.prompt}]
+
+def dschat_messages(prompt: str) -> list[dict[str, str]]:
+    """DeepSpeed-Chat's " Human: a Assistant: b Human: c Assistant:" as chat messages (the final empty assistant
+    turn is what the model answers); any other text is one user message."""
+    parts = _DSCHAT_TURN.split(prompt)
+    if len(parts) < 3 or parts[0].strip() or parts[-2] != "Assistant" or parts[-1].strip():
+        return [{"role": "user", "content": prompt.strip()}]
+    roles = {"Human": "user", "Assistant": "assistant"}
+    turns = [(roles[parts[i]], parts[i + 1].strip()) for i in range(1, len(parts) - 2, 2)]
+    return [{"role": role, "content": text} for role, text in turns]
+
+
+def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSample:
+    """Render a sample with the tokenizer's chat template, for the tokenising step (`chat_template: true`).
+
+    The prompt becomes the rendered conversation (DeepSpeed-Chat turns split into messages) plus the generation
+    prompt; each answer becomes what the template puts after that (the reply and the template's own end-of-turn
+    marker), so prompt + answer is exactly the rendered conversation. The tokenising step places the tokenizer's
+    BOS only where the template did not already write it, and appends no second end-of-turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')} has no chat template; set "
+                         f"chat_template: false for this dataset (or give the tokenizer a template)")
+    user = dschat_messages(sample.prompt)
     prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
 
     def reply(text: str | None) -> str | None:
         if text is None:
             return None
-        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": text}], tokenize=False)
+        full = tokenizer.apply_chat_template(user + [{"role": "assistant", "content": text.strip()}],
+                                             tokenize=False)
         return full[len(prompt):] if full.startswith(prompt) else text
 
     return RawSample(prompt, reply(sample.chosen), reply(sample.rejected))

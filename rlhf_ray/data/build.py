@@ -16,10 +16,11 @@ from rlhf_ray.data import registry
 from rlhf_ray.data.adapters import apply_chat_template
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.split import PHASES, blend, phase_split, stable_seed
-from rlhf_ray.data.tokenized import check_tokenizer, pack, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_ray.data.tokenized import pack, tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_ray.data.tokens import TokenConventions
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: BOS prefixes and stop sets (data/tokens.py)
 
 
 @dataclass
@@ -33,41 +34,48 @@ class PhaseData:
     cache_file: str | None = None
 
 
-def tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer, tokens: TokenConventions | None = None) -> str:
+    """Same fingerprint, same token ids for every text: the vocabulary and merges, the special tokens and the
+    chat template (and, given, the conventions: prefix and stop ids)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    specials = json.dumps({"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
-                           "template": getattr(tokenizer, "chat_template", None)}, sort_keys=True)
-    return hashlib.sha256((text + specials).encode()).hexdigest()[:16]
+    specials = {"eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+                "template": getattr(tokenizer, "chat_template", None)}
+    if tokens is not None:
+        specials |= {"prefix": list(tokens.prefix_ids), "stops": list(tokens.stop_ids), "pad_id": tokens.pad_id}
+    return hashlib.sha256((text + json.dumps(specials, sort_keys=True)).encode()).hexdigest()[:16]
 
 
-def cache_key(spec: DataSpec, phase: str, seed: int, tokenizer, options: dict) -> str:
+def cache_key(spec: DataSpec, phase: str, seed: int, tokenizer, tokens: TokenConventions, options: dict) -> str:
     parts = {
         "version": CACHE_VERSION, "phase": phase, "seed": seed, "options": options,
         "data": spec.model_dump(mode="json", exclude={"cache_dir"}),
         "content": [registry.fingerprint(d) for d in spec.datasets],
-        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "tokenizer": tokenizer_fingerprint(tokenizer, tokens),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _tokenize(phase: str, samples, tokenizer, spec: DataSpec, options: dict):
+def _tokenize(phase: str, samples, tokenizer, tokens: TokenConventions, spec: DataSpec, options: dict):
     if phase == "sft":
-        rows, report = tokenize_sft(samples, tokenizer, spec.max_seq_len, options["train_on_prompt"], spec.overlong)
+        rows, report = tokenize_sft(samples, tokenizer, tokens, spec.max_seq_len, options["train_on_prompt"],
+                                    spec.overlong)
         return (pack(rows, spec.max_seq_len) if options["packing"] else rows), report
     if phase == "rm":
-        return tokenize_pairs(samples, tokenizer, spec.max_seq_len, spec.overlong)
-    return tokenize_prompts(samples, tokenizer, spec.max_prompt_len)
+        return tokenize_pairs(samples, tokenizer, tokens, spec.max_seq_len, spec.overlong)
+    return tokenize_prompts(samples, tokenizer, tokens, spec.max_prompt_len)
 
 
 def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir: str | Path, *,
-                     train_on_prompt: bool = False, packing: bool = False) -> PhaseData:
-    """Load, split, blend and tokenise the datasets of `spec` for `phase` (sft, rm or ppo)."""
+                     tokens: TokenConventions | None = None, train_on_prompt: bool = False,
+                     packing: bool = False) -> PhaseData:
+    """Load, split, blend and tokenise the datasets of `spec` for `phase` (sft, rm or ppo). `tokens`: the
+    conventions of the model's tokenizer (default: read off the tokenizer alone, without a generation config)."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    check_tokenizer(tokenizer, spec.allow_pad_equals_eos)
+    tokens = tokens or TokenConventions.from_tokenizer(tokenizer)
     options = {"train_on_prompt": train_on_prompt, "packing": packing}
-    cache_file = Path(cache_dir) / f"{phase}-{cache_key(spec, phase, seed, tokenizer, options)}.pkl"
+    cache_file = Path(cache_dir) / f"{phase}-{cache_key(spec, phase, seed, tokenizer, tokens, options)}.pkl"
     if cache_file.is_file():
         with cache_file.open("rb") as f:
             data: PhaseData = pickle.load(f)
@@ -90,9 +98,9 @@ def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir
         if raw.dropped:
             report[f"{d.name} (read)"] = ", ".join(f"dropped {n} ({why})" for why, n in raw.dropped.items())
     train_rows, train_report = _tokenize(phase, blend(train_parts, stable_seed(seed, phase, "train")),
-                                         tokenizer, spec, options)
+                                         tokenizer, tokens, spec, options)
     eval_rows, eval_report = _tokenize(phase, blend(eval_parts, stable_seed(seed, phase, "eval")),
-                                       tokenizer, spec, options)
+                                       tokenizer, tokens, spec, options)
     if not train_rows:
         raise DataError(f"the {phase} training split is empty after tokenisation ({train_report.summary()}); "
                         f"raise data.max_seq_len / max_prompt_len or check the data")

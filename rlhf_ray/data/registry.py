@@ -88,7 +88,7 @@ def resolve_adapter(spec: DatasetSpec) -> Adapter | None:
 
 def uses_chat_template(spec: DatasetSpec) -> bool:
     """True when the tokenising step must render this dataset's samples with `adapters.apply_chat_template`."""
-    return spec.format is not None and spec.format.template == "chat_template"
+    return spec.chat_template or (spec.format is not None and spec.format.template == "chat_template")
 
 
 @dataclass

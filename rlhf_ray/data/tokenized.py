@@ -1,5 +1,6 @@
-"""Raw samples -> token ids for each phase. No padding here (collators pad per batch); end-of-text is always
-kept: a sample that cannot fit with it is repaired by trimming its prompt from the left, or dropped, and counted."""
+"""Raw samples -> token ids for each phase, with the tokenizer's conventions (data/tokens.py: BOS placed once,
+answers ending with a stop id). No padding here (collators pad per batch). The answer's stop id is always kept:
+a sample that cannot fit with it is repaired by trimming its prompt from the left, or dropped, and counted."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.raw import RawSample
+from rlhf_ray.data.tokens import TokenConventions
 
 log = logging.getLogger(__name__)
 
@@ -33,56 +34,39 @@ class TokenReport:
         return ", ".join(parts)
 
 
-def check_tokenizer(tokenizer, allow_pad_equals_eos: bool = False) -> None:
-    """Refuse tokenizers that would corrupt training before any work starts."""
-    name = getattr(tokenizer, "name_or_path", "tokenizer")
-    if tokenizer.eos_token_id is None:
-        raise DataError(f"{name}: the tokenizer has no end-of-text (eos) token; set tokenizer.eos_token")
-    if tokenizer.pad_token_id is None:
-        raise DataError(f"{name}: the tokenizer has no pad token; add one distinct from eos "
-                        f"(tokenizer.add_special_tokens({{'pad_token': '<|pad|>'}}) and resize the embeddings)")
-    if tokenizer.pad_token_id == tokenizer.eos_token_id:
-        if not allow_pad_equals_eos:
-            raise DataError(f"{name}: pad token == eos token ({tokenizer.eos_token!r}); every 'first pad' would also "
-                            f"be the answer's end, so end-of-text positions and lengths become ambiguous. Add a "
-                            f"distinct pad token, or allow it explicitly")
-        log.warning("%s: pad token == eos token; lengths are taken from attention masks, never from the first pad",
-                    name)
-
-
-def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-
-def _answer_ids(tokenizer, text: str) -> list[int]:
-    """An answer always ends with end-of-text, exactly once (a chat template may already have written it)."""
-    ids = _ids(tokenizer, text)
-    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+def trim_left(ids: list[int], limit: int, keep: int = 0) -> list[int]:
+    """`ids` cut from the left to `limit` tokens, keeping its first `keep` (the tokenizer's BOS prefix)."""
+    if len(ids) <= limit:
+        return ids
+    return ids[:keep] + ids[len(ids) - (limit - keep):]
 
 
 def _fit(prompt: list[int], answer: list[int], max_len: int, overlong: Overlong, report: TokenReport,
-         what: str) -> list[int] | None:
-    """prompt + answer within max_len, trimming the prompt's start if allowed; None if it cannot fit."""
+         what: str, keep: int) -> list[int] | None:
+    """prompt + answer within max_len, trimming the prompt's start (after its first `keep` special tokens) if
+    allowed; None if it cannot fit."""
     room = max_len - len(answer)
     if len(prompt) <= room:
         return prompt
-    if overlong == "trim_prompt" and room >= 1:
+    if overlong == "trim_prompt" and room >= keep + 1:
         report.repaired[f"{what}: prompt trimmed from the left"] += 1
-        return prompt[len(prompt) - room:]
+        return trim_left(prompt, room, keep)
     report.dropped[f"{what}: longer than {max_len} tokens with end-of-text"] += 1
     return None
 
 
-def tokenize_sft(samples: list[RawSample], tokenizer, max_seq_len: int, train_on_prompt: bool = False,
-                 overlong: Overlong = "trim_prompt") -> tuple[list[dict], TokenReport]:
-    """input_ids = prompt + chosen + eos; labels copy the answer (and the prompt if train_on_prompt), else -100."""
+def tokenize_sft(samples: list[RawSample], tokenizer, tokens: TokenConventions, max_seq_len: int,
+                 train_on_prompt: bool = False, overlong: Overlong = "trim_prompt") -> tuple[list[dict], TokenReport]:
+    """input_ids = prompt + chosen + stop; labels copy the answer (and the prompt if train_on_prompt), else
+    -100."""
     report, out = TokenReport(), []
     for s in samples:
         if s.chosen is None:
             report.dropped["no chosen answer"] += 1
             continue
-        answer = _answer_ids(tokenizer, s.chosen)
-        prompt = _fit(_ids(tokenizer, s.prompt), answer, max_seq_len, overlong, report, "sft")
+        answer = tokens.encode_answer(tokenizer, s.chosen)
+        prompt = _fit(tokens.encode_prompt(tokenizer, s.prompt), answer, max_seq_len, overlong, report, "sft",
+                      len(tokens.prefix_ids))
         if prompt is None:
             continue
         labels = (prompt if train_on_prompt else [IGNORE_INDEX] * len(prompt)) + answer
@@ -107,9 +91,9 @@ def pack(samples: list[dict], max_seq_len: int) -> list[dict]:
     return packed
 
 
-def tokenize_pairs(samples: list[RawSample], tokenizer, max_seq_len: int,
+def tokenize_pairs(samples: list[RawSample], tokenizer, tokens: TokenConventions, max_seq_len: int,
                    overlong: Overlong = "trim_prompt") -> tuple[list[dict], TokenReport]:
-    """chosen_ids / rejected_ids = the same prompt + each answer + eos (one shared prompt trim, so the pair
+    """chosen_ids / rejected_ids = the same prompt + each answer + stop (one shared prompt trim, so the pair
     differs only in the answer)."""
     report, out = TokenReport(), []
     for s in samples:
@@ -119,10 +103,11 @@ def tokenize_pairs(samples: list[RawSample], tokenizer, max_seq_len: int,
         if s.chosen == s.rejected:
             report.dropped["chosen == rejected"] += 1
             continue
-        chosen = _answer_ids(tokenizer, s.chosen)
-        rejected = _answer_ids(tokenizer, s.rejected)
+        chosen = tokens.encode_answer(tokenizer, s.chosen)
+        rejected = tokens.encode_answer(tokenizer, s.rejected)
         longer = chosen if len(chosen) >= len(rejected) else rejected
-        prompt = _fit(_ids(tokenizer, s.prompt), longer, max_seq_len, overlong, report, "pair")
+        prompt = _fit(tokens.encode_prompt(tokenizer, s.prompt), longer, max_seq_len, overlong, report, "pair",
+                      len(tokens.prefix_ids))
         if prompt is None:
             continue
         out.append({"chosen_ids": prompt + chosen, "rejected_ids": prompt + rejected})
@@ -130,18 +115,19 @@ def tokenize_pairs(samples: list[RawSample], tokenizer, max_seq_len: int,
     return out, report
 
 
-def tokenize_prompts(samples: list[RawSample], tokenizer, max_prompt_len: int) -> tuple[list[dict], TokenReport]:
+def tokenize_prompts(samples: list[RawSample], tokenizer, tokens: TokenConventions,
+                     max_prompt_len: int) -> tuple[list[dict], TokenReport]:
     """PPO prompts: ids cut from the left to max_prompt_len (the question's end is what the answer follows).
     The raw sample travels along so rule-based rewards can see the prompt's text."""
     report, out = TokenReport(), []
     for s in samples:
-        ids = _ids(tokenizer, s.prompt)
-        if not ids:
+        ids = tokens.encode_prompt(tokenizer, s.prompt)
+        if len(ids) <= len(tokens.prefix_ids):
             report.dropped["empty prompt"] += 1
             continue
         if len(ids) > max_prompt_len:
             report.repaired[f"prompt longer than {max_prompt_len} tokens, cut from the left"] += 1
-            ids = ids[-max_prompt_len:]
+            ids = trim_left(ids, max_prompt_len, len(tokens.prefix_ids))
         out.append({"prompt_ids": ids, "prompt": s.prompt, "reference": s.chosen})
     report.kept = len(out)
     return out, report

@@ -23,11 +23,13 @@ from rlhf_ray.actors.group import ActorDiedError
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.jobs.ppo_run import PPORun
 from rlhf_ray.learners.schedule import micro_batches
 from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.models.sources import resolve_model_sources
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -50,10 +52,13 @@ def check_inputs(job: PPOJob) -> None:
 def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     """Run the PPO job; with `stop_after`, checkpoint after that iteration and return (run again to resume)."""
     check_inputs(job)
+    job = resolve_model_sources(job)
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(job.policy.model)
-    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, job.data.cache_dir or out / "data_cache")
+    tokens = TokenConventions.from_tokenizer(tokenizer, job.policy.model.path)
+    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, job.data.cache_dir or out / "data_cache",
+                            tokens=tokens)
     eval_rows = data.eval[: job.ppo.eval_prompts]
     rule = task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
@@ -63,7 +68,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
         plan = ResourcePlan.from_roles(job.placement_roles())
         groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
         try:
-            run = PPORun(job, plan, groups, tokenizer)
+            run = PPORun(job, plan, groups, tokenizer, tokens)
             with learner_deaths_explained(checkpoints):
                 return _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out)
         finally:

@@ -19,6 +19,7 @@ from rlhf_ray.algorithms.experience import pack_rollouts
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
 from rlhf_ray.data.split import stable_seed
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.group import actor_env, start_learner_group
@@ -52,9 +53,10 @@ def row_bounds(n: int, k: int) -> list[tuple[int, int]]:
 
 
 class PPORun:
-    def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer):
+    def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer, tokens: TokenConventions | None = None):
         self.job, self.tokenizer = job, tokenizer
-        pad, cluster = tokenizer.pad_token_id, job.cluster
+        self.tokens = tokens or TokenConventions.from_tokenizer(tokenizer, job.policy.model.path)
+        pad, cluster = self.tokens.pad_id, job.cluster
         updates = job.ppo.iterations * job.ppo.ppo_epochs * (job.samples_per_iteration // job.train_batch_size)
 
         def slots(role):
@@ -88,7 +90,7 @@ class PPORun:
                                                 model=job.reward.model.model_dump(),
                                                 micro_batch_size=job.reward.micro_batch_size, pad_token_id=pad)
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
-        self.pool = GenerationPool.start(job, *slots("generation"), tokenizer.eos_token_id, pad, self.restarts)
+        self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts)
         self.transport = weight_transport(job)
         if self.transport == "collective":
             self._form_weight_group()
@@ -262,7 +264,7 @@ class PPORun:
 
     def _score_answers(self, samples: list[dict], rows: list[dict], rule) -> dict[str, float]:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
-                              self.tokenizer.pad_token_id)
+                              self.tokens.pad_id)
         parts = self._split_gather(self.reward, "score",
                                    self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
         out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from rlhf_ray import cluster
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob
 from rlhf_ray.data.build import build_phase_data
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.learners.group import start_learner_group
@@ -28,6 +29,7 @@ from rlhf_ray.learners.reward import RewardLearner
 from rlhf_ray.learners.schedule import steps_per_epoch
 from rlhf_ray.learners.sft import SFTLearner
 from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.models.sources import resolve_model_sources
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -54,11 +56,13 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
     """Train, evaluate, export and summarise. With `stop_after`, checkpoint at that step and return early
     (for time-sliced or preemptible clusters): running the same job again resumes there."""
     phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
+    job = resolve_model_sources(job)
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(job.model)
+    tokens = TokenConventions.from_tokenizer(tokenizer, job.model.path)
     data = build_phase_data(job.data, tokenizer, phase, job.seed, job.data.cache_dir or out / "data_cache",
-                            train_on_prompt=job.train.train_on_prompt, packing=job.train.packing)
+                            tokens=tokens, train_on_prompt=job.train.train_on_prompt, packing=job.train.packing)
     steps = total_steps(job, len(data.train))
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
@@ -70,7 +74,7 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
         try:
             group_name, bundles = plan.role_slots("learner")
             learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
-                                           bundles, job.cluster, steps, **_learner_kwargs(job, tokenizer.pad_token_id))
+                                           bundles, job.cluster, steps, **_learner_kwargs(job, tokens.pad_id))
             learners.call("set_data", ray.put(data.train), ray.put(data.eval))
             start, first_eval = _resume(job, checkpoints, learners)
             if first_eval is None:

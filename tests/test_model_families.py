@@ -1,0 +1,213 @@
+"""The architecture matrix: tiny random models with the real config class and special-token conventions of Llama 3,
+Qwen2, Qwen3, Mistral, Gemma 2, Phi-3, OPT and GPT-2 (rlhf_ray/models/families.py). For each: the token
+conventions (BOS once, every stop id, pad from masks), an SFT step, one PPO iteration on each engine with the
+family's own model as the reward model, after the weight sync engine greedy == learner greedy token for token
+(fp32), and an HF export that plain transformers reloads with the family's stop ids."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf_ray.config import load_job
+from rlhf_ray.data.adapters import apply_chat_template, dschat_messages
+from rlhf_ray.data.raw import RawSample
+from rlhf_ray.data.tokenized import tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.models.families import FAMILIES, build_family_model
+from tests.conftest import ROOT
+
+NAMES = list(FAMILIES)
+SAMPLE = RawSample(" Human: Sort 3 1 2 Assistant:", " 1 2 3", " 3 2 1")
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family_model(name, root / name) for name in NAMES}
+
+
+def conventions(path):
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return tokenizer, TokenConventions.from_tokenizer(tokenizer, path)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_conventions_follow_the_family(family_models, name):
+    family = FAMILIES[name]
+    tokenizer, tokens = conventions(family_models[name])
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in family.specials}
+    assert set(tokens.stop_ids) == {ids[t] for t in family.stops} | {ids[family.eos]}
+    assert tokens.prefix_ids == ((ids[family.bos],) if family.adds_bos else ())
+    assert tokens.pad_id == (ids[family.pad] if family.pad else ids[family.eos])  # no pad: eos fills, masks tell
+
+    sample = apply_chat_template(SAMPLE, tokenizer) if family.chat_template else SAMPLE
+    (sft,), _ = tokenize_sft([sample], tokenizer, tokens, max_seq_len=128)
+    (pair,), _ = tokenize_pairs([sample], tokenizer, tokens, max_seq_len=128)
+    (prompt,), _ = tokenize_prompts([sample], tokenizer, tokens, max_prompt_len=128)
+    for seq in (sft["input_ids"], pair["chosen_ids"], pair["rejected_ids"], prompt["prompt_ids"]):
+        if family.adds_bos:  # the tokenizer's BOS exactly once, even when the chat template wrote it too
+            assert seq[0] == ids[family.bos] and seq[1] != ids[family.bos]
+    for seq in (sft["input_ids"], pair["chosen_ids"], pair["rejected_ids"]):
+        assert seq[-1] in tokens.stop_ids and tokens.end_of(seq[len(prompt["prompt_ids"]):]) == len(seq) - len(
+            prompt["prompt_ids"])
+    if family.chat_template:  # the answer ends on the template's end-of-turn, not a second appended eos
+        rendered_end = tokenizer(sample.chosen, add_special_tokens=False)["input_ids"]
+        assert sft["input_ids"][-1] == tokens.cut(rendered_end)[0][-1]
+
+
+def test_trimmed_prompts_keep_their_bos(family_models):
+    tokenizer, tokens = conventions(family_models["llama3"])
+    long = RawSample(" Human: " + "word " * 60 + "Sort 1 0 Assistant:", " 0 1")
+    (row,), report = tokenize_prompts([long], tokenizer, tokens, max_prompt_len=12)
+    assert len(row["prompt_ids"]) == 12 and row["prompt_ids"][0] == tokens.prefix_ids[0]
+    assert tokenizer.decode(row["prompt_ids"]).endswith("Assistant:") and sum(report.repaired.values()) == 1
+    (sft,), _ = tokenize_sft([long], tokenizer, tokens, max_seq_len=16)
+    assert len(sft["input_ids"]) == 16 and sft["input_ids"][0] == tokens.prefix_ids[0]
+
+
+def test_stop_set_cuts_at_the_first_stop_id():
+    tokens = TokenConventions(name="t", eos_id=4, stop_ids=(4, 1, 5), pad_id=4, prefix_ids=(0,))
+    assert tokens.cut([7, 8, 5, 9, 4]) == ([7, 8, 5], True)  # a non-eos stop id ends the answer
+    assert tokens.cut([7, 8, 9]) == ([7, 8, 9], False)
+
+
+def test_dschat_turns_become_chat_messages():
+    assert dschat_messages(" Human: hi Assistant: hello Human: sort 2 1 Assistant:") == [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "sort 2 1"}]
+    assert dschat_messages("Plain question?") == [{"role": "user", "content": "Plain question?"}]
+
+
+def test_a_registered_dataset_can_use_the_chat_template(family_models, tmp_path):
+    from rlhf_ray.config.data import DataSpec, DatasetSpec
+    from rlhf_ray.data.build import build_phase_data
+
+    tokenizer, tokens = conventions(family_models["qwen2"])
+    spec = DataSpec(datasets=[DatasetSpec(name="demo/sort", chat_template=True)], max_seq_len=96, max_prompt_len=64)
+    data = build_phase_data(spec, tokenizer, "sft", seed=0, cache_dir=tmp_path, tokens=tokens)
+    text = tokenizer.decode(data.train[0]["input_ids"])
+    assert text.startswith("<|im_start|>user\nSort") and "Human:" not in text and text.endswith("<|im_end|>")
+    plain = build_phase_data(DataSpec(datasets=[DatasetSpec(name="demo/sort")], max_seq_len=96), tokenizer, "sft",
+                             seed=0, cache_dir=tmp_path, tokens=tokens)
+    assert tokenizer.decode(plain.train[0]["input_ids"]).startswith(" Human:")
+
+
+# ---- real actors on a local Ray ----------------------------------------------------------------------------
+
+def _data_override(name: str) -> str:
+    template = "true" if FAMILIES[name].chat_template else "false"
+    return f"data.datasets=[{{name: demo/sort, chat_template: {template}}}]"
+
+
+def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
+    """Two SFT steps of a real DeepSpeed learner on the family's chat-formatted data; returns the evals."""
+    import ray
+
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.jobs.supervised import _learner_kwargs
+    from rlhf_ray.learners.group import start_learner_group
+    from rlhf_ray.learners.sft import SFTLearner
+
+    plan, groups = plan_groups
+    data = build_phase_data(job.data, tokenizer, "sft", job.seed, tmp_path / "sft-cache", tokens=tokens)
+    name, bundles = plan.role_slots("learner")
+    learners = start_learner_group(SFTLearner, "sft-learner", job.placement, groups[name], bundles, job.cluster, 2,
+                                   **_learner_kwargs(job, tokens.pad_id))
+    try:
+        learners.call("set_data", ray.put(data.train[:64]), ray.put(data.eval[:16]))
+        first = learners.call("evaluate")[0]
+        losses = [learners.call("train_step", step)[0]["loss"] for step in range(2)]
+        return {"first": first, "last": learners.call("evaluate")[0], "losses": losses}
+    finally:
+        learners.kill()
+
+
+def _check_greedy(run, prompts, learner, tokens, max_new_tokens) -> None:
+    """After a weight sync the engines decode like the learner's weights, token for token, stop ids included."""
+    state = run.policy.call("gathered_state_dict")[0]
+    learner.load_state_dict(state, strict=False)
+    for s in run.pool.generate(prompts, seed=0, greedy=True):
+        ids = torch.tensor([s["prompt_ids"]])
+        want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=list(tokens.stop_ids),
+                                pad_token_id=tokens.pad_id)
+        want, finished = tokens.cut(want[0, ids.shape[1]:].tolist())
+        assert s["answer_ids"] == want and s["finished"] == finished
+
+
+@pytest.mark.system
+@pytest.mark.parametrize("name", NAMES)
+def test_sft_step_ppo_on_both_engines_and_export(family_models, tmp_path, name):
+    """In one local Ray: SFT steps; a GRPO iteration scored by the family's own model as a reward model, sampled
+    by the hf engine; the pool swapped for a vLLM engine, a second iteration; after each weight sync engine greedy
+    == learner greedy; the exported model reloads in plain transformers with the family's stop ids."""
+    from rlhf_ray import cluster
+    from rlhf_ray.actors.pool import GenerationPool
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.jobs.ppo_run import PPORun
+    from rlhf_ray.plan import ResourcePlan
+
+    path = family_models[name]
+    common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
+    sft_job = load_job(ROOT / "configs/quickstart/sft.yaml",
+                       [f"model.path={path}", f"output_dir={tmp_path / 'sft'}", "placement.replicas=1",
+                        "train.global_batch_size=8", "optim.warmup_steps=0", *common])
+    ppo_job = load_job(ROOT / "configs/quickstart/ppo.yaml",
+                       [f"policy.model.path={path}", f"reward.model.path={path}", f"output_dir={tmp_path / 'ppo'}",
+                        "critic=null", "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
+                        "generation.sampling.n_samples_per_prompt=2", "generation.engine=hf",
+                        "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=8", "policy.micro_batch_size=16",
+                        "policy.optim.lr=0.01", *common])
+    vllm_job = ppo_job.model_copy(update={"generation": ppo_job.generation.model_copy(update={"engine": "vllm"})})
+    tokenizer, tokens = conventions(path)
+    data = build_phase_data(ppo_job.data, tokenizer, "ppo", ppo_job.seed, tmp_path / "cache", tokens=tokens)
+    probe = [r["prompt_ids"] for r in data.eval[:4]]
+    learner = AutoModelForCausalLM.from_pretrained(path).eval()
+    start = {n: p.clone() for n, p in learner.named_parameters()}
+    max_new = ppo_job.generation.sampling.max_new_tokens
+    with cluster.connect(ppo_job.cluster) as handle:
+        sft_plan = ResourcePlan.from_roles(sft_job.placement_roles())
+        sft_groups = cluster.place(sft_plan, handle.nodes(), 120)
+        try:
+            sft = _sft_steps(sft_job, (sft_plan, sft_groups), tokenizer, tokens, tmp_path)
+        finally:
+            cluster.remove(sft_groups)
+        assert all(torch.isfinite(torch.tensor(sft["losses"])))
+        assert sft["last"]["eval_loss"] < sft["first"]["eval_loss"]
+
+        plan = ResourcePlan.from_roles(ppo_job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), 120)
+        try:
+            run = PPORun(ppo_job, plan, groups, tokenizer, tokens)
+            for iteration, engine in enumerate(["hf", "vllm"]):
+                if engine == "vllm":  # the same learners, reference and reward; a vLLM engine on the same bundle
+                    run.pool.group.kill()
+                    run.pool = GenerationPool.start(vllm_job, *_slots(plan, groups), tokens, run.restarts)
+                    run.sync_weights(bump=False)
+                assert run.pool.group.call("engine_name") == [engine]
+                rows = data.train[iteration * 8:(iteration + 1) * 8]
+                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
+                result = run.step(iteration, rollout, list(range(8)))
+                assert run.pool.versions() == [iteration + 1] and torch.isfinite(torch.tensor(result["reward/mean"]))
+                assert result["reward/std"] > 0  # the reward model scored the answers differently
+                _check_greedy(run, probe, learner, tokens, max_new)
+            run.policy.call("export_hf", str(tmp_path / "export"))
+        finally:
+            cluster.remove(groups)
+    assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())  # it trained
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert type(exported).__name__ == FAMILIES[name].architecture
+    trained = dict(learner.named_parameters())
+    for n, p in exported.named_parameters():
+        torch.testing.assert_close(p, trained[n], rtol=0, atol=0)
+    again = TokenConventions.from_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "export"), tmp_path / "export")
+    assert replace(again, name="") == replace(tokens, name="")
+
+
+def _slots(plan, groups):
+    name, bundles = plan.role_slots("generation")
+    return groups[name], bundles
