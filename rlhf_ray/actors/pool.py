@@ -12,11 +12,22 @@ import time
 from rlhf_ray.actors.engine import engine_env, resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
+from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.learners.group import threads
 
 log = logging.getLogger(__name__)
+
+
+def with_model_len(job) -> "GenerationSpec":
+    """The generation spec with vllm.max_model_len defaulted to the job's prompt + answer limits (vLLM would
+    otherwise size its KV cache for the model's full context)."""
+    spec = job.generation
+    if spec.vllm.max_model_len is not None:
+        return spec
+    limit = max(16, job.data.max_prompt_len + spec.sampling.max_new_tokens)
+    return spec.model_copy(update={"vllm": spec.vllm.model_copy(update={"max_model_len": limit})})
 
 
 class GenerationPool:
@@ -29,7 +40,7 @@ class GenerationPool:
     @classmethod
     def start(cls, job, placement_group, bundle_indices: list[int], tokens: TokenConventions,
               budget: RestartBudget | None = None) -> "GenerationPool":
-        spec = job.generation
+        spec = with_model_len(job)
         engine, reason = resolve_engine(spec, job.policy.model)
         log.info("generation engine: %s (%s)", engine, reason)
         placement = spec.placement

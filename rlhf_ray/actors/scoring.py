@@ -14,6 +14,7 @@ from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
 
 
@@ -50,18 +51,50 @@ class ReferenceWorker:
 
 
 class RewardWorker:
-    """The reward model's score of each (prompt, answer): its head at the last real token of the sequence."""
+    """The reward model's score of each (prompt, answer): its head at the last real token of the sequence.
 
-    def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, pad_token_id: int):
+    A reward model with another tokenizer than the policy's (`bridge_from`: the policy's tokenizer) cannot read
+    the policy's token ids: each row is decoded to text with the policy's tokenizer (special tokens dropped) and
+    tokenised again with the reward model's conventions, its end-of-text kept only on answers that ended."""
+
+    def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, tokens: TokenConventions,
+                 bridge_from: str | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.spec = ModelSpec.model_validate(model)
-        self.model = load_scalar_model(self.spec, pad_token_id).to(_device()).eval()
+        self.tokens = tokens
+        self.model = load_scalar_model(self.spec, tokens.pad_id).to(_device()).eval()
         self.micro = micro_batch_size
+        self.bridge = None
+        if bridge_from is not None:
+            from transformers import AutoTokenizer
+
+            self.bridge = (AutoTokenizer.from_pretrained(bridge_from),
+                           AutoTokenizer.from_pretrained(self.spec.tokenizer_path))
+
+    def retokenize(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows [lo, hi) as the reward model's tokenizer writes them, right-padded, with their mask."""
+        policy, own = self.bridge
+        width = int(batch["prompt_width"])
+        rows = []
+        for row, m, ended in zip(batch["sequences"][lo:hi], batch["attention_mask"][lo:hi], batch["ended"][lo:hi]):
+            prompt = policy.decode(row[:width][m[:width].bool()], skip_special_tokens=True)
+            answer = policy.decode(row[width:][m[width:].bool()], skip_special_tokens=True)
+            ids = own(answer, add_special_tokens=False)["input_ids"]
+            rows.append(self.tokens.encode_prompt(own, prompt) + (ids + [self.tokens.eos_id] if ended else ids))
+        longest = max(len(r) for r in rows)
+        seq = torch.full((len(rows), longest), self.tokens.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(seq)
+        for i, r in enumerate(rows):
+            seq[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        return seq, mask
 
     @by_reference
     @torch.no_grad()
     def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
+        if self.bridge is not None:
+            seq, mask = self.retokenize(batch, lo, hi)
+        else:
+            seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
         parts = []
         for s in micro_batches(len(seq), self.micro):
             values = token_values(self.model, seq[s].to(_device()), mask[s].to(_device()))

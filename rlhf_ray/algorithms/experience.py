@@ -27,6 +27,12 @@ def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: in
             "prompt_width": torch.tensor(width_p)}
 
 
+def logprob_gap(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """Mean |engine log-prob - learner log-prob| over answer tokens: how far the distribution that sampled the
+    rollout (the generation engine, possibly in lower precision) is from the one PPO trains (0 when they agree)."""
+    return masked_mean((engine_logp - learner_logp).abs(), action_mask).item()
+
+
 def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,
                     values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
                     group_size: int) -> dict[str, torch.Tensor]:

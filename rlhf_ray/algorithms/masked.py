@@ -20,3 +20,10 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     if not shift_mean:
         out = out + mean
     return out * mask
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each row, for right, left or both-sided padding: lengths and ends come
+    from the mask, never from searching for a pad id (which may equal the end-of-text)."""
+    width = attention_mask.shape[-1]
+    return width - 1 - attention_mask.flip(-1).long().argmax(-1)

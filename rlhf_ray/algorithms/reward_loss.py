@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlhf_ray.algorithms.masked import last_token_index
+
 
 def end_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """values [B, T] read at the last position whose mask is 1 (works for left and right padding)."""
-    width = attention_mask.shape[-1]
-    last = width - 1 - attention_mask.flip(-1).long().argmax(-1)
+    last = last_token_index(attention_mask)
     return values.gather(-1, last.unsqueeze(-1)).squeeze(-1)
 
 

@@ -46,6 +46,11 @@ def tokenizer_fingerprint(tokenizer, tokens: TokenConventions | None = None) -> 
     return hashlib.sha256((text + json.dumps(specials, sort_keys=True)).encode()).hexdigest()[:16]
 
 
+def same_tokenizer(a, b) -> bool:
+    """Both write the same ids for every text (vocabulary, merges, special tokens and chat template agree)."""
+    return tokenizer_fingerprint(a) == tokenizer_fingerprint(b)
+
+
 def cache_key(spec: DataSpec, phase: str, seed: int, tokenizer, tokens: TokenConventions, options: dict) -> str:
     parts = {
         "version": CACHE_VERSION, "phase": phase, "seed": seed, "options": options,

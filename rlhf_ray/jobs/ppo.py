@@ -30,6 +30,7 @@ from rlhf_ray.jobs.ppo_run import PPORun
 from rlhf_ray.learners.schedule import micro_batches
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
+from rlhf_ray.models.support import model_problems
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     """Run the PPO job; with `stop_after`, checkpoint after that iteration and return (run again to resume)."""
     check_inputs(job)
     job = resolve_model_sources(job)
+    if problems := model_problems(job):
+        raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(job.policy.model)

@@ -19,11 +19,13 @@ from rlhf_ray.algorithms.experience import pack_rollouts
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
 from rlhf_ray.data.split import stable_seed
+from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.group import actor_env, start_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -86,9 +88,17 @@ class PPORun:
                                                 function=job.reward.function,
                                                 tokenizer=job.policy.model.tokenizer_path)
         else:
+            rm_tokenizer = load_tokenizer(job.reward.model)
+            bridge = None if same_tokenizer(tokenizer, rm_tokenizer) else job.policy.model.tokenizer_path
+            if bridge:
+                log.info("reward model tokenizer %s differs from the policy's %s: answers are decoded and "
+                         "re-tokenised for it", job.reward.model.tokenizer_path, bridge)
             self.reward = self._inference_group(RewardWorker, "reward", job.reward.placement, slots("reward"),
                                                 model=job.reward.model.model_dump(),
-                                                micro_batch_size=job.reward.micro_batch_size, pad_token_id=pad)
+                                                micro_batch_size=job.reward.micro_batch_size,
+                                                tokens=TokenConventions.from_tokenizer(rm_tokenizer,
+                                                                                       job.reward.model.path),
+                                                bridge_from=bridge)
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
         self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts)
         self.transport = weight_transport(job)
@@ -171,6 +181,8 @@ class PPORun:
             metrics |= out[0]
             train_seconds = max([train_seconds] + [m[f"{group.role}/seconds"] for m in out])
         metrics.setdefault("kl/mean", metrics["policy/kl"])  # no old log-probs: the training forward's KL
+        if "policy/engine_logprob_gap" in metrics:
+            metrics.setdefault("generate/logprob_gap", metrics["policy/engine_logprob_gap"])
         timer.append(time.perf_counter())
         sync = self.sync_weights()
         timer.append(time.perf_counter())
@@ -265,6 +277,7 @@ class PPORun:
     def _score_answers(self, samples: list[dict], rows: list[dict], rule) -> dict[str, float]:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokens.pad_id)
+        batch["ended"] = torch.tensor([s["finished"] for s in samples])
         parts = self._split_gather(self.reward, "score",
                                    self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
         out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from rlhf_ray.actors.payload import by_reference
+from rlhf_ray.algorithms.experience import logprob_gap
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy
 from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss
 from rlhf_ray.data.tokenized import IGNORE_INDEX
@@ -73,8 +74,11 @@ class PolicyLearner(PPOLearnerRank):
             if self.kl_loss_coef:
                 loss = loss + self.kl_loss_coef * kl
             tokens = mask.sum()
+            extra = {}
+            if "old_logp" not in micro and "engine_logp" in micro:  # the on-policy step: the pure engine gap
+                extra["engine_logprob_gap"] = logprob_gap(micro["engine_logp"], logp.detach(), mask) * tokens.item()
             return loss * tokens, {**{k: v.item() * tokens.item() for k, v in stats.items()},
-                                   "kl": kl.item() * tokens.item(), "entropy": ent.sum().item()}
+                                   "kl": kl.item() * tokens.item(), "entropy": ent.sum().item(), **extra}
 
         metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
         if self.ema_beta is not None:

@@ -73,8 +73,3 @@ def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     return scalar_head(model)(hidden).squeeze(-1).float()
 
-
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last real token of each row, for right, left or both-sided padding."""
-    width = attention_mask.shape[-1]
-    return width - 1 - attention_mask.flip(-1).long().argmax(-1)

