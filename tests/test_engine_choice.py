@@ -63,14 +63,12 @@ def test_vllm_engines_get_threads_and_no_core_pinning_on_cpu():
     assert engine_env("hf", spec(), threads=2) == {"OMP_NUM_THREADS": "2"}
 
 
-def test_vllm_dtype_follows_the_policy_unless_the_cpu_has_bf16_units(monkeypatch):
+def test_vllm_dtype_is_the_policys_unless_set():
     fp32 = ModelSpec(path="m", dtype="fp32")
-    monkeypatch.setattr("rlhf_ray.actors.vllm_engine.cpu_supports_bf16", lambda: True)
-    assert engine_kwargs(fp32, spec(), on_gpu=False)["dtype"] == "bfloat16"
-    assert engine_kwargs(fp32, spec(vllm={"dtype": "fp32"}), on_gpu=False)["dtype"] == "float32"
+    assert engine_kwargs(fp32, spec(), on_gpu=False)["dtype"] == "float32"  # never bf16 behind the user's back
     assert engine_kwargs(fp32, spec(), on_gpu=True)["dtype"] == "float32"
-    monkeypatch.setattr("rlhf_ray.actors.vllm_engine.cpu_supports_bf16", lambda: False)
-    assert engine_kwargs(fp32, spec(), on_gpu=False)["dtype"] == "float32"
+    assert engine_kwargs(ModelSpec(path="m", dtype="bf16"), spec(), on_gpu=True)["dtype"] == "bfloat16"
+    assert engine_kwargs(fp32, spec(vllm={"dtype": "bf16"}), on_gpu=False)["dtype"] == "bfloat16"
     cpu = engine_kwargs(fp32, spec(vllm={"kv_cache_gb": 0.5, "extra": {"max_num_seqs": 8}}), on_gpu=False)
     assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 2**29 and cpu["max_num_seqs"] == 8
     assert cpu["block_size"] == 32

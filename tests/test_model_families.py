@@ -211,3 +211,96 @@ def test_sft_step_ppo_on_both_engines_and_export(family_models, tmp_path, name):
 def _slots(plan, groups):
     name, bundles = plan.role_slots("generation")
     return groups[name], bundles
+
+
+# ---- checks before anything starts ---------------------------------------------------------------------------
+
+def _validate(capsys, *args) -> tuple[int, str]:
+    from rlhf_ray.cli import main
+
+    code = main(["validate", *args, "--quiet"])
+    captured = capsys.readouterr()
+    return code, " ".join((captured.out + captured.err).split())  # rich wraps long lines
+
+
+def test_validate_names_a_missing_gguf_file_and_where_it_was_set(capsys, tmp_path):
+    code, out = _validate(capsys, str(ROOT / "configs/quickstart/sft.yaml"), "--set", "model.path=null",
+                          "--set", f"model.gguf_file={tmp_path / 'gone.gguf'}")
+    assert code != 0 and f"--set model.gguf_file={tmp_path / 'gone.gguf'}" in out and "gone.gguf does not exist" in out
+
+
+def test_validate_refuses_an_architecture_the_engine_cannot_serve(capsys, family_models, tmp_path):
+    import json
+    import shutil
+
+    odd = tmp_path / "odd"
+    shutil.copytree(family_models["llama3"], odd)
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "architectures": ["TotallyNewForCausalLM"]}))
+    common = [str(ROOT / "configs/quickstart/ppo.yaml"), "--set", f"policy.model.path={odd}",
+              "--set", f"reward.model.path={family_models['llama3']}"]
+    code, out = _validate(capsys, *common, "--set", "generation.engine=vllm")
+    assert code != 0 and "generation.engine" in out and "cannot serve TotallyNewForCausalLM" in out
+    code, out = _validate(capsys, *common, "--set", "generation.engine=hf")
+    assert code != 0 and "transformers has no TotallyNewForCausalLM" in out
+    code, out = _validate(capsys, str(ROOT / "configs/quickstart/ppo.yaml"), "--set",
+                          f"policy.model.path={family_models['phi3']}", "--set",
+                          f"reward.model.path={family_models['phi3']}", "--set", "generation.engine=vllm")
+    assert code == 0, out
+
+
+def test_a_reward_model_with_another_tokenizer_is_bridged_or_refused_by_name(capsys, family_models, tmp_path):
+    import shutil
+
+    ppo = str(ROOT / "configs/quickstart/ppo.yaml")
+    code, out = _validate(capsys, ppo, "--set", f"policy.model.path={family_models['qwen2']}",
+                          "--set", f"reward.model.path={family_models['gpt2']}")
+    assert code == 0, out  # another tokenizer with an eos: bridged by re-tokenising
+    no_eos = tmp_path / "no-eos"
+    shutil.copytree(family_models["gpt2"], no_eos)
+    tokenizer = AutoTokenizer.from_pretrained(no_eos)
+    tokenizer.eos_token = None
+    tokenizer.save_pretrained(no_eos)
+    code, out = _validate(capsys, ppo, "--set", f"policy.model.path={family_models['qwen2']}",
+                          "--set", f"reward.model.path={no_eos}")
+    assert code != 0 and "reward.model.tokenizer" in out
+    assert str(no_eos) in out and str(family_models["qwen2"]) in out  # both tokenizers named
+
+
+def test_a_bridged_reward_model_scores_its_own_tokenisation(family_models):
+    from rlhf_ray.actors.scoring import RewardWorker
+    from rlhf_ray.algorithms.experience import pack_rollouts
+    from rlhf_ray.config.model import ModelSpec
+
+    policy_tok, policy_tokens = conventions(family_models["qwen2"])
+    rm_tok, rm_tokens = conventions(family_models["gpt2"])
+    prompts = [" Human: Sort 3 1 2 Assistant:", " Human: Sort 9 4 Assistant:"]
+    answers = [" 1 2 3", " 4 9 and more"]
+    answer_ids = [policy_tok(answers[0], add_special_tokens=False)["input_ids"] + [policy_tokens.eos_id],
+                  policy_tok(answers[1], add_special_tokens=False)["input_ids"]]
+    batch = pack_rollouts([policy_tokens.encode_prompt(policy_tok, p) for p in prompts], answer_ids,
+                          policy_tokens.pad_id)
+    batch["ended"] = torch.tensor([True, False])  # the second answer was cut at max_new_tokens
+    spec = ModelSpec(path=str(family_models["gpt2"]), dtype="fp32").model_dump()
+    torch.manual_seed(0)  # the same (fresh) score head in both workers
+    bridged = RewardWorker(rank=0, world_size=1, model=spec, micro_batch_size=4, tokens=rm_tokens,
+                           bridge_from=str(family_models["qwen2"]))
+    seq, mask = bridged.retokenize(batch, 0, 2)
+    own = [rm_tok(prompts[0] + answers[0], add_special_tokens=False)["input_ids"] + [rm_tokens.eos_id],
+           rm_tok(prompts[1] + answers[1], add_special_tokens=False)["input_ids"]]
+    assert [row[m.bool()].tolist() for row, m in zip(seq, mask)] == own
+    torch.manual_seed(0)
+    direct = RewardWorker(rank=0, world_size=1, model=spec, micro_batch_size=4, tokens=rm_tokens)
+    plain = {"sequences": seq, "attention_mask": mask}  # what a reward model with its own data would be given
+    torch.testing.assert_close(bridged.score.__wrapped__(bridged, batch, 0, 2),
+                               direct.score.__wrapped__(direct, plain, 0, 2))
+
+
+def test_vllm_max_model_len_defaults_to_the_jobs_limits():
+    from rlhf_ray.actors.pool import with_model_len
+
+    job = load_job(ROOT / "configs/quickstart/ppo.yaml", ["data.max_prompt_len=40",
+                                                          "generation.sampling.max_new_tokens=24"])
+    assert with_model_len(job).vllm.max_model_len == 64
+    job = load_job(ROOT / "configs/quickstart/ppo.yaml", ["generation.vllm.max_model_len=512"])
+    assert with_model_len(job).vllm.max_model_len == 512

