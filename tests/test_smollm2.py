@@ -122,3 +122,17 @@ def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tm
         finally:
             cluster.remove(groups)
     assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(tmp_path / "odd.gguf"), "notamodel")
+    writer.add_tensor("weight", np.zeros(4, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelSourceError, match="odd.gguf holds a 'notamodel' model, which transformers cannot"):
+        check_gguf(tmp_path / "odd.gguf")

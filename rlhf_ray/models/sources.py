@@ -68,6 +68,12 @@ def check_gguf(path: str | Path) -> dict:
     except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt or truncated file
         raise ModelSourceError(f"GGUF file {file} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or "
                                f"truncated") from exc
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        raise ModelSourceError(f"GGUF file {file} holds a {arch!r} model, which transformers cannot dequantise "
+                               f"(it reads: {', '.join(sorted(GGUF_SUPPORTED_ARCHITECTURES))}); convert it to an "
+                               f"HF folder another way and set model.path")
     return {"architecture": arch, "tensors": tensors, "bytes": file.stat().st_size}
 
 
