@@ -23,6 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, pyplot, save_figure, today, versions, write_section  # noqa: E402
 
+from rlhf_ray.data.tokens import TokenConventions  # noqa: E402
+
+BENCH_TOKENS = TokenConventions(name="bench", eos_id=0, stop_ids=(0,), pad_id=1)
+"""Random prompts and min_new_tokens = max_new_tokens: every answer runs to full length."""
+
 SECTION = "## Generation engines: tokens/s"
 CONFIGS = {
     "hf": "transformers `generate`, fp32, batch 64, threads = cores",
@@ -78,7 +83,7 @@ def child(config: str, model_dir: str, n_prompts: int, new_tokens: int) -> dict:
         spec = GenerationSpec.model_validate({"engine": engine_name, "vllm": vllm, "hf": {"batch_size": 64},
                                               "sampling": {"max_new_tokens": new_tokens,
                                                            "min_new_tokens": new_tokens}})
-        engine = build_engine(ModelSpec(path=model_dir, dtype="fp32"), spec, 0, 1, engine_name)
+        engine = build_engine(ModelSpec(path=model_dir, dtype="fp32"), spec, BENCH_TOKENS, engine_name)
 
         def generate(batch):
             return sum(len(s["answer_ids"]) for s in engine.generate(batch, spec.sampling, seed=0))
@@ -143,7 +148,7 @@ def pool_run(engine: str, replicas: int, model_dir: Path, args) -> dict:
         groups = cluster.place(plan, handle.nodes(), 120)
         try:
             t0 = time.perf_counter()
-            pool = GenerationPool.start(job, groups["generation"], list(range(replicas)), 0, 1)
+            pool = GenerationPool.start(job, groups["generation"], list(range(replicas)), BENCH_TOKENS)
             startup = time.perf_counter() - t0
             from transformers import AutoConfig
 

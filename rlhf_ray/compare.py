@@ -11,6 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlhf_ray.data.collate import collate_prompts
+from rlhf_ray.data.tokens import TokenConventions
+
 
 def load_function(path: str) -> Callable:
     """`package.module:function` -> the function, with an error that says which part was not found."""
@@ -27,13 +30,14 @@ def load_function(path: str) -> Callable:
 def generate(model_path: str, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
              seed: int = 0) -> list[str]:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    tokenizer.padding_side = "left"
+    tokens = TokenConventions.from_tokenizer(tokenizer, model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     torch.manual_seed(seed)
-    batch = tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+    batch = collate_prompts([{"prompt_ids": tokens.encode_prompt(tokenizer, p)} for p in prompts], tokens.pad_id)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=not greedy,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return tokenizer.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+                         pad_token_id=tokens.pad_id, eos_token_id=list(tokens.stop_ids))
+    answers = [tokens.cut(row)[0] for row in out[:, batch["input_ids"].shape[1]:].tolist()]
+    return tokenizer.batch_decode(answers, skip_special_tokens=True)
 
 
 def compare(base: str, finetuned: str, prompts: Sequence[str], max_new_tokens: int = 64,

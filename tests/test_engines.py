@@ -18,6 +18,7 @@ from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.placement import ClusterSpec
+from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.weight_buckets import pack
 
 pytestmark = pytest.mark.system
@@ -37,7 +38,7 @@ def engine(request, sft_model):
         group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=1,
                            kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
                                        generation=spec.model_dump(), engine=name,
-                                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id),
+                                       tokens=TokenConventions.from_tokenizer(tokenizer, sft_model)),
                            env_vars=engine_env(name, spec, 2), call_timeout_s=300).wait_ready(300)
         assert group.call("engine_name") == [name]
         yield group, tokenizer

@@ -8,6 +8,7 @@ import torch
 from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.data.collate import collate_prompts
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm
 
@@ -32,12 +33,8 @@ class HFEngine(GenerationEngine):
         return out
 
     def _generate_batch(self, chunk: list[tuple[int, list[int]]], sampling: SamplingSpec, greedy: bool) -> list[Sample]:
-        width = max(len(p) for _, p in chunk)
-        ids = torch.full((len(chunk), width), self.tokens.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for row, (_, p) in enumerate(chunk):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+        batch = collate_prompts([{"prompt_ids": p} for _, p in chunk], self.tokens.pad_id)
+        ids, mask, width = batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1]
         kwargs = dict(do_sample=not greedy, max_new_tokens=sampling.max_new_tokens,
                       min_new_tokens=sampling.min_new_tokens, eos_token_id=list(self.tokens.stop_ids), pad_token_id=self.tokens.pad_id,
                       output_logits=True, return_dict_in_generate=True,
