@@ -34,9 +34,9 @@ CONFIGS = {
     "vllm-default": "`vllm.LLM(model, gpu_memory_utilization=0.5)` and nothing else: its engine process, its "
                     "thread count, compiled graphs (with the default 0.92 it refuses to start on this machine: "
                     "'Available memory ... is less than desired CPU memory utilization')",
-    "vllm-tuned": "our VLLMEngine defaults: in-process, threads = cores, libiomp5 preloaded, eager, dtype auto "
-                  "(bf16 on this CPU), KV-cache blocks of 32 tokens, sampling log-probs returned",
-    "vllm-tuned-fp32": "as vllm-tuned but fp32 (what exact greedy equality with an fp32 learner needs)",
+    "vllm-tuned": "our VLLMEngine: in-process, threads = cores, libiomp5 preloaded, eager, bf16 (set; the default "
+                  "is the policy's fp32), KV-cache blocks of 32 tokens, sampling log-probs returned",
+    "vllm-tuned-fp32": "as vllm-tuned but fp32, the default for an fp32 policy (exact greedy equality with the learner)",
     "vllm-tuned-compiled": "as vllm-tuned with torch.compile (enforce_eager: false)",
 }
 
@@ -75,9 +75,7 @@ def child(config: str, model_dir: str, n_prompts: int, new_tokens: int) -> dict:
         from rlhf_ray.config.model import ModelSpec
 
         engine_name = "hf" if config == "hf" else "vllm"
-        vllm = {"max_model_len": 256}
-        if config == "vllm-tuned-fp32":
-            vllm["dtype"] = "fp32"
+        vllm = {"max_model_len": 256, "dtype": "fp32" if config == "vllm-tuned-fp32" else "bf16"}
         if config == "vllm-tuned-compiled":
             vllm["enforce_eager"] = False
         spec = GenerationSpec.model_validate({"engine": engine_name, "vllm": vllm, "hf": {"batch_size": 64},
