@@ -39,7 +39,9 @@ class GenerationPool:
 
     @classmethod
     def start(cls, job, placement_group, bundle_indices: list[int], tokens: TokenConventions,
-              budget: RestartBudget | None = None) -> "GenerationPool":
+              budget: RestartBudget | None = None, wait: bool = True) -> "GenerationPool":
+        """The engines of `job` on their bundles; with wait=False their processes start and the caller waits with
+        `group.wait_ready` (so other roles start meanwhile)."""
         spec = with_model_len(job)
         engine, reason = resolve_engine(spec, job.policy.model)
         log.info("generation engine: %s (%s)", engine, reason)
@@ -50,8 +52,9 @@ class GenerationPool:
                                    "engine": engine, "tokens": tokens},
                            call_timeout_s=job.cluster.call_timeout_s, start_timeout_s=job.cluster.startup_timeout_s,
                            env_vars=engine_env(engine, spec, threads(placement)))
-        return cls(group.wait_ready(job.cluster.startup_timeout_s), engine,
-                   budget or RestartBudget(job.cluster.max_actor_restarts))
+        if wait:
+            group.wait_ready(job.cluster.startup_timeout_s)
+        return cls(group, engine, budget or RestartBudget(job.cluster.max_actor_restarts))
 
     def _shards(self, prompts: list[list[int]], seed: int, greedy: bool) -> tuple[list[int], list[tuple]]:
         k = len(self.group)

@@ -23,7 +23,7 @@ from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.learners.critic import CriticLearner
-from rlhf_ray.learners.group import actor_env, start_learner_group
+from rlhf_ray.learners.group import actor_env, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.plan import ResourcePlan
@@ -65,9 +65,10 @@ class PPORun:
             name, bundles = plan.role_slots(role)
             return groups[name], bundles
 
+        # every role's processes start at once (imports and model loads overlap); then each is waited for
         ppo = job.ppo
-        self.policy = start_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
-                                          updates, clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
+        self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
+                                          clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
                                           pad_token_id=pad, train_batch_size=job.train_batch_size,
                                           kl_loss_coef=ppo.kl_coef if ppo.kl_in_loss else 0.0,
                                           kl_estimator=ppo.kl_estimator,
@@ -76,8 +77,8 @@ class PPORun:
                                           **_learner_kwargs(job, job.policy))
         self.critic = None
         if job.critic is not None:
-            self.critic = start_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
-                                              cluster, updates, clip_value=job.ppo.clip_value, pad_token_id=pad,
+            self.critic = spawn_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
+                                              cluster, clip_value=job.ppo.clip_value, pad_token_id=pad,
                                               **_learner_kwargs(job, job.critic))
         self.reference = self._inference_group(ReferenceWorker, "reference", job.reference.placement,
                                                slots("reference"), model=job.reference.model.model_dump(),
@@ -100,26 +101,31 @@ class PPORun:
                                                                                        job.reward.model.path),
                                                 bridge_from=bridge)
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
-        self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts)
+        self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts, wait=False)
+        self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
+                                    kwargs={"ppo": job.ppo.model_dump(), "pad_token_id": pad,
+                                            "group_size": job.generation.sampling.n_samples_per_prompt},
+                                    call_timeout_s=cluster.call_timeout_s)
+        self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
+                                 kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
+                                 call_timeout_s=cluster.call_timeout_s)
+        setup_learner_group(self.policy, cluster, updates)
+        if self.critic is not None:
+            setup_learner_group(self.critic, cluster, updates)
+        for group in (self.reference, self.reward, self.pool.group, self.assembler, self.buffer):
+            group.wait_ready(cluster.startup_timeout_s)
         self.transport = weight_transport(job)
         if self.transport == "collective":
             self._form_weight_group()
             self.pool.on_replaced = self._rejoin
-        self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
-                                    kwargs={"ppo": job.ppo.model_dump(), "pad_token_id": pad,
-                                            "group_size": job.generation.sampling.n_samples_per_prompt},
-                                    call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
-        self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
-                                 kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
-                                 call_timeout_s=cluster.call_timeout_s).wait_ready(cluster.startup_timeout_s)
         self.version = 0
 
     def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
-        group = ActorGroup(cls, role, placement.replicas, placement_group=slot[0], bundle_indices=slot[1],
-                           num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
-                           call_timeout_s=self.job.cluster.call_timeout_s,
-                           start_timeout_s=self.job.cluster.startup_timeout_s, env_vars=actor_env(placement))
-        return group.wait_ready(self.job.cluster.startup_timeout_s)
+        """The role's replicas, started; the caller waits for them."""
+        return ActorGroup(cls, role, placement.replicas, placement_group=slot[0], bundle_indices=slot[1],
+                          num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
+                          call_timeout_s=self.job.cluster.call_timeout_s,
+                          start_timeout_s=self.job.cluster.startup_timeout_s, env_vars=actor_env(placement))
 
     def _split_submit(self, group: ActorGroup, method: str, batch_ref, rows: int) -> tuple[list, list]:
         """Replica i scores its contiguous share of the rows; returns (per-replica args, call refs) in row order."""

@@ -23,10 +23,21 @@ def actor_env(placement: PlacementSpec) -> dict[str, str]:
 def start_learner_group(cls: type, role: str, placement: PlacementSpec, placement_group, bundle_indices: list[int],
                         cluster: ClusterSpec, total_steps: int, **kwargs) -> ActorGroup:
     """Create the ranks, rendezvous at rank 0, and build every DeepSpeed engine in one collective call."""
-    group = ActorGroup(cls, role, placement.replicas, placement_group=placement_group, bundle_indices=bundle_indices,
-                       num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
-                       call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
-                       env_vars=actor_env(placement))
+    group = spawn_learner_group(cls, role, placement, placement_group, bundle_indices, cluster, **kwargs)
+    return setup_learner_group(group, cluster, total_steps)
+
+
+def spawn_learner_group(cls: type, role: str, placement: PlacementSpec, placement_group, bundle_indices: list[int],
+                        cluster: ClusterSpec, **kwargs) -> ActorGroup:
+    """The ranks' processes, started without waiting for them (so several roles start at once)."""
+    return ActorGroup(cls, role, placement.replicas, placement_group=placement_group, bundle_indices=bundle_indices,
+                      num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
+                      call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
+                      env_vars=actor_env(placement))
+
+
+def setup_learner_group(group: ActorGroup, cluster: ClusterSpec, total_steps: int) -> ActorGroup:
+    """Wait for the spawned ranks, rendezvous at rank 0, and build every DeepSpeed engine in one collective call."""
     group.wait_ready(cluster.startup_timeout_s)
     (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1],
                         cluster.startup_timeout_s, "rendezvous_address")

@@ -6,15 +6,12 @@ each of them, so what holds for Llama 3 or OPT does not rest on the one tiny Lla
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rlhf_ray.models.tiny import default_corpus
+from rlhf_ray.models.tiny import default_corpus, write_model_folder
 
 HIDDEN, INTERMEDIATE, LAYERS, HEADS, HEAD_DIM, VOCAB = 128, 256, 2, 2, 64, 1024
 
@@ -149,15 +146,4 @@ def build_family_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     model.generation_config = GenerationConfig(bos_token_id=ids.get(family.bos or ""),
                                                eos_token_id=[ids[t] for t in family.stops],
                                                pad_token_id=ids.get(family.pad or ""))
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return write_model_folder(model, tokenizer, Path(out_dir))

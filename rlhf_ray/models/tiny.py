@@ -93,6 +93,12 @@ def build_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, c
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)
+    return write_model_folder(model, tokenizer, out)
+
+
+def write_model_folder(model, tokenizer, out: Path) -> Path:
+    """Save an HF model and its tokenizer into `out`, written in a temporary folder beside it and renamed into
+    place, so a crash never leaves half a model (an existing `out` is replaced)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
