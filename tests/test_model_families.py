@@ -85,12 +85,15 @@ def test_dschat_turns_become_chat_messages():
 def test_a_registered_dataset_can_use_the_chat_template(family_models, tmp_path):
     from rlhf_ray.config.data import DataSpec, DatasetSpec
     from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.data.registry import task_rule
 
     tokenizer, tokens = conventions(family_models["qwen2"])
     spec = DataSpec(datasets=[DatasetSpec(name="demo/sort", chat_template=True)], max_seq_len=96, max_prompt_len=64)
     data = build_phase_data(spec, tokenizer, "sft", seed=0, cache_dir=tmp_path, tokens=tokens)
     text = tokenizer.decode(data.train[0]["input_ids"])
     assert text.startswith("<|im_start|>user\nSort") and "Human:" not in text and text.endswith("<|im_end|>")
+    ppo = build_phase_data(spec, tokenizer, "ppo", seed=0, cache_dir=tmp_path, tokens=tokens)
+    assert task_rule("demo/sort")([ppo.train[0]["prompt"]], [ppo.train[0]["reference"]]) == [1.0]  # rule reads it
     plain = build_phase_data(DataSpec(datasets=[DatasetSpec(name="demo/sort")], max_seq_len=96), tokenizer, "sft",
                              seed=0, cache_dir=tmp_path, tokens=tokens)
     assert tokenizer.decode(plain.train[0]["input_ids"]).startswith(" Human:")

@@ -29,7 +29,8 @@ TRAIN_SIZE = 3000
 EVAL_SIZE = 300
 SEED = 0
 
-_PROMPT = re.compile(r"Sort((?: \d)+) Assistant:")
+_PROMPT = re.compile(r"Sort((?: \d)+)(?!\d)")
+"""The digits of a prompt, in DeepSpeed-Chat's strings or rendered by a chat template (" Sort 3 1 2<|im_end|>")."""
 
 
 def prompt_of(digits: Sequence[int]) -> str:
