@@ -246,6 +246,21 @@ def test_validate_refuses_an_architecture_the_engine_cannot_serve(capsys, family
     assert code != 0 and "generation.engine" in out and "cannot serve TotallyNewForCausalLM" in out
     code, out = _validate(capsys, *common, "--set", "generation.engine=hf")
     assert code != 0 and "transformers has no TotallyNewForCausalLM" in out
+    code, out = _validate(capsys, str(ROOT / "configs/quickstart/sft.yaml"), "--set", f"model.path={odd}")
+    assert code != 0 and "model.path" in out and "TotallyNewForCausalLM" in out
+    from rlhf_ray.jobs.ppo import run_ppo
+    from rlhf_ray.jobs.supervised import run_supervised
+
+    with pytest.raises(ValueError, match="model.path: transformers has no TotallyNewForCausalLM"):  # before Ray
+        run_supervised(load_job(ROOT / "configs/quickstart/sft.yaml", [f"model.path={odd}",
+                                                                       f"output_dir={tmp_path / 'sft'}"]))
+    with pytest.raises(ValueError, match="generation.engine: the vllm engine cannot serve TotallyNewForCausalLM"):
+        run_ppo(load_job(ROOT / "configs/quickstart/ppo.yaml", [f"policy.model.path={odd}", "generation.engine=vllm",
+                                                                f"reward.model.path={family_models['llama3']}",
+                                                                f"output_dir={tmp_path / 'ppo'}"]))
+    import ray
+
+    assert not ray.is_initialized()
     code, out = _validate(capsys, str(ROOT / "configs/quickstart/ppo.yaml"), "--set",
                           f"policy.model.path={family_models['phi3']}", "--set",
                           f"reward.model.path={family_models['phi3']}", "--set", "generation.engine=vllm")

@@ -30,6 +30,7 @@ from rlhf_ray.learners.schedule import steps_per_epoch
 from rlhf_ray.learners.sft import SFTLearner
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
+from rlhf_ray.models.support import model_problems
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
     (for time-sliced or preemptible clusters): running the same job again resumes there."""
     phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
     job = resolve_model_sources(job)
+    if problems := model_problems(job):
+        raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(job.model)

@@ -64,10 +64,16 @@ def tokenizer_bridge_problem(policy_path: str, reward_path: str) -> str | None:
 
 
 def model_problems(job) -> list[tuple[str, str]]:
-    """(field, problem) for a PPO job's policy architecture on its engine and its reward model's tokenizer."""
+    """(field, problem): an SFT / RM model transformers cannot build; a PPO policy architecture its engine cannot
+    serve, and a reward model whose tokenizer cannot be bridged."""
     from rlhf_ray.actors.engine import resolve_engine
 
-    if getattr(job, "kind", None) != "ppo":
+    kind = getattr(job, "kind", None)
+    if kind in ("sft", "rm"):
+        arch = local_architecture(job.model.path)
+        problem = None if arch is None else engine_problem("hf", arch)
+        return [] if problem is None else [("model.path", problem.replace("the hf engine", "the learner"))]
+    if kind != "ppo":
         return []
     problems = []
     arch = local_architecture(job.policy.model.path)
