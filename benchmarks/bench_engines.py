@@ -232,7 +232,7 @@ def main() -> int:
         print(json.dumps(child(config, model_dir, int(n), int(new))))
         return 0
     args.prompts, args.new_tokens = (16, 32) if args.quick else (64, 128)
-    from rlhf_ray.actors.engine import model_parameters
+    from rlhf_ray.models.support import model_parameters
     from rlhf_ray.models.tiny import build_tiny_model
 
     single: dict[str, list[dict]] = {}

@@ -110,7 +110,7 @@ def main() -> int:
     cases = [("tiny", 32)] if args.quick else [("tiny", 32), ("small", 128)]
     from transformers import AutoTokenizer
 
-    from rlhf_ray.actors.engine import model_parameters
+    from rlhf_ray.models.support import model_parameters
     from rlhf_ray.config.data import DataSpec
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.models.tiny import build_tiny_model

