@@ -158,3 +158,56 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     final, ema, start = (load_file(str(p / "model.safetensors")) for p in (out / "model", out / "model_ema", sft))
     key = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(ema[key], final[key]) and not torch.equal(ema[key], start[key])  # an average of both
+
+
+def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_path, stage_models):
+    """demo/arithmetic through two engines and two reward actors, GRPO with the last-number checker: every row the
+    reward function scores carries the `answer` column of its own prompt (through pool, experience and buffer),
+    the scores are the checker's against that truth, and two GRPO iterations train on them."""
+    import ray
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlhf_ray import cluster
+    from rlhf_ray.algorithms.answers import last_number_reward
+    from rlhf_ray.data import demo
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.jobs.ppo_run import PPORun
+    from rlhf_ray.plan import ResourcePlan
+
+    sft, rm = stage_models
+    job = ppo_job(tmp_path, sft, rm, "critic=null", "reward.model.path=null",
+                  "reward.function=rlhf_ray.algorithms.answers:last_number_reward", "reward.placement.replicas=2",
+                  "reward.placement.num_cpus=0.1", "reward.placement.colocate_with=null",
+                  "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2",
+                  "generation.placement.replicas=2", "generation.placement.num_cpus=0.25", "generation.engine=hf",
+                  "ppo.rollout_batch_size=8", "policy.micro_batch_size=16", "data.datasets=[{name: demo/arithmetic}]")
+    tokenizer = AutoTokenizer.from_pretrained(sft)
+    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), 120)
+        try:
+            run = PPORun(job, plan, groups, tokenizer)
+            for iteration in range(2):
+                rows = data.train[iteration * 8:(iteration + 1) * 8]
+                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration,
+                                                           columns=[r["columns"] for r in rows]))
+                (assembler,) = run.assembler.actors
+                batch_ref = assembler.batch.remote(rollout["refs"])
+                batch = ray.get(batch_ref)
+                width = int(batch["prompt_width"])
+                prompts = [tokenizer.decode(s[:width][m[:width].bool()]) for s, m in
+                           zip(batch["sequences"], batch["attention_mask"])]
+                answers = [tokenizer.decode(s[width:][m[width:].bool()], skip_special_tokens=True) for s, m in
+                           zip(batch["sequences"], batch["attention_mask"])]
+                truth = [c["answer"] for c in batch["columns"]]
+                assert truth == [str(demo.parse_prompt(p).value) for p in prompts]  # each row's own ground truth
+                parts = run._split_gather(run.reward, "score", run._split_submit(run.reward, "score", batch_ref,
+                                                                                   len(truth)))
+                scores = torch.cat(ray.get([p["ref"] for p in parts]))
+                assert scores.tolist() == last_number_reward(prompts, answers, answer=truth)
+                result = run.step(iteration, rollout, list(range(8)))
+                assert run.pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()
+        finally:
+            cluster.remove(groups)

@@ -25,6 +25,7 @@ class ExperienceWorker:
         samples = [s for part in ray.get(sample_refs) for s in part]
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad)
         batch["ended"] = torch.tensor([s["finished"] for s in samples])
+        batch["columns"] = [s.get("columns", {}) for s in samples]  # dataset columns, for reward functions
         engine_logp = torch.zeros(batch["action_mask"].shape)
         for row, s in enumerate(samples):
             engine_logp[row, :len(s["logprobs"])] = torch.tensor(s["logprobs"])

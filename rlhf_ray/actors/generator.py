@@ -29,12 +29,15 @@ class GenerationWorker:
         samples = self.engine.generate(prompts, self.spec.sampling, seed, greedy)
         return [{**s, "version": self.version} for s in samples]
 
-    def rollout(self, prompts: list[list[int]], seed: int) -> dict:
-        """`generate`, but the samples stay in the object store: the caller gets a reference and a summary."""
+    def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
+        """`generate`, but the samples stay in the object store: the caller gets a reference and a summary. Each
+        sample carries its prompt's dataset `columns` (for reward functions)."""
         import ray
 
         start = time.perf_counter()
         samples = self.generate(prompts, seed)
+        if columns is not None:
+            samples = [{**s, "columns": columns[s["prompt_index"]]} for s in samples]
         return {"ref": ray.put(samples), "samples": len(samples), "version": self.version,
                 "tokens": sum(len(s["answer_ids"]) for s in samples), "seconds": time.perf_counter() - start}
 

@@ -83,10 +83,11 @@ class GenerationPool:
             merged += [{**row, "prompt_index": row["prompt_index"] + bounds[i]} for row in rows]
         return merged
 
-    def submit(self, prompts: list[list[int]], seed: int) -> dict:
-        """Start a rollout without waiting (async mode overlaps it with training); `collect` its result."""
-        _, args = self._shards(prompts, seed, False)
-        args = [a[:2] for a in args]
+    def submit(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
+        """Start a rollout without waiting (async mode overlaps it with training); `collect` its result. `columns`
+        (one dict per prompt) ride along with each prompt's samples."""
+        bounds, args = self._shards(prompts, seed, False)
+        args = [(*a[:2], None if columns is None else columns[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
         return {"args": args, "refs": [actor.rollout.remote(*a) for actor, a in zip(self.group.actors, args)]}
 
     def collect(self, pending: dict) -> dict:

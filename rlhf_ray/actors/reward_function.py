@@ -1,8 +1,10 @@
 """The reward role as a Python function (`reward.function: package.module:function`), run in its own actor like a
-reward model: the function gets decoded prompts and answers and returns one score per answer."""
+reward model: the function gets decoded prompts and answers, and the samples' dataset columns as keyword
+arguments (one list per column, as TRL does: `answer=[...]`), and returns one score per answer."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -13,6 +15,23 @@ from rlhf_ray.compare import load_function
 
 class RewardFunctionError(RuntimeError):
     """The reward function raised or returned something unusable; the message shows the sample."""
+
+
+def column_arguments(function, columns: list[dict]) -> dict[str, list]:
+    """The columns `function` takes as keyword arguments (all of them when it has **kwargs), one value per answer.
+    A required parameter no sample carries is a RewardFunctionError naming the function and the columns there are."""
+    params = list(inspect.signature(function).parameters.values())[2:]  # after (prompts, answers)
+    names = set().union(*(c.keys() for c in columns)) if columns else set()
+    wants_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+    missing = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+               and p.default is inspect.Parameter.empty and p.name not in names]
+    if missing:
+        raise RewardFunctionError(f"reward function {getattr(function, '__qualname__', function)} needs the dataset "
+                                  f"column(s) {missing}, but the samples carry {sorted(names) or 'none'}; give the "
+                                  f"dataset those columns (format.columns) or use another function")
+    chosen = names if wants_all else names & named
+    return {name: [c.get(name) for c in columns] for name in sorted(chosen)}
 
 
 class RewardFunctionWorker:
@@ -33,26 +52,29 @@ class RewardFunctionWorker:
     @by_reference
     def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
         prompts, answers = self.texts(batch, lo, hi)
-        return self.score_texts(prompts, answers)
+        return self.score_texts(prompts, answers, list(batch.get("columns", [{}] * len(batch["sequences"]))[lo:hi]))
 
-    def score_texts(self, prompts: list[str], answers: list[str]) -> torch.Tensor:
+    def score_texts(self, prompts: list[str], answers: list[str], columns: list[dict] | None = None) -> torch.Tensor:
         """Scores one by one on failure, so the error names the sample that broke the function."""
+        columns = columns if columns is not None else [{} for _ in answers]
+        kwargs = column_arguments(self.function, columns)
         try:
-            scores = [float(v) for v in self.function(prompts, answers)]
+            scores = [float(v) for v in self.function(prompts, answers, **kwargs)]
             if len(scores) != len(answers):
                 raise ValueError(f"returned {len(scores)} scores for {len(answers)} answers")
             if not all(math.isfinite(v) for v in scores):
                 raise ValueError("returned a non-finite score")
             return torch.tensor(scores)
         except Exception as batch_error:  # noqa: BLE001 - find and report the offending sample
-            for prompt, answer in zip(prompts, answers):
+            for i, (prompt, answer) in enumerate(zip(prompts, answers)):
                 try:
-                    value = float(self.function([prompt], [answer])[0])
+                    value = float(self.function([prompt], [answer], **{k: v[i:i + 1] for k, v in kwargs.items()})[0])
                     if not math.isfinite(value):
                         raise ValueError(f"returned {value}")
                 except Exception as exc:  # noqa: BLE001
                     raise RewardFunctionError(f"reward function {self.name} failed on prompt {prompt!r} with answer "
-                                              f"{answer!r}: {type(exc).__name__}: {exc}") from exc
+                                              f"{answer!r} (columns {columns[i]}): {type(exc).__name__}: {exc}"
+                                              ) from exc
             raise RewardFunctionError(f"reward function {self.name} failed on a batch of {len(answers)} answers "
                                       f"(each alone works): {type(batch_error).__name__}: {batch_error}") from batch_error
 

@@ -44,6 +44,10 @@ class DatasetFormatSpec(StrictModel):
     string using `{prompt}`, e.g. "### Question: {prompt}\\n### Answer:"."""
     answer_template: str | None = None
     """Format string using `{answer}` for dschat and custom templates; default " {answer}" (leading space)."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Further fields carried with each prompt to reward functions, as keyword arguments: {keyword: field path},
+    e.g. `{answer: solution.final}` gives a function `answer=[...]` (one value per answer scored). A missing field
+    is an error naming file, line and field."""
 
     @field_validator("template")
     @classmethod

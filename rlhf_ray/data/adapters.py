@@ -274,7 +274,8 @@ class FormatAdapter(Adapter):
     def __init__(self, name: str, spec: DatasetFormatSpec):
         self.name = name  # type: ignore[misc]  # one instance per configured dataset
         self.spec = spec
-        self.fields = tuple(f for f in (spec.prompt_field, spec.chosen_field, spec.rejected_field) if f)
+        self.fields = tuple(f for f in (spec.prompt_field, spec.chosen_field, spec.rejected_field) if f) + tuple(
+            spec.columns.values())
         if spec.template == "dschat":
             self._prompt, self._answer = " Human: {prompt} Assistant:", spec.answer_template or " {answer}"
         elif spec.template in ("raw", "chat_template"):
@@ -290,8 +291,9 @@ class FormatAdapter(Adapter):
         prompt = field(row, self.spec.prompt_field, nullable=True)
         if prompt is None:
             return Skip("null prompt")
+        columns = {name: field(row, path, kind=(str, int, float, bool)) for name, path in self.spec.columns.items()}
         return RawSample(self._prompt.format(prompt=prompt), self._wrap_answer(row, self.spec.chosen_field),
-                         self._wrap_answer(row, self.spec.rejected_field))
+                         self._wrap_answer(row, self.spec.rejected_field), columns)
 
 
 class ChatTokenizer(Protocol):
@@ -332,7 +334,7 @@ def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSampl
                                              tokenize=False)
         return full[len(prompt):] if full.startswith(prompt) else text
 
-    return RawSample(prompt, reply(sample.chosen), reply(sample.rejected))
+    return RawSample(prompt, reply(sample.chosen), reply(sample.rejected), sample.columns)
 
 
 ADAPTERS: tuple[type[Adapter], ...] = (

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from rlhf_ray.data.raw import RawDataset, RawSample
 
 NAME = "demo/arithmetic"
-VERSION = 1
+VERSION = 2  # 2: samples carry their ground truth as the `answer` column
 """Bump when the generated data changes, so tokenised caches keyed on the fingerprint are rebuilt."""
 MAX_OPERAND = 49
 SEED = 0
@@ -86,7 +86,7 @@ def split_problems(seed: int = SEED, n_train: int = TRAIN_SIZE,
 
 def samples(problems: Sequence[Problem], rng: random.Random) -> list[RawSample]:
     """SFT and preference data at once: chosen is the right answer, rejected a plausible wrong one."""
-    return [RawSample(p.prompt, p.answer, f" {wrong_answer(p, rng)}") for p in problems]
+    return [RawSample(p.prompt, p.answer, f" {wrong_answer(p, rng)}", {"answer": str(p.value)}) for p in problems]
 
 
 def load(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:

@@ -20,7 +20,7 @@ from rlhf_ray.data.demo import strip_answer
 from rlhf_ray.data.raw import RawDataset, RawSample
 
 NAME = "demo/sort"
-VERSION = 2
+VERSION = 3  # 3: samples carry their ground truth as the `answer` column
 LENGTH = 4
 LENGTH_MISS = 0.2
 """Share of rejections with a digit dropped or repeated: without them a reward model never sees a wrong length
@@ -76,7 +76,8 @@ def split_sequences(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = E
 def load(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:
     train, held_out = split_sequences(seed, n_train, n_eval)
     rng = random.Random(f"{NAME}:rejected:{seed}")
-    rows = lambda seqs: [RawSample(prompt_of(s), answer_of(s), near_miss(s, rng)) for s in seqs]  # noqa: E731
+    rows = lambda seqs: [RawSample(prompt_of(s), answer_of(s), near_miss(s, rng),  # noqa: E731
+                                   {"answer": answer_of(s).strip()}) for s in seqs]
     key = f"{NAME}:v{VERSION}:len{LENGTH}:seed{seed}:{n_train}+{n_eval}"
     return RawDataset(name=NAME, train=rows(train), eval=rows(held_out),
                       fingerprint=hashlib.sha256(key.encode()).hexdigest())

@@ -118,7 +118,7 @@ def tokenize_pairs(samples: list[RawSample], tokenizer, tokens: TokenConventions
 def tokenize_prompts(samples: list[RawSample], tokenizer, tokens: TokenConventions,
                      max_prompt_len: int) -> tuple[list[dict], TokenReport]:
     """PPO prompts: ids cut from the left to max_prompt_len (the question's end is what the answer follows).
-    The raw sample travels along so rule-based rewards can see the prompt's text."""
+    The raw sample travels along so rule-based rewards can see the prompt's text and its dataset columns."""
     report, out = TokenReport(), []
     for s in samples:
         ids = tokens.encode_prompt(tokenizer, s.prompt)
@@ -128,6 +128,6 @@ def tokenize_prompts(samples: list[RawSample], tokenizer, tokens: TokenConventio
         if len(ids) > max_prompt_len:
             report.repaired[f"prompt longer than {max_prompt_len} tokens, cut from the left"] += 1
             ids = trim_left(ids, max_prompt_len, len(tokens.prefix_ids))
-        out.append({"prompt_ids": ids, "prompt": s.prompt, "reference": s.chosen})
+        out.append({"prompt_ids": ids, "prompt": s.prompt, "reference": s.chosen, "columns": dict(s.columns)})
     report.kept = len(out)
     return out, report

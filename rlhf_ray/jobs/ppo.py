@@ -21,6 +21,8 @@ from tqdm import tqdm
 from rlhf_ray import cluster
 from rlhf_ray.actors.group import ActorDiedError
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
+from rlhf_ray.actors.reward_function import column_arguments
+from rlhf_ray.compare import load_function
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
 from rlhf_ray.data.tokens import TokenConventions
@@ -63,6 +65,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, job.data.cache_dir or out / "data_cache",
                             tokens=tokens)
     eval_rows = data.eval[: job.ppo.eval_prompts]
+    if job.reward.function:  # a function that needs a column the data lacks fails here, before Ray starts
+        column_arguments(load_function(job.reward.function), [r["columns"] for r in data.train[:1]])
     rule = task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
@@ -115,8 +119,9 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         return list(indices)
 
     def submit(iteration: int):
-        return run.pool.submit([data.train[i]["prompt_ids"] for i in prompts(iteration)],
-                               run.rollout_seed(iteration))
+        rows = [data.train[i] for i in prompts(iteration)]
+        return run.pool.submit([r["prompt_ids"] for r in rows], run.rollout_seed(iteration),
+                               [r["columns"] for r in rows])
 
     bar = tqdm(range(start, end), desc="ppo", initial=start, total=job.ppo.iterations,
                disable=not job.logging.progress)

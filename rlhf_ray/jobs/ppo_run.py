@@ -284,6 +284,7 @@ class PPORun:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokens.pad_id)
         batch["ended"] = torch.tensor([s["finished"] for s in samples])
+        batch["columns"] = [rows[s["prompt_index"] % len(rows)].get("columns", {}) for s in samples]
         parts = self._split_gather(self.reward, "score",
                                    self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
         out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}

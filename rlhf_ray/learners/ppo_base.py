@@ -38,7 +38,8 @@ class PPOLearnerRank(LearnerRank):
         return torch.cat([forward(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
 
     def to_device(self, batch: Batch, rows) -> Batch:
-        return {k: v[rows].to(self.engine.device) for k, v in batch.items() if v.dim() > 0}
+        return {k: v[rows].to(self.engine.device) for k, v in batch.items()
+                if isinstance(v, torch.Tensor) and v.dim() > 0}
 
     def fetch(self, plan) -> Batch:
         """The experience a TrainingPlan points to, from the object store."""

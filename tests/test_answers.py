@@ -1,0 +1,76 @@
+"""Answer checkers for verifiable tasks (golden cases, tricky strings) and reward functions that take the dataset's
+ground truth as a keyword argument."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
+from rlhf_ray.algorithms.answers import (boxed, boxed_reward, exact_match_reward, last_number, last_number_reward,
+                                         normalize, same_answer)
+
+
+@pytest.mark.parametrize("text,value", [
+    ("59 + 63 = 122.", 122), ("It costs $1,200.50 in total", Fraction(2401, 2)), ("\u22125 degrees", -5),
+    ("first 3, then 4, so 7", 7), ("x2 is 7", 7), ("version 3.10.2", None), ("no digits", None),
+    ("3/4 of it", Fraction(3, 4)), ("answer: 0.25.", Fraction(1, 4)), ("1,234,567 items", 1234567),
+    ("+8", 8), ("12%", 12),
+])
+def test_last_number(text, value):
+    assert last_number(text) == value
+
+
+@pytest.mark.parametrize("text,content", [
+    (r"so \boxed{\frac{1}{2}} and", r"\frac{1}{2}"), (r"\boxed{12} then \boxed{13}", "13"),
+    (r"\fbox{x}", "x"), (r"\boxed{12", None), ("no box", None), (r"\boxed{}", ""),
+])
+def test_boxed(text, content):
+    assert boxed(text) == content
+
+
+def test_normalisation_and_equal_answers():
+    assert normalize('  The Answer: Paris. ') == "the answer: paris" and normalize(' "Paris". ') == "paris"
+    assert normalize(r"\text{Paris}") == "paris"
+    assert same_answer("3.50", "3.5") and same_answer("1,000", "1000") and same_answer("$12", "12")
+    assert same_answer("1/2", "0.5") and not same_answer("0.333", "1/3") and not same_answer("12", "21")
+
+
+def test_reward_functions_compare_with_the_ground_truth_column():
+    answers = ["so 59 + 63 = 122.", "it is 121", r"\boxed{122}", "122"]
+    truth = ["122"] * 4
+    assert last_number_reward([], answers, answer=truth) == [1.0, 0.0, 1.0, 1.0]
+    assert boxed_reward([], answers, answer=truth) == [0.0, 0.0, 1.0, 0.0]
+    assert exact_match_reward([], answers, answer=truth) == [0.0, 0.0, 0.0, 1.0]
+    assert last_number_reward([], ["7"], answer=["8"]) == [0.0]  # the same text scores by its own truth
+    with pytest.raises(ValueError, match="2 answers but 1 ground-truth"):
+        last_number_reward([], ["1", "2"], answer=["1"])
+
+
+def test_columns_become_keyword_arguments_and_a_missing_one_is_named():
+    def needs_answer(prompts, answers, answer):
+        return [0.0] * len(answers)
+
+    def takes_all(prompts, answers, **columns):
+        return [0.0] * len(answers)
+
+    def takes_none(prompts, answers):
+        return [0.0] * len(answers)
+
+    columns = [{"answer": "1", "level": 2}, {"answer": "5", "level": 3}]
+    assert column_arguments(needs_answer, columns) == {"answer": ["1", "5"]}
+    assert column_arguments(takes_all, columns) == {"answer": ["1", "5"], "level": [2, 3]}
+    assert column_arguments(takes_none, columns) == {}
+    with pytest.raises(RewardFunctionError, match=r"needs_answer needs the dataset column\(s\) \['answer'\], but "
+                                                  r"the samples carry none"):
+        column_arguments(needs_answer, [{}, {}])
+
+
+def test_generated_tasks_carry_their_ground_truth():
+    from rlhf_ray.data import demo, demo_sort
+
+    sample = demo.load().train[0]
+    assert sample.columns["answer"] == str(demo.parse_prompt(sample.prompt).value)
+    sort = demo_sort.load().train[0]
+    assert sort.columns["answer"] == " ".join(map(str, sorted(demo_sort.parse_prompt(sort.prompt))))
