@@ -13,7 +13,7 @@ class RawSample:
     prompt: str
     chosen: str | None = None
     rejected: str | None = None
-    columns: dict = field(default_factory=dict, compare=True)
+    columns: dict = field(default_factory=dict, hash=False)
     """Further dataset columns (e.g. {"answer": "71"}: a verifiable task's ground truth). They travel with the
     prompt through the generation pool and the replay buffer to reward functions, as keyword arguments."""
 
