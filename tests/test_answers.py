@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
-from rlhf_ray.algorithms.answers import (boxed, boxed_reward, exact_match_reward, last_number, last_number_reward,
+from rlhf_ray.data.answers import (boxed, boxed_reward, exact_match_reward, last_number, last_number_reward,
                                          normalize, same_answer)
 
 
@@ -74,3 +74,26 @@ def test_generated_tasks_carry_their_ground_truth():
     assert sample.columns["answer"] == str(demo.parse_prompt(sample.prompt).value)
     sort = demo_sort.load().train[0]
     assert sort.columns["answer"] == " ".join(map(str, sorted(demo_sort.parse_prompt(sort.prompt))))
+
+
+def test_word_problems_are_deterministic_disjoint_and_right():
+    import re
+
+    from rlhf_ray.data import word_problems
+    from rlhf_ray.data.answers import last_number_reward
+    from rlhf_ray.data.registry import load_raw, task_rule
+    from rlhf_ray.config.data import DatasetSpec
+
+    data = load_raw(DatasetSpec(name="demo/word-problems"))
+    assert len(data.train) == word_problems.TRAIN_SIZE and len(data.eval) == word_problems.EVAL_SIZE
+    assert not {s.prompt for s in data.train} & {s.prompt for s in data.eval}
+    assert word_problems.load().train[:5] == data.train[:5]  # the same on every call (fixed seed)
+    steps = [len(re.findall(r"Then ", s.prompt)) for s in data.train]
+    assert set(steps) == {1, 2, 3}
+    for s in data.train[:200]:
+        # the worked answer's arithmetic holds, ends on the ground truth; the rejected one does not
+        for a, op, b, result in re.findall(r"(\d+) ([-+x]) (\d+) = (\d+)", s.chosen):
+            assert {"+": int(a) + int(b), "-": int(a) - int(b), "x": int(a) * int(b)}[op] == int(result)
+        assert int(s.columns["answer"]) >= 0
+        assert last_number_reward([s.prompt] * 2, [s.chosen, s.rejected], answer=[s.columns["answer"]] * 2) == [1, 0]
+    assert task_rule("demo/word-problems") is last_number_reward

@@ -116,7 +116,7 @@ def load(name: str, path: Path, **extra) -> registry.RawDataset:
 
 
 def test_every_registered_dataset_has_a_case():
-    assert set(registry.registered_names()) == set(CASES) | {"demo/arithmetic", "demo/sort"}
+    assert set(registry.registered_names()) == set(CASES) | {"demo/arithmetic", "demo/sort", "demo/word-problems"}
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

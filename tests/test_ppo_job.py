@@ -169,7 +169,7 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
     from transformers import AutoTokenizer
 
     from rlhf_ray import cluster
-    from rlhf_ray.algorithms.answers import last_number_reward
+    from rlhf_ray.data.answers import last_number_reward
     from rlhf_ray.data import demo
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.jobs.ppo_run import PPORun
@@ -177,7 +177,7 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
 
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "critic=null", "reward.model.path=null",
-                  "reward.function=rlhf_ray.algorithms.answers:last_number_reward", "reward.placement.replicas=2",
+                  "reward.function=rlhf_ray.data.answers:last_number_reward", "reward.placement.replicas=2",
                   "reward.placement.num_cpus=0.1", "reward.placement.colocate_with=null",
                   "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2",
                   "generation.placement.replicas=2", "generation.placement.num_cpus=0.25", "generation.engine=hf",

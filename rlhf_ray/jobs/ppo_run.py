@@ -13,7 +13,7 @@ import torch
 from rlhf_ray.actors.experience import ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.actors.pool import GenerationPool
-from rlhf_ray.actors.reward_function import RewardFunctionWorker
+from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import pack_rollouts
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
@@ -291,5 +291,6 @@ class PPORun:
         if rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
             prompts = [rows[s["prompt_index"] % len(rows)]["prompt"] for s in samples]
-            out["task_accuracy"] = sum(rule(prompts, answers)) / len(samples)
+            columns = column_arguments(rule, batch["columns"])
+            out["task_accuracy"] = sum(rule(prompts, answers, **columns)) / len(samples)
         return out

@@ -1,6 +1,7 @@
 """Checking answers of verifiable tasks against a ground truth: the final number, the last `\\boxed{}`, or an exact
 match after normalisation. Pure string functions, and reward functions built on them that take the ground truth
-as the dataset column `answer` (`reward.function: rlhf_ray.algorithms.answers:last_number_reward`)."""
+as the dataset column `answer` (`reward.function: rlhf_ray.data.answers:last_number_reward`). They live beside
+the generated tasks whose rules they are."""
 
 from __future__ import annotations
 

@@ -1,0 +1,86 @@
+"""`demo/word-problems`: generated arithmetic word problems for real instruct models, one to three steps with
+integer answers, worded like GSM8K. Every sample carries its ground truth as the `answer` column; the chosen
+answer is a worked solution ending "The answer is N.", the rejected one the same steps with a wrong result (for
+reward-model pairs). The correctness rule (`rlhf_ray.data.answers:last_number_reward`) is the reward and
+the accuracy metric. Fixed seed: the same problems, splits and wording on every machine; no prompt is in both
+splits."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from rlhf_ray.data.raw import RawDataset, RawSample
+
+NAME = "demo/word-problems"
+VERSION = 1
+SEED = 0
+TRAIN_SIZE = 3000
+EVAL_SIZE = 300
+NAMES = ("Ava", "Ben", "Chloe", "Diego", "Emma", "Farid", "Grace", "Hiro", "Isla", "Jonas", "Kira", "Liam")
+ITEMS = ("apples", "stickers", "marbles", "pencils", "cookies", "stamps", "books", "shells")
+
+
+@dataclass(frozen=True)
+class WordProblem:
+    question: str
+    steps: tuple[str, ...]
+    """One sentence per step, each ending with its intermediate result."""
+    value: int
+
+    @property
+    def prompt(self) -> str:
+        return f" Human: {self.question} Give the final answer as a number. Assistant:"
+
+    def solution(self, value: int | None = None) -> str:
+        return " " + " ".join(self.steps) + f" The answer is {self.value if value is None else value}."
+
+
+def make_problem(rng: random.Random) -> WordProblem:
+    """One problem of 1, 2 or 3 steps (equally likely): add, take away, multiply, in GSM8K-like sentences."""
+    who, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start = rng.randint(5, 60)
+    sentences, steps, value = [f"{who} has {start} {item}."], [], start
+    for _ in range(rng.randint(1, 3)):
+        kind = rng.choice(("buy", "give", "packs"))
+        if kind == "give" and value > 2:
+            n = rng.randint(2, value - 1)
+            sentences.append(f"Then {who} gives {n} {item} to a friend.")
+            steps.append(f"{value} - {n} = {value - n}.")
+            value -= n
+        elif kind == "packs":
+            packs, each = rng.randint(2, 6), rng.randint(2, 9)
+            sentences.append(f"Then {who} buys {packs} packs of {item} with {each} {item} in each pack.")
+            steps.append(f"{packs} x {each} = {packs * each}, and {value} + {packs * each} = {value + packs * each}.")
+            value += packs * each
+        else:
+            n = rng.randint(2, 40)
+            sentences.append(f"Then {who} finds {n} more {item}.")
+            steps.append(f"{value} + {n} = {value + n}.")
+            value += n
+    question = " ".join(sentences) + f" How many {item} does {who} have now?"
+    return WordProblem(question, tuple(steps), value)
+
+
+def wrong_value(value: int, rng: random.Random) -> int:
+    return rng.choice([v for v in (value - 1, value + 1, value - 10, value + 10) if v >= 0 and v != value])
+
+
+def load(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:
+    """The task as a RawDataset: distinct questions, eval first then train, the same on every machine."""
+    rng, seen, problems = random.Random(f"{NAME}:{seed}"), set(), []
+    while len(problems) < n_train + n_eval:
+        problem = make_problem(rng)
+        if problem.question not in seen:
+            seen.add(problem.question)
+            problems.append(problem)
+    wrong = random.Random(f"{NAME}:rejected:{seed}")
+
+    def samples(part: list[WordProblem]) -> list[RawSample]:
+        return [RawSample(p.prompt, p.solution(), p.solution(wrong_value(p.value, wrong)), {"answer": str(p.value)})
+                for p in part]
+
+    key = f"{NAME}:v{VERSION}:seed{seed}:{n_train}+{n_eval}"
+    return RawDataset(name=NAME, train=samples(problems[n_eval:]), eval=samples(problems[:n_eval]),
+                      fingerprint=hashlib.sha256(key.encode()).hexdigest())
