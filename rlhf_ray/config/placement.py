@@ -21,8 +21,9 @@ class PlacementSpec(StrictModel):
     num_gpus: float = Field(0.0, ge=0)
     """GPUs per replica; fractions allow several roles to share a GPU when colocated."""
     threads: int | None = Field(None, ge=1)
-    """torch / OpenMP threads per replica; default: num_cpus rounded down, at least 1. In sync PPO the roles take
-    turns, so on a small machine giving a role more threads than its CPU share is often faster."""
+    """torch / OpenMP threads per replica; default: num_cpus rounded down, at least 1, except for CPU roles of sync
+    PPO, which take turns: they get the node's cores divided among the replicas busy at the same time (see
+    docs/architecture.md, "Threads")."""
     colocate_with: str | None = None
     """Name of another role whose bundles this role shares (e.g. `reference` on the `policy` bundles).
     The shared bundle holds the sum of both roles' per-replica resources; replicas must be equal."""

@@ -29,6 +29,7 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.jobs.ppo_run import PPORun
+from rlhf_ray.jobs.threads import with_turn_threads
 from rlhf_ray.learners.schedule import micro_batches
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
@@ -72,6 +73,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     started = time.time()
     with cluster.connect(job.cluster) as handle:
+        job = with_turn_threads(job, min(int(node.get("CPU", 1)) for node in handle.nodes()))
         plan = ResourcePlan.from_roles(job.placement_roles())
         groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
         try:

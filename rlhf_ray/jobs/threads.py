@@ -1,0 +1,57 @@
+"""Threads per role when the roles of a sync PPO job take turns.
+
+A CPU role's default thread count is its CPU share (placement.num_cpus, rounded down). In sync mode that share
+idles most of the time: the engines generate, then the experience roles score, then the learners train, each
+phase alone on the node. Giving every role its share as threads left a one-core policy training while the other
+core waited. So in sync mode a CPU role that sets no `threads` gets the node's cores divided among the replicas
+busy in its most crowded phase (never fewer than its share). Async mode overlaps generation with training, so it
+keeps the shares; GPU roles and explicit `placement.threads` are left as they are."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from rlhf_ray.config.jobs import PPOJob
+
+log = logging.getLogger(__name__)
+
+
+def phases(job: PPOJob) -> dict[str, list[str]]:
+    """The roles busy together in each phase of a sync iteration (a reward function is too cheap to count)."""
+    experience = ["reference"] + ([] if job.reward.function else ["reward"])
+    if job.critic is not None:
+        experience.append("critic")  # values
+    if not job.old_logprobs_from_training:
+        experience.append("policy")  # old log-probs
+    return {"generation": ["generation"], "experience": experience,
+            "train": ["policy"] + (["critic"] if job.critic is not None else [])}
+
+
+def turn_threads(job: PPOJob, node_cpus: int) -> dict[str, int]:
+    """Threads per replica of each CPU role without an explicit `threads`, for roles taking turns on nodes of
+    `node_cpus` cores (empty in async mode)."""
+    if job.ppo.mode != "sync":
+        return {}
+    roles = job.placement_roles()
+    busy = {name: sum(roles[r].replicas for r in members) for name, members in phases(job).items()}
+    out = {}
+    for role, placement in roles.items():
+        if placement.threads is not None or placement.num_gpus > 0:
+            continue
+        crowd = max((busy[name] for name, members in phases(job).items() if role in members), default=1)
+        out[role] = max(1, math.floor(placement.num_cpus), node_cpus // crowd)
+    return out
+
+
+def with_turn_threads(job: PPOJob, node_cpus: int) -> PPOJob:
+    """The job with `placement.threads` filled in from turn_threads."""
+    threads = turn_threads(job, node_cpus)
+    if not threads:
+        return job
+    log.info("sync mode, roles take turns: threads per replica %s", ", ".join(f"{r} {n}" for r, n in threads.items()))
+    job = job.model_copy(deep=True)
+    for role, n in threads.items():
+        section = job.generation if role == "generation" else getattr(job, role)
+        section.placement = section.placement.model_copy(update={"threads": n})
+    return job
