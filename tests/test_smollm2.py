@@ -136,3 +136,39 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
     writer.close()
     with pytest.raises(ModelSourceError, match="odd.gguf holds a 'notamodel' model, which transformers cannot"):
         check_gguf(tmp_path / "odd.gguf")
+
+
+@pytest.mark.system
+def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_truth(tmp_path):
+    """CI's two-iteration run of configs/recipes/smollm2-grpo.yaml (the packaged model, demo/word-problems through
+    the chat template, the last-number checker as reward): every rollout sample logged to samples.jsonl carries the
+    `answer` column of the problem in its prompt, its reward is the checker's verdict against that truth, and the
+    iteration's mean reward is the mean of those verdicts. Dropping the column anywhere on the way fails here."""
+    import json
+
+    from rlhf_ray.config.data import DatasetSpec
+    from rlhf_ray.data.answers import last_number_reward
+    from rlhf_ray.data.registry import load_raw
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    job = load_job(ROOT / "configs/recipes/smollm2-grpo.yaml",
+                   [f"output_dir={tmp_path}", "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.eval_prompts=8",
+                    "ppo.eval_samples=0", "generation.sampling.max_new_tokens=32", "logging.samples_per_iteration=16",
+                    "logging.progress=false", "cluster.dashboard=false", "checkpoint.every_steps=0"])
+    summary = run_ppo(job)
+    assert summary["iterations"] == 2 and summary["task_accuracy_before"] is not None
+
+    truth_of = {s.prompt.removeprefix(" Human: ").removesuffix(" Assistant:"): s.columns["answer"]
+                for s in load_raw(DatasetSpec(name="demo/word-problems")).train}
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [s["iteration"] for s in samples] == [1] * 16 + [2] * 16
+    for s in samples:
+        (question,) = [q for q in truth_of if q in s["prompt"]]  # the chat-rendered prompt holds one problem
+        assert s["columns"]["answer"] == truth_of[question]
+        answer = s["answer"].replace("<|im_end|>", "")
+        assert s["reward"] == last_number_reward([s["prompt"]], [answer], answer=[truth_of[question]])[0]
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for iteration in (1, 2):
+        (metrics,) = [m for m in logged if m["step"] == iteration and "reward/mean" in m]
+        rewards = [s["reward"] for s in samples if s["iteration"] == iteration]
+        assert metrics["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))

@@ -34,8 +34,9 @@ class ExperienceWorker:
         return batch
 
     def experience(self, batch: dict, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
-                   value_refs: list | None) -> dict:
-        """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics"}."""
+                   value_refs: list | None, keep_samples: int = 0) -> dict:
+        """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
+        "samples": the first `keep_samples` rows as token ids with their score and dataset columns}."""
         start = time.perf_counter()
 
         def cat(refs):
@@ -52,4 +53,16 @@ class ExperienceWorker:
             metrics["kl/mean"] = experience["kl"].mean().item()
         if old_logp is not None:  # else the policy measures it in its training forward
             metrics["generate/logprob_gap"] = logprob_gap(batch["engine_logp"], old_logp, batch["action_mask"])
-        return {"ref": ray.put({**batch, **experience}), "metrics": metrics}
+        return {"ref": ray.put({**batch, **experience}), "metrics": metrics,
+                "samples": sample_rows(batch, scores, keep_samples)}
+
+
+def sample_rows(batch: dict, scores: torch.Tensor, n: int) -> list[dict]:
+    """The first n rows of a rollout batch as {prompt_ids, answer_ids, score, columns} (padding dropped)."""
+    width = int(batch["prompt_width"])
+    rows = []
+    for i in range(min(n, len(scores))):
+        ids, mask = batch["sequences"][i], batch["attention_mask"][i].bool()
+        rows.append({"prompt_ids": ids[:width][mask[:width]].tolist(), "answer_ids": ids[width:][mask[width:]].tolist(),
+                     "score": scores[i].item(), "columns": batch["columns"][i]})
+    return rows

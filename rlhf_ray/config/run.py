@@ -22,6 +22,9 @@ class LoggingSpec(StrictModel):
     """W&B run name; default: the output directory name."""
     progress: bool = True
     """Show progress bars on the driver."""
+    samples_per_iteration: int = Field(0, ge=0)
+    """PPO: the first N rollout samples of every logged iteration (prompt, answer, reward, dataset columns) are
+    appended to `<output_dir>/samples.jsonl`, to read what the policy writes and what it was scored on."""
 
 
 class CheckpointSpec(StrictModel):

@@ -64,3 +64,18 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+SAMPLES_FILE = "samples.jsonl"
+
+
+def write_samples(path: Path, iteration: int, samples: list[dict], tokenizer) -> None:
+    """Append rollout samples (from PPORun.recent_samples) as readable JSON lines: iteration, prompt, answer (special
+    tokens kept, so a missing or doubled end-of-text shows), reward and the dataset columns it was scored with."""
+    if not samples:
+        return
+    with open(path, "a") as f:
+        for s in samples:
+            f.write(json.dumps({"iteration": iteration, "prompt": tokenizer.decode(s["prompt_ids"]),
+                                "answer": tokenizer.decode(s["answer_ids"]), "reward": s["score"],
+                                "columns": s["columns"]}) + "\n")

@@ -27,7 +27,7 @@ from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
-from rlhf_ray.jobs.metrics import MetricsLogger
+from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo_run import PPORun
 from rlhf_ray.jobs.threads import with_turn_threads
 from rlhf_ray.learners.schedule import micro_batches
@@ -150,6 +150,7 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         bar.set_postfix(reward=f"{result['reward/mean']:.3f}", kl=f"{result['kl/mean']:.3f}")
         if (iteration + 1) % job.logging.log_every_steps == 0:
             metrics.log(iteration + 1, result)
+            write_samples(out / SAMPLES_FILE, iteration + 1, run.recent_samples, run.tokenizer)
         every = job.checkpoint.every_steps
         if (every and (iteration + 1) % every == 0) or last:
             run.save(checkpoints, iteration + 1, {"eval_before": before})

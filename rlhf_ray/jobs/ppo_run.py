@@ -119,6 +119,8 @@ class PPORun:
             self._form_weight_group()
             self.pool.on_replaced = self._rejoin
         self.version = 0
+        self.recent_samples: list[dict] = []
+        """The latest rollout's first `logging.samples_per_iteration` rows (token ids, score, dataset columns)."""
 
     def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
         """The role's replicas, started; the caller waits for them."""
@@ -159,9 +161,10 @@ class PPORun:
             results["critic"] = self.critic.gather(calls["critic"], "values")
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
-                                                                    parts["reference"], parts.get("critic"))],
+                                                                    parts["reference"], parts.get("critic"),
+                                                                    self.job.logging.samples_per_iteration)],
                                        "experience")
-        experience, metrics = out["ref"], out["metrics"]
+        experience, metrics, self.recent_samples = out["ref"], out["metrics"], out["samples"]
         seconds = {f"compute/{role}_seconds": max(r["seconds"] for r in out) for role, out in results.items()}
         return experience, metrics | seconds
 

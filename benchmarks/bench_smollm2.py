@@ -1,0 +1,135 @@
+"""Does RL make a real model better? SmolLM2-135M-Instruct on the bundled arithmetic word problems
+(demo/word-problems), run through the recipes in configs/recipes/ as a user would (`rlhf-ray ppo|pipeline`),
+seed by seed: held-out greedy and sampled accuracy before and after (summary.json, the correctness rule), wall
+time, peak memory of the whole process tree (PSS, polled), and per iteration the reward, KL and train/inference
+log-prob gap (metrics.jsonl), plotted against iterations.
+
+    .venv/bin/python benchmarks/bench_smollm2.py [--write docs/benchmarks.md] [--runs grpo] [--seeds 1,2,3]
+        [--iterations N] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, pyplot, save_figure, today, tree_pss, versions, write_section  # noqa: E402
+
+HEADING = "## A real model on a verifiable task: SmolLM2-135M-Instruct"
+RECIPES = {"grpo": ("ppo", "configs/recipes/smollm2-grpo.yaml"),
+           "ppo": ("ppo", "configs/recipes/smollm2-ppo.yaml"),
+           "pipeline": ("pipeline", "configs/recipes/smollm2-pipeline.yaml")}
+
+
+def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeout: float) -> dict:
+    """One job in a fresh process; its summary, metrics rows, wall seconds and peak PSS of the process tree."""
+    command = [sys.executable, "-m", "rlhf_ray.cli", kind, "--config", str(ROOT / config)]
+    for item in ["cluster.dashboard=false", "logging.progress=false", f"output_dir={out}", *overrides]:
+        command += ["--set", item]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING"}
+    start, peak = time.perf_counter(), 0
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        watched = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            peak = max(peak, tree_pss(watched))
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+                raise RuntimeError(f"{' '.join(command)} ran past {timeout} s")
+            time.sleep(2)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed; see {out.parent / (out.name + '.log')}")
+    stage = out / "ppo" if kind == "pipeline" else out
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]
+    return {"summary": summary.get("ppo", summary), "stages": summary if kind == "pipeline" else None,
+            "metrics": metrics, "seconds": time.perf_counter() - start, "peak_gib": peak / 2**30}
+
+
+def fmt(x, digits=3) -> str:
+    return "" if x is None else f"{x:.{digits}f}"
+
+
+def table(results: dict) -> str:
+    rows = ["| recipe | seed | greedy before | greedy after | sampled before | sampled after | iterations | "
+            "training min | total min | peak GiB | log-prob gap (mean) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for (name, seed), r in results.items():
+        s, m = r["summary"], [row for row in r["metrics"] if "time/iteration" in row]
+        train_min = sum(row["time/iteration"] for row in m) / 60
+        gaps = [row["generate/logprob_gap"] for row in m if "generate/logprob_gap" in row]
+        rows.append(f"| {name} | {seed} | {fmt(s.get('task_accuracy_before'))} | {fmt(s.get('task_accuracy_after'))} | "
+                    f"{fmt(s.get('sampled_task_accuracy_before'))} | {fmt(s.get('sampled_task_accuracy_after'))} | "
+                    f"{s['iterations']} | {train_min:.1f} | {r['seconds'] / 60:.1f} | {r['peak_gib']:.1f} | "
+                    f"{fmt(sum(gaps) / len(gaps) if gaps else None, 4)} |")
+    return "\n".join(rows)
+
+
+def plot(results: dict, doc: Path) -> str:
+    plt = pyplot()
+    if plt is None:
+        return "(matplotlib missing: no plot)"
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    for (name, seed), r in results.items():
+        rows = [row for row in r["metrics"] if "reward/mean" in row]
+        steps = [row["step"] for row in rows]
+        axes[0].plot(steps, [row["reward/mean"] for row in rows], label=f"{name} seed {seed}")
+        axes[1].plot(steps, [row.get("kl/mean", float("nan")) for row in rows])
+        axes[2].plot(steps, [row.get("generate/logprob_gap", float("nan")) for row in rows])
+    for ax, title in zip(axes, ["rollout reward (rule: share right)", "KL to the reference", "engine/learner log-prob gap"]):
+        ax.set_title(title)
+        ax.set_xlabel("iteration")
+    axes[0].legend(fontsize=7)
+    return save_figure(fig, doc, "smollm2_rl.png")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path)
+    parser.add_argument("--runs", default="grpo", help="comma-separated: " + ", ".join(RECIPES))
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--iterations", type=int, help="override ppo.iterations")
+    parser.add_argument("--set", action="append", default=[], help="extra override for every run")
+    parser.add_argument("--timeout", type=float, default=5400)
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="bench_smollm2_") as tmp:
+        for name in args.runs.split(","):
+            kind, config = RECIPES[name]
+            prefix = "ppo." if kind == "pipeline" else ""
+            extra = list(args.set) + ([f"{prefix}ppo.iterations={args.iterations}"] if args.iterations else [])
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                print(f"== {name} seed {seed}", flush=True)
+                results[(name, seed)] = r = run_measured(kind, config, [f"seed={seed}", *extra],
+                                                         Path(tmp) / f"{name}-{seed}", args.timeout)
+                print(json.dumps({k: v for k, v in r["summary"].items() if k != "data_report"}), flush=True)
+                print(f"   {r['seconds']:.0f} s, peak {r['peak_gib']:.1f} GiB", flush=True)
+        text = table(results)
+        print(text)
+        if args.write:
+            overrides = " ".join(f"--set {o}" for o in args.set)
+            section = (f"{HEADING}\n\nMeasured {today()} by `python benchmarks/bench_smollm2.py --runs {args.runs} "
+                       f"--seeds {args.seeds}{f' --iterations {args.iterations}' if args.iterations else ''}"
+                       f"{(' ' + overrides) if overrides else ''}` on {machine()}; "
+                       f"{versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.\n\n"
+                       "The recipes as shipped (configs/recipes/smollm2-*.yaml), one process tree per run. Greedy "
+                       "and sampled accuracy: the correctness rule on `ppo.eval_prompts` held-out problems (greedy; "
+                       "`ppo.eval_samples` sampled answers each at the training temperature), before and after. "
+                       "Training min: the iterations' wall time; total: the whole job with model import, actor "
+                       "start and both evaluations. Peak: PSS of the job's process tree, polled every 2 s.\n\n"
+                       f"{text}\n\n{plot(results, args.write)}\n")
+            write_section(args.write, HEADING, section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""TRL's GRPOTrainer and rlhf-ray's GRPO recipe side by side on a real model, in one run on one machine:
+SmolLM2-135M-Instruct on demo/word-problems, the same prompts per step, samples per prompt, answer length,
+learning rate, KL coefficient (k3, in the loss), reward (the last-number checker against each problem's `answer`
+column) and number of steps; fp32 on both sides. Reports time per step split into generation / experience /
+training / sync (TRL: generation = its `generate` call, the rest of the step = scoring + training), samples per
+second, peak memory of each process tree, and held-out greedy accuracy of both final models, scored by one
+evaluator (vLLM greedy, the rule).
+
+Needs the bench extra: RLHF_RAY_EXTRAS=cpu,test,smollm2,bench bash scripts/setup.sh
+Run: python benchmarks/bench_trl_smollm2.py [--write docs/benchmarks.md] [--steps 10] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, steady, today, tree_pss, versions, write_section  # noqa: E402
+
+SECTION = "## GRPO against TRL on SmolLM2-135M-Instruct"
+RECIPE = ROOT / "configs/recipes/smollm2-grpo.yaml"
+PROMPTS, SAMPLES, LR, KL, EVAL = 8, 4, 1e-5, 0.04, 200
+
+
+def trl_child(model_dir: str, rows_file: str, steps: int, new_tokens: int, out: str) -> dict:
+    """One TRL GRPOTrainer run in this process: per-step wall times and generation times; saves the final model."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlhf_ray.data.answers import last_number_reward
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    rows = json.loads(Path(rows_file).read_text())
+
+    def reward(prompts, completions, answer, **_):
+        return last_number_reward(prompts, completions, answer=answer)
+
+    marks: list[float] = []
+    generate: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not marks:
+                marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append(time.perf_counter())
+
+    config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
+                        max_completion_length=new_tokens, learning_rate=LR, beta=KL, max_steps=steps,
+                        num_iterations=1, temperature=1.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
+                        logging_steps=1, report_to="none", save_strategy="no", seed=1, disable_dropout=True,
+                        dataloader_num_workers=0, lr_scheduler_type="constant", weight_decay=0.0)
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
+                          callbacks=[StepTimes()])
+    unwrapped = trainer.model
+    original = unwrapped.generate
+
+    def timed_generate(*a, **k):
+        start = time.perf_counter()
+        result = original(*a, **k)
+        generate.append(time.perf_counter() - start)
+        return result
+
+    unwrapped.generate = timed_generate
+    trainer.train()
+    trainer.save_model(str(Path(out) / "model"))
+    import trl
+
+    return {"step_seconds": [b - a for a, b in zip(marks, marks[1:])], "generate_seconds": generate,
+            "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h], "trl": trl.__version__}
+
+
+def eval_child(model_dir: str, rows_file: str, new_tokens: int) -> dict:
+    """Greedy accuracy of a model on the held-out rows (vLLM, fp32, the last-number rule)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from rlhf_ray.data.answers import last_number_reward
+
+    rows = json.loads(Path(rows_file).read_text())
+    llm = LLM(model_dir, dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
+    outs = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0, max_tokens=new_tokens),
+                        use_tqdm=False)
+    answers = [o.outputs[0].text for o in outs]
+    scores = last_number_reward([r["prompt"] for r in rows], answers, answer=[r["answer"] for r in rows])
+    return {"accuracy": sum(scores) / len(scores)}
+
+
+def run_measured(command: list[str], log: Path, env: dict | None = None) -> tuple[str, float, float]:
+    """Run a command, polling its process tree's PSS; (stdout's last JSON line or '', wall s, peak GiB)."""
+    start, peak = time.perf_counter(), 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "RLHF_RAY_LOG_LEVEL": "WARNING", **(env or {})}
+    with open(log, "w") as err:
+        proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+        watched = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            peak = max(peak, tree_pss(watched))
+            time.sleep(2)
+        out = proc.stdout.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed; see {log}")
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    return (lines[-1] if lines else ""), time.perf_counter() - start, peak / 2**30
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        model_dir, rows_file, steps, new_tokens, out = args.child
+        print(json.dumps(trl_child(model_dir, rows_file, int(steps), int(new_tokens), out)))
+        return 0
+    if args.eval_child:
+        print(json.dumps(eval_child(args.eval_child[0], args.eval_child[1], int(args.eval_child[2]))))
+        return 0
+
+    from rlhf_ray.config import load_job
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.data.tokens import TokenConventions
+    from rlhf_ray.models.loading import load_tokenizer
+    from rlhf_ray.models.sources import resolve_model_sources
+
+    with tempfile.TemporaryDirectory(prefix="bench_trl_smollm2_") as tmp:
+        tmp = Path(tmp)
+        job = resolve_model_sources(load_job(RECIPE, [f"output_dir={tmp / 'ours'}"]))
+        model = job.policy.model.path
+        tokenizer = load_tokenizer(job.policy.model)
+        data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp / "cache",
+                                tokens=TokenConventions.from_tokenizer(tokenizer, model))
+
+        def rows(split):  # the chat-rendered prompt text (as our engines see it) and the truth
+            return [{"prompt": tokenizer.decode(r["prompt_ids"]), "answer": r["columns"]["answer"]} for r in split]
+
+        train_file, eval_file = tmp / "train.json", tmp / "eval.json"
+        train_file.write_text(json.dumps(rows(data.train[: PROMPTS * args.steps])))
+        eval_file.write_text(json.dumps(rows(data.eval[:EVAL])))
+
+        def evaluate(model_dir) -> float:
+            line, _, _ = run_measured([sys.executable, __file__, "--eval-child", str(model_dir), str(eval_file),
+                                       str(args.new_tokens)], tmp / "eval.log")
+            return json.loads(line)["accuracy"]
+
+        before = evaluate(model)
+        print(f"held-out greedy accuracy before: {before:.3f}", flush=True)
+        line, trl_wall, trl_peak = run_measured([sys.executable, __file__, "--child", model, str(train_file),
+                                                 str(args.steps), str(args.new_tokens), str(tmp / "trl")],
+                                                tmp / "trl.log")
+        trl = json.loads(line)
+        trl_after = evaluate(tmp / "trl" / "model")
+        print(f"trl: {trl_wall:.0f} s, after {trl_after:.3f}", flush=True)
+
+        overrides = [f"ppo.iterations={args.steps}", f"ppo.rollout_batch_size={PROMPTS}",
+                     f"generation.sampling.n_samples_per_prompt={SAMPLES}", f"policy.optim.lr={LR}",
+                     f"ppo.kl_coef={KL}", f"generation.sampling.max_new_tokens={args.new_tokens}",
+                     "ppo.eval_prompts=0", "checkpoint.every_steps=0", "cluster.dashboard=false",
+                     "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp / 'ours'}"]
+        command = [sys.executable, "-m", "rlhf_ray.cli", "ppo", "--config", str(RECIPE)]
+        for item in overrides:
+            command += ["--set", item]
+        _, ours_wall, ours_peak = run_measured(command, tmp / "ours.log")
+        metrics = [json.loads(x) for x in (tmp / "ours" / "metrics.jsonl").read_text().splitlines()]
+        ours_after = evaluate(tmp / "ours" / "model")
+        print(f"ours: {ours_wall:.0f} s, after {ours_after:.3f}", flush=True)
+
+    trl_step = statistics.median(trl["step_seconds"][1:])
+    trl_gen = statistics.median(trl["generate_seconds"][1:]) if len(trl["generate_seconds"]) > 1 else float("nan")
+    ours = {k: steady(metrics, k) for k in ("time/iteration", "time/engine_generate", "time/experience",
+                                             "time/train", "time/sync")}
+    samples = PROMPTS * SAMPLES
+    ratio = trl_step / ours["time/iteration"]
+    lines = [SECTION, "",
+             f"Measured {today()} by `python benchmarks/bench_trl_smollm2.py --steps {args.steps} --new-tokens "
+             f"{args.new_tokens}` on {machine()}; {versions('torch', 'ray', 'transformers', 'trl', 'vllm')}.", "",
+             f"Per step on both sides: {PROMPTS} demo/word-problems prompts (chat template) x {SAMPLES} answers of up "
+             f"to {args.new_tokens} tokens at temperature 1, the last-number checker against each problem's `answer` "
+             f"column, KL {KL} to the reference (k3, in the loss), one optimizer step at lr {LR} (constant, no weight "
+             f"decay), fp32, {args.steps} steps; times are medians of steps 2-{args.steps}. TRL: GRPOTrainer in one "
+             "process, transformers `generate`, torch on every core. rlhf-ray: `configs/recipes/smollm2-grpo.yaml` "
+             "(vLLM engine, policy, reference and reward-function actors on an embedded Ray, sync mode). Held-out: "
+             f"greedy accuracy on {EVAL} held-out problems, both models scored by the same vLLM greedy evaluator.", "",
+             "| | s/step | generation s | experience s | training s | sync s | samples/s | peak GiB | "
+             "held-out greedy before -> after |", "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+             f"| TRL GRPOTrainer {trl['trl']} | {trl_step:.1f} | {trl_gen:.1f} | {trl_step - trl_gen:.1f} "
+             f"(scoring + training) | | | {samples / trl_step:.2f} | {trl_peak:.1f} | {before:.3f} -> {trl_after:.3f} |",
+             f"| rlhf-ray | {ours['time/iteration']:.1f} | {ours['time/engine_generate']:.1f} | "
+             f"{ours['time/experience']:.1f} | {ours['time/train']:.1f} | {ours['time/sync']:.1f} | "
+             f"{samples / ours['time/iteration']:.2f} | {ours_peak:.1f} | {before:.3f} -> {ours_after:.3f} |", "",
+             f"Goal: ours >= 1.5x TRL's samples per second: {ratio:.2f}x ({'met' if ratio >= 1.5 else 'missed'}); "
+             f"held-out accuracy after the same steps equal or better: {ours_after:.3f} vs {trl_after:.3f} "
+             f"({'met' if ours_after >= trl_after else 'missed'}).", ""]
+    text = "\n".join(lines)
+    print(text)
+    print(json.dumps({"trl": trl, "ours": ours}))
+    if args.write:
+        write_section(args.write, SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
