@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, run_job, steady, today, versions, write_section  # noqa: E402
+from common import ROOT, machine, run_job, steady, today, trl_step_timer, versions, write_section  # noqa: E402
 
 SECTION = "## GRPO against TRL"
 PROMPTS, SAMPLES, LR, KL = 4, 4, 1e-5, 0.04
@@ -34,7 +34,7 @@ def trl_child(model_dir: str, prompts_file: str, steps: int, new_tokens: int) ->
     """One TRL GRPOTrainer run in this process; per-step wall times."""
     import torch
     from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_ray.data.demo_sort import score
@@ -47,14 +47,6 @@ def trl_child(model_dir: str, prompts_file: str, steps: int, new_tokens: int) ->
 
     marks: list[float] = []
 
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if not marks:
-                marks.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.append(time.perf_counter())
-
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
                             max_completion_length=new_tokens, learning_rate=LR, beta=KL, max_steps=steps,
@@ -63,7 +55,7 @@ def trl_child(model_dir: str, prompts_file: str, steps: int, new_tokens: int) ->
                             dataloader_num_workers=0)
         trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config,
                               train_dataset=Dataset.from_dict({"prompt": prompts}),
-                              processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[StepTimes()])
+                              processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[trl_step_timer(marks)])
         trainer.train()
     import trl
 

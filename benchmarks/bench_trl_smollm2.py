@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, steady, today, tree_pss, versions, write_section  # noqa: E402
+from common import ROOT, machine, steady, today, tree_pss, trl_step_timer, versions, write_section  # noqa: E402
 
 SECTION = "## GRPO against TRL on SmolLM2-135M-Instruct"
 RECIPE = ROOT / "configs/recipes/smollm2-grpo.yaml"
@@ -36,7 +36,6 @@ def trl_child(model_dir: str, rows_file: str, steps: int, new_tokens: int, out: 
     """One TRL GRPOTrainer run in this process: per-step wall times and generation times; saves the final model."""
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from rlhf_ray.data.answers import last_number_reward
@@ -50,21 +49,13 @@ def trl_child(model_dir: str, rows_file: str, steps: int, new_tokens: int, out: 
     marks: list[float] = []
     generate: list[float] = []
 
-    class StepTimes(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            if not marks:
-                marks.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            marks.append(time.perf_counter())
-
     config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * SAMPLES, num_generations=SAMPLES,
                         max_completion_length=new_tokens, learning_rate=LR, beta=KL, max_steps=steps,
                         num_iterations=1, temperature=1.0, use_cpu=True, bf16=False, gradient_checkpointing=False,
                         logging_steps=1, report_to="none", save_strategy="no", seed=1, disable_dropout=True,
                         dataloader_num_workers=0, lr_scheduler_type="constant", weight_decay=0.0)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=config, train_dataset=Dataset.from_list(rows),
-                          callbacks=[StepTimes()])
+                          callbacks=[trl_step_timer(marks)])
     unwrapped = trainer.model
     original = unwrapped.generate
 

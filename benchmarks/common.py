@@ -120,3 +120,21 @@ def tree_pss(proc: psutil.Process) -> int:
         except psutil.Error:
             pass
     return total
+
+
+def trl_step_timer(marks: list[float]):
+    """A TRL/transformers callback appending the time at the first step's start and at every step's end to `marks`
+    (so consecutive differences are step times)."""
+    import time
+
+    from transformers import TrainerCallback
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not marks:
+                marks.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            marks.append(time.perf_counter())
+
+    return StepTimes()
