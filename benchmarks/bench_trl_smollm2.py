@@ -74,7 +74,7 @@ def trl_child(model_dir: str, rows_file: str, steps: int, new_tokens: int, out: 
             "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h], "trl": trl.__version__}
 
 
-def eval_child(model_dir: str, rows_file: str, new_tokens: int) -> dict:
+def eval_child(model_dir: str, tokenizer: str, rows_file: str, new_tokens: int) -> dict:
     """Greedy accuracy of a model on the held-out rows (vLLM, fp32, the last-number rule)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -82,7 +82,7 @@ def eval_child(model_dir: str, rows_file: str, new_tokens: int) -> dict:
     from rlhf_ray.data.answers import last_number_reward
 
     rows = json.loads(Path(rows_file).read_text())
-    llm = LLM(model_dir, dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
+    llm = LLM(model_dir, tokenizer=tokenizer, dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
     outs = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0, max_tokens=new_tokens),
                         use_tqdm=False)
     answers = [o.outputs[0].text for o in outs]
@@ -114,14 +114,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
-    parser.add_argument("--eval-child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench_trl_smollm2",
+                        help="kept after the run: logs, both final models, and the finished parts' results (reused "
+                             "by a rerun with the same settings)")
     args = parser.parse_args()
     if args.child:
         model_dir, rows_file, steps, new_tokens, out = args.child
         print(json.dumps(trl_child(model_dir, rows_file, int(steps), int(new_tokens), out)))
         return 0
     if args.eval_child:
-        print(json.dumps(eval_child(args.eval_child[0], args.eval_child[1], int(args.eval_child[2]))))
+        model_dir, tokenizer, rows_file, new_tokens = args.eval_child
+        print(json.dumps(eval_child(model_dir, tokenizer, rows_file, int(new_tokens))))
         return 0
 
     from rlhf_ray.config import load_job
@@ -130,47 +134,64 @@ def main() -> int:
     from rlhf_ray.models.loading import load_tokenizer
     from rlhf_ray.models.sources import resolve_model_sources
 
-    with tempfile.TemporaryDirectory(prefix="bench_trl_smollm2_") as tmp:
-        tmp = Path(tmp)
-        job = resolve_model_sources(load_job(RECIPE, [f"output_dir={tmp / 'ours'}"]))
-        model = job.policy.model.path
-        tokenizer = load_tokenizer(job.policy.model)
-        data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp / "cache",
-                                tokens=TokenConventions.from_tokenizer(tokenizer, model))
+    tmp = args.workdir / f"steps{args.steps}-tokens{args.new_tokens}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    job = resolve_model_sources(load_job(RECIPE, [f"output_dir={tmp / 'ours'}"]))
+    model = job.policy.model.path
+    tokenizer = load_tokenizer(job.policy.model)
+    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp / "cache",
+                            tokens=TokenConventions.from_tokenizer(tokenizer, model))
 
-        def rows(split):  # the chat-rendered prompt text (as our engines see it) and the truth
-            return [{"prompt": tokenizer.decode(r["prompt_ids"]), "answer": r["columns"]["answer"]} for r in split]
+    def rows(split):  # the chat-rendered prompt text (as our engines see it) and the truth
+        return [{"prompt": tokenizer.decode(r["prompt_ids"]), "answer": r["columns"]["answer"]} for r in split]
 
-        train_file, eval_file = tmp / "train.json", tmp / "eval.json"
-        train_file.write_text(json.dumps(rows(data.train[: PROMPTS * args.steps])))
-        eval_file.write_text(json.dumps(rows(data.eval[:EVAL])))
+    train_file, eval_file = tmp / "train.json", tmp / "eval.json"
+    train_file.write_text(json.dumps(rows(data.train[: PROMPTS * args.steps])))
+    eval_file.write_text(json.dumps(rows(data.eval[:EVAL])))
 
-        def evaluate(model_dir) -> float:
-            line, _, _ = run_measured([sys.executable, __file__, "--eval-child", str(model_dir), str(eval_file),
-                                       str(args.new_tokens)], tmp / "eval.log")
-            return json.loads(line)["accuracy"]
+    def evaluate(model_dir, name) -> float:
+        line, _, _ = run_measured([sys.executable, __file__, "--eval-child", str(model_dir), model,
+                                   str(eval_file), str(args.new_tokens)], tmp / f"eval-{name}.log")
+        return json.loads(line)["accuracy"]
 
-        before = evaluate(model)
-        print(f"held-out greedy accuracy before: {before:.3f}", flush=True)
-        line, trl_wall, trl_peak = run_measured([sys.executable, __file__, "--child", model, str(train_file),
-                                                 str(args.steps), str(args.new_tokens), str(tmp / "trl")],
-                                                tmp / "trl.log")
-        trl = json.loads(line)
-        trl_after = evaluate(tmp / "trl" / "model")
-        print(f"trl: {trl_wall:.0f} s, after {trl_after:.3f}", flush=True)
+    def cached(name, compute):  # a finished part's result is kept, so a failure later costs only the rest
+        file = tmp / f"{name}.json"
+        if not file.exists():
+            file.write_text(json.dumps(compute()))
+        return json.loads(file.read_text())
 
-        overrides = [f"ppo.iterations={args.steps}", f"ppo.rollout_batch_size={PROMPTS}",
-                     f"generation.sampling.n_samples_per_prompt={SAMPLES}", f"policy.optim.lr={LR}",
-                     f"ppo.kl_coef={KL}", f"generation.sampling.max_new_tokens={args.new_tokens}",
-                     "ppo.eval_prompts=0", "checkpoint.every_steps=0", "cluster.dashboard=false",
-                     "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp / 'ours'}"]
-        command = [sys.executable, "-m", "rlhf_ray.cli", "ppo", "--config", str(RECIPE)]
-        for item in overrides:
-            command += ["--set", item]
-        _, ours_wall, ours_peak = run_measured(command, tmp / "ours.log")
-        metrics = [json.loads(x) for x in (tmp / "ours" / "metrics.jsonl").read_text().splitlines()]
-        ours_after = evaluate(tmp / "ours" / "model")
-        print(f"ours: {ours_wall:.0f} s, after {ours_after:.3f}", flush=True)
+    before = cached("before", lambda: evaluate(model, "before"))
+    print(f"held-out greedy accuracy before: {before:.3f}", flush=True)
+
+    def run_trl():
+        line, wall, peak = run_measured([sys.executable, __file__, "--child", model, str(train_file),
+                                         str(args.steps), str(args.new_tokens), str(tmp / "trl")],
+                                        tmp / "trl.log")
+        return {**json.loads(line), "wall": wall, "peak": peak}
+
+    trl = cached("trl", run_trl)
+    trl_peak = trl["peak"]
+    trl_after = cached("trl_after", lambda: evaluate(tmp / "trl" / "model", "trl"))
+    print(f"trl: {trl['wall']:.0f} s, after {trl_after:.3f}", flush=True)
+
+    overrides = [f"ppo.iterations={args.steps}", f"ppo.rollout_batch_size={PROMPTS}",
+                 f"generation.sampling.n_samples_per_prompt={SAMPLES}", f"policy.optim.lr={LR}",
+                 f"ppo.kl_coef={KL}", f"generation.sampling.max_new_tokens={args.new_tokens}",
+                 "ppo.eval_prompts=0", "checkpoint.every_steps=0", "checkpoint.resume=false", "cluster.dashboard=false",
+                 "logging.progress=false", "logging.tensorboard=false", f"output_dir={tmp / 'ours'}"]
+    command = [sys.executable, "-m", "rlhf_ray.cli", "ppo", "--config", str(RECIPE)]
+    for item in overrides:
+        command += ["--set", item]
+    def run_ours():
+        (tmp / "ours" / "metrics.jsonl").unlink(missing_ok=True)
+        _, wall, peak = run_measured(command, tmp / "ours.log")
+        return {"wall": wall, "peak": peak,
+                "metrics": [json.loads(x) for x in (tmp / "ours" / "metrics.jsonl").read_text().splitlines()]}
+
+    ours_run = cached("ours", run_ours)
+    metrics, ours_peak = ours_run["metrics"], ours_run["peak"]
+    ours_after = cached("ours_after", lambda: evaluate(tmp / "ours" / "model", "ours"))
+    print(f"ours: {ours_run['wall']:.0f} s, after {ours_after:.3f}", flush=True)
 
     trl_step = statistics.median(trl["step_seconds"][1:])
     trl_gen = statistics.median(trl["generate_seconds"][1:]) if len(trl["generate_seconds"]) > 1 else float("nan")
