@@ -100,34 +100,37 @@ def main() -> int:
     parser.add_argument("--iterations", type=int, help="override ppo.iterations")
     parser.add_argument("--set", action="append", default=[], help="extra override for every run")
     parser.add_argument("--timeout", type=float, default=5400)
+    parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "bench_smollm2",
+                        help="kept after the run: each job's output folder and log")
     args = parser.parse_args()
     results = {}
-    with tempfile.TemporaryDirectory(prefix="bench_smollm2_") as tmp:
-        for name in args.runs.split(","):
-            kind, config = RECIPES[name]
-            prefix = "ppo." if kind == "pipeline" else ""
-            extra = list(args.set) + ([f"{prefix}ppo.iterations={args.iterations}"] if args.iterations else [])
-            for seed in [int(s) for s in args.seeds.split(",")]:
-                print(f"== {name} seed {seed}", flush=True)
-                results[(name, seed)] = r = run_measured(kind, config, [f"seed={seed}", *extra],
-                                                         Path(tmp) / f"{name}-{seed}", args.timeout)
-                print(json.dumps({k: v for k, v in r["summary"].items() if k != "data_report"}), flush=True)
-                print(f"   {r['seconds']:.0f} s, peak {r['peak_gib']:.1f} GiB", flush=True)
-        text = table(results)
-        print(text)
-        if args.write:
-            overrides = " ".join(f"--set {o}" for o in args.set)
-            section = (f"{HEADING}\n\nMeasured {today()} by `python benchmarks/bench_smollm2.py --runs {args.runs} "
-                       f"--seeds {args.seeds}{f' --iterations {args.iterations}' if args.iterations else ''}"
-                       f"{(' ' + overrides) if overrides else ''}` on {machine()}; "
-                       f"{versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.\n\n"
-                       "The recipes as shipped (configs/recipes/smollm2-*.yaml), one process tree per run. Greedy "
-                       "and sampled accuracy: the correctness rule on `ppo.eval_prompts` held-out problems (greedy; "
-                       "`ppo.eval_samples` sampled answers each at the training temperature), before and after. "
-                       "Training min: the iterations' wall time; total: the whole job with model import, actor "
-                       "start and both evaluations. Peak: PSS of the job's process tree, polled every 2 s.\n\n"
-                       f"{text}\n\n{plot(results, args.write)}\n")
-            write_section(args.write, HEADING, section)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    tmp = args.workdir
+    for name in args.runs.split(","):
+        kind, config = RECIPES[name]
+        prefix = "ppo." if kind == "pipeline" else ""
+        extra = list(args.set) + ([f"{prefix}ppo.iterations={args.iterations}"] if args.iterations else [])
+        for seed in [int(s) for s in args.seeds.split(",")]:
+            print(f"== {name} seed {seed}", flush=True)
+            overrides = [f"seed={seed}", f"{prefix}checkpoint.resume=false", *extra]
+            results[(name, seed)] = r = run_measured(kind, config, overrides, tmp / f"{name}-{seed}", args.timeout)
+            print(json.dumps({k: v for k, v in r["summary"].items() if k != "data_report"}), flush=True)
+            print(f"   {r['seconds']:.0f} s, peak {r['peak_gib']:.1f} GiB", flush=True)
+    text = table(results)
+    print(text)
+    if args.write:
+        overrides = " ".join(f"--set {o}" for o in args.set)
+        section = (f"{HEADING}\n\nMeasured {today()} by `python benchmarks/bench_smollm2.py --runs {args.runs} "
+                   f"--seeds {args.seeds}{f' --iterations {args.iterations}' if args.iterations else ''}"
+                   f"{(' ' + overrides) if overrides else ''}` on {machine()}; "
+                   f"{versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.\n\n"
+                   "The recipes as shipped (configs/recipes/smollm2-*.yaml), one process tree per run. Greedy "
+                   "and sampled accuracy: the correctness rule on `ppo.eval_prompts` held-out problems (greedy; "
+                   "`ppo.eval_samples` sampled answers each at the training temperature), before and after. "
+                   "Training min: the iterations' wall time; total: the whole job with model import, actor "
+                   "start and both evaluations. Peak: PSS of the job's process tree, polled every 2 s.\n\n"
+                   f"{text}\n\n{plot(results, args.write)}\n")
+        write_section(args.write, HEADING, section)
     return 0
 
 

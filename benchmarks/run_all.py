@@ -24,6 +24,8 @@ SCRIPTS = {
     "quickstart": "bench_quickstart.py",  # the README's main command: wall time and peak memory
     "demo_accuracy": "bench_demo_accuracy.py",  # PPO's greedy and sampled accuracy on demo/sort, by reward
     "precision": "bench_precision.py",  # engine precision on SmolLM2: train/inference log-prob gap
+    "smollm2": "bench_smollm2.py",  # the SmolLM2 recipes: held-out accuracy before/after, memory, reward/KL plot
+    "trl_smollm2": "bench_trl_smollm2.py",  # GRPO on SmolLM2 with TRL's GRPOTrainer and with ours
 }
 
 
@@ -36,7 +38,7 @@ def main() -> int:
     unknown = [c for c in chosen if c not in SCRIPTS]
     if unknown:
         parser.error(f"unknown benchmark(s) {unknown}; choose from {', '.join(SCRIPTS)}")
-    if "trl" in chosen:
+    if {"trl", "trl_smollm2"} & set(chosen):
         try:
             import trl  # noqa: F401
         except ImportError:
