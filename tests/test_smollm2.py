@@ -28,6 +28,17 @@ def test_the_packaged_gguf_is_found_without_importing_its_module():
     assert info["architecture"] == "llama" and info["tensors"] == 272
 
 
+def test_a_config_names_the_packaged_model_and_an_unknown_package_is_named_before_anything_starts():
+    from rlhf_ray.models.sources import check_model_sources, gguf_path
+
+    assert gguf_path(None, "package:smollm2") == packaged_gguf("smollm2")
+    job = load_job(ROOT / "configs/recipes/smollm2-grpo.yaml")
+    check_model_sources(job)  # the recipe's `package:smollm2` resolves
+    job = load_job(ROOT / "configs/recipes/smollm2-grpo.yaml", ["policy.model.gguf_file=package:nope"])
+    with pytest.raises(ModelSourceError, match="policy.model.gguf_file: unknown packaged model 'nope'; known: smollm2"):
+        check_model_sources(job)
+
+
 def test_missing_and_corrupt_gguf_files_are_named(tmp_path):
     with pytest.raises(ModelSourceError, match="missing.gguf does not exist"):
         check_gguf(tmp_path / "missing.gguf")
