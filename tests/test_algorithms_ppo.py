@@ -40,6 +40,8 @@ def test_logprobs_use_the_sampling_temperature_and_align_with_answer_tokens():
     logits[0, 2, 8] = 10.0
     lp = answer_logprobs(logits, seq, answer_len=2)
     assert lp.shape == (1, 2) and (lp > -1e-3).all()
+    # a model that kept only the last A + 1 positions' logits (logits_to_keep) gives the same log-probs
+    assert torch.equal(answer_logprobs(logits[:, -3:], seq, answer_len=2), lp)
     close(entropy(torch.zeros(1, 1, 4)), [[math.log(4.0)]])
 
 
