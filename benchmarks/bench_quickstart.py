@@ -12,39 +12,28 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import tree_pss, write_section  # noqa: E402
+from common import ROOT, run_watched, write_section  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## Quickstart pipeline: wall time and peak memory"
 
 
 def run() -> dict:
     shutil.rmtree(ROOT / "outputs" / "quickstart", ignore_errors=True)
-    start = time.perf_counter()
-    # the output goes to a file, not a pipe: a pipe nobody reads until the end fills up and blocks the job
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "rlhf_ray.cli", "quickstart"], cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, text=True)
-        watcher, peak = psutil.Process(proc.pid), 0
-        while proc.poll() is None:
-            peak = max(peak, tree_pss(watcher))
-            time.sleep(0.25)
-        log.seek(0)
-        output = log.read()
-    seconds = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.exit(f"quickstart failed:\n{output[-4000:]}")
+    log = ROOT / "outputs" / "quickstart.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        seconds, peak = run_watched([sys.executable, "-m", "rlhf_ray.cli", "quickstart"], log,
+                                    env={"RLHF_RAY_LOG_LEVEL": "INFO"})
+    except RuntimeError as failed:
+        sys.exit(f"quickstart failed: {failed}\n{log.read_text()[-4000:]}")
     summary = json.loads((ROOT / "outputs" / "quickstart" / "summary.json").read_text())
-    return {"seconds": seconds, "peak_pss_gib": peak / 2**30, "summary": summary}
+    return {"seconds": seconds, "peak_pss_gib": peak, "summary": summary}
 
 
 def render(result: dict) -> str:

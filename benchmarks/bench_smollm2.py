@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, pyplot, save_figure, today, tree_pss, versions, write_section  # noqa: E402
+from common import ROOT, machine, pyplot, run_watched, save_figure, today, versions, write_section  # noqa: E402
 
 HEADING = "## A real model on a verifiable task: SmolLM2-135M-Instruct"
 RECIPES = {"grpo": ("ppo", "configs/recipes/smollm2-grpo.yaml"),
@@ -35,24 +31,12 @@ def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeou
     command = [sys.executable, "-m", "rlhf_ray.cli", kind, "--config", str(ROOT / config)]
     for item in ["cluster.dashboard=false", "logging.progress=false", f"output_dir={out}", *overrides]:
         command += ["--set", item]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING"}
-    start, peak = time.perf_counter(), 0
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        watched = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            peak = max(peak, tree_pss(watched))
-            if time.perf_counter() - start > timeout:
-                proc.kill()
-                raise RuntimeError(f"{' '.join(command)} ran past {timeout} s")
-            time.sleep(2)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed; see {out.parent / (out.name + '.log')}")
+    seconds, peak = run_watched(command, out.parent / f"{out.name}.log", timeout=timeout)
     stage = out / "ppo" if kind == "pipeline" else out
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]
     return {"summary": summary.get("ppo", summary), "stages": summary if kind == "pipeline" else None,
-            "metrics": metrics, "seconds": time.perf_counter() - start, "peak_gib": peak / 2**30}
+            "metrics": metrics, "seconds": seconds, "peak_gib": peak}
 
 
 def fmt(x, digits=3) -> str:

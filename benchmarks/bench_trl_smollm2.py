@@ -16,16 +16,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, steady, today, tree_pss, trl_step_timer, versions, write_section  # noqa: E402
+from common import ROOT, machine, run_watched, steady, today, trl_step_timer, versions, write_section  # noqa: E402
 
 SECTION = "## GRPO against TRL on SmolLM2-135M-Instruct"
 RECIPE = ROOT / "configs/recipes/smollm2-grpo.yaml"
@@ -92,20 +90,10 @@ def eval_child(model_dir: str, tokenizer: str, rows_file: str, new_tokens: int) 
 
 def run_measured(command: list[str], log: Path, env: dict | None = None) -> tuple[str, float, float]:
     """Run a command, polling its process tree's PSS; (stdout's last JSON line or '', wall s, peak GiB)."""
-    start, peak = time.perf_counter(), 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
-           "RLHF_RAY_LOG_LEVEL": "WARNING", **(env or {})}
-    with open(log, "w") as err:
-        proc = subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
-        watched = psutil.Process(proc.pid)
-        while proc.poll() is None:
-            peak = max(peak, tree_pss(watched))
-            time.sleep(2)
-        out = proc.stdout.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed; see {log}")
-    lines = [line for line in out.splitlines() if line.startswith("{")]
-    return (lines[-1] if lines else ""), time.perf_counter() - start, peak / 2**30
+    stdout = log.with_suffix(".out")
+    wall, peak = run_watched(command, log, env=env, stdout=stdout)
+    lines = [line for line in stdout.read_text().splitlines() if line.startswith("{")]
+    return (lines[-1] if lines else ""), wall, peak
 
 
 def main() -> int:

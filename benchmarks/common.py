@@ -122,6 +122,32 @@ def tree_pss(proc: psutil.Process) -> int:
     return total
 
 
+def run_watched(command: list[str], log: Path, env: dict | None = None, timeout: float | None = None,
+                stdout: Path | None = None) -> tuple[float, float]:
+    """Run a command from the repository root with PYTHONPATH on it, polling its process tree's PSS every 0.25 s;
+    (wall seconds, peak GiB). Its output goes to files (`log`; stdout to `stdout` when given), never to a pipe: a
+    pipe nobody reads until the end fills up and blocks the job. A failure or a run past `timeout` raises, naming
+    the log."""
+    import subprocess
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "RLHF_RAY_LOG_LEVEL": "WARNING", **(env or {})}
+    start, peak = time.perf_counter(), 0
+    with open(log, "w") as err, open(stdout or os.devnull, "w") as out:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out if stdout else err, stderr=err)
+        watched = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            peak = max(peak, tree_pss(watched))
+            if timeout is not None and time.perf_counter() - start > timeout:
+                proc.kill()
+                raise RuntimeError(f"{' '.join(map(str, command))} ran past {timeout} s; see {log}")
+            time.sleep(0.25)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, command))} failed (exit {proc.returncode}); see {log}")
+    return time.perf_counter() - start, peak / 2**30
+
+
 def trl_step_timer(marks: list[float]):
     """A TRL/transformers callback appending the time at the first step's start and at every step's end to `marks`
     (so consecutive differences are step times)."""
