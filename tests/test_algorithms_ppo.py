@@ -7,7 +7,7 @@ import torch
 
 from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
-from rlhf_ray.algorithms.experience import make_experience, pack_rollouts
+from rlhf_ray.algorithms.experience import make_experience, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
 from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss, value_loss
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
@@ -136,6 +136,10 @@ def test_pack_rollouts_aligns_every_answer_at_the_same_column():
     assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
     assert batch["action_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
     assert int(batch["prompt_width"]) == 2
+    # and back: what reward functions decode, what samples.jsonl logs
+    assert unpack_rollouts(batch) == [([5, 6], [8]), ([7], [9, 10, 11])]
+    assert unpack_rollouts(batch, 1, 2) == [([7], [9, 10, 11])]
+    assert unpack_rollouts(pack_rollouts([[5]], [[]], pad_id=0)) == [([5], [])]
 
 
 def test_make_experience_grpo_kl_in_reward_or_in_loss():

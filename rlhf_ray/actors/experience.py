@@ -11,7 +11,7 @@ import time
 import ray
 import torch
 
-from rlhf_ray.algorithms.experience import logprob_gap, make_experience, pack_rollouts
+from rlhf_ray.algorithms.experience import logprob_gap, make_experience, pack_rollouts, unpack_rollouts
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -59,10 +59,6 @@ class ExperienceWorker:
 
 def sample_rows(batch: dict, scores: torch.Tensor, n: int) -> list[dict]:
     """The first n rows of a rollout batch as {prompt_ids, answer_ids, score, columns} (padding dropped)."""
-    width = int(batch["prompt_width"])
-    rows = []
-    for i in range(min(n, len(scores))):
-        ids, mask = batch["sequences"][i], batch["attention_mask"][i].bool()
-        rows.append({"prompt_ids": ids[:width][mask[:width]].tolist(), "answer_ids": ids[width:][mask[width:]].tolist(),
-                     "score": scores[i].item(), "columns": batch["columns"][i]})
-    return rows
+    n = min(n, len(scores))
+    return [{"prompt_ids": prompt, "answer_ids": answer, "score": scores[i].item(), "columns": batch["columns"][i]}
+            for i, (prompt, answer) in enumerate(unpack_rollouts(batch, 0, n))]

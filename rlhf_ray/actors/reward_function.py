@@ -10,6 +10,7 @@ import math
 import torch
 
 from rlhf_ray.actors.payload import by_reference
+from rlhf_ray.algorithms.experience import unpack_rollouts
 from rlhf_ray.compare import load_function
 
 
@@ -42,11 +43,9 @@ class RewardFunctionWorker:
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
 
     def texts(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[list[str], list[str]]:
-        width = int(batch["prompt_width"])
-        seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
-        prompts = [self.tokenizer.decode(row[:width][m[:width].bool()]) for row, m in zip(seq, mask)]
-        answers = [self.tokenizer.decode(row[width:][m[width:].bool()], skip_special_tokens=True)
-                   for row, m in zip(seq, mask)]
+        rows = unpack_rollouts(batch, lo, hi)
+        prompts = [self.tokenizer.decode(prompt) for prompt, _ in rows]
+        answers = [self.tokenizer.decode(answer, skip_special_tokens=True) for _, answer in rows]
         return prompts, answers
 
     @by_reference

@@ -11,6 +11,7 @@ import os
 import torch
 
 from rlhf_ray.actors.payload import by_reference
+from rlhf_ray.algorithms.experience import unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.config.model import ModelSpec
@@ -75,11 +76,10 @@ class RewardWorker:
     def retokenize(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows [lo, hi) as the reward model's tokenizer writes them, right-padded, with their mask."""
         policy, own = self.bridge
-        width = int(batch["prompt_width"])
         rows = []
-        for row, m, ended in zip(batch["sequences"][lo:hi], batch["attention_mask"][lo:hi], batch["ended"][lo:hi]):
-            prompt = policy.decode(row[:width][m[:width].bool()], skip_special_tokens=True)
-            answer = policy.decode(row[width:][m[width:].bool()], skip_special_tokens=True)
+        for (prompt_ids, answer_ids), ended in zip(unpack_rollouts(batch, lo, hi), batch["ended"][lo:hi]):
+            prompt = policy.decode(prompt_ids, skip_special_tokens=True)
+            answer = policy.decode(answer_ids, skip_special_tokens=True)
             ids = own(answer, add_special_tokens=False)["input_ids"]
             rows.append(self.tokens.encode_prompt(own, prompt) + (ids + [self.tokens.eos_id] if ended else ids))
         longest = max(len(r) for r in rows)

@@ -27,6 +27,15 @@ def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: in
             "prompt_width": torch.tensor(width_p)}
 
 
+def unpack_rollouts(batch: dict[str, torch.Tensor], lo: int = 0, hi: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """The inverse of pack_rollouts for rows [lo, hi): each row's (prompt ids, answer ids), padding dropped."""
+    width = int(batch["prompt_width"])
+    rows = []
+    for ids, mask in zip(batch["sequences"][lo:hi], batch["attention_mask"][lo:hi].bool()):
+        rows.append((ids[:width][mask[:width]].tolist(), ids[width:][mask[width:]].tolist()))
+    return rows
+
+
 def logprob_gap(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_mask: torch.Tensor) -> float:
     """Mean |engine log-prob - learner log-prob| over answer tokens: how far the distribution that sampled the
     rollout (the generation engine, possibly in lower precision) is from the one PPO trains (0 when they agree)."""
