@@ -1,0 +1,34 @@
+"""The reference worker scores answers from the logits of the last A + 1 positions only (transformers'
+`logits_to_keep`), and gets the log-probs a full forward gives."""
+
+from __future__ import annotations
+
+import torch
+
+from rlhf_ray.actors.scoring import ReferenceWorker
+from rlhf_ray.algorithms.experience import pack_rollouts
+from rlhf_ray.algorithms.logprobs import answer_logprobs
+
+
+def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_model):
+    worker = ReferenceWorker(rank=0, world_size=1, model={"path": str(tiny_model), "dtype": "fp32"},
+                             micro_batch_size=2, temperature=0.7)
+    batch = pack_rollouts([[5, 6, 7, 8, 9, 10], [11, 12]], [[13, 14], [15, 16, 17]], pad_id=0)
+    seen = []
+    forward = worker.model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append((kwargs.get("logits_to_keep"), out.logits.shape[1]))
+        return out
+
+    worker.model.forward = recording
+    unwrapped = ReferenceWorker.logprobs.__wrapped__  # without by_reference's ray.put
+    kept = unwrapped(worker, batch, 0, 2)
+    assert seen == [(4, 4)]  # answer width 3: its 3 tokens are predicted by the last 4 positions' logits
+
+    with torch.no_grad():
+        logits = forward(input_ids=batch["sequences"], attention_mask=batch["attention_mask"]).logits
+    assert logits.shape[1] == 9  # what it computed before: every position, the prompt's included
+    full = answer_logprobs(logits, batch["sequences"], 3, 0.7) * batch["action_mask"]
+    torch.testing.assert_close(kept, full, rtol=0, atol=1e-5)
