@@ -97,3 +97,28 @@ def test_word_problems_are_deterministic_disjoint_and_right():
         assert int(s.columns["answer"]) >= 0
         assert last_number_reward([s.prompt] * 2, [s.chosen, s.rejected], answer=[s.columns["answer"]] * 2) == [1, 0]
     assert task_rule("demo/word-problems") is last_number_reward
+
+
+def test_the_task_accuracy_rule_is_the_named_function_else_the_datasets_own():
+    from rlhf_ray.config import ConfigError, load_job
+    from rlhf_ray.data import demo
+    from rlhf_ray.jobs.ppo import accuracy_rule
+    from tests.conftest import ROOT
+
+    def job(*overrides):
+        return load_job(ROOT / "configs/quickstart/ppo.yaml", ["data.datasets=[{name: demo/arithmetic}]", *overrides])
+
+    rows = [{"columns": {"answer": "71"}}]
+    assert accuracy_rule(job(), rows) is demo.score  # the dataset's exact-answer rule
+    named = accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:last_number_reward"), rows)
+    assert named is last_number_reward
+    # what an instruct model writes: wrong by the exact rule, right by the last number
+    prompt, answer = " Human: What is 23 + 48? Assistant:", "23 + 48 = 71"
+    assert demo.score([prompt], [answer]) == [0.0] and named([prompt], [answer], answer=["71"]) == [1.0]
+
+    with pytest.raises(ValueError, match=r"ppo.accuracy_function: .*needs the dataset column\(s\) \['answer'\]"):
+        accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:last_number_reward"), [{"columns": {}}])
+    with pytest.raises(ValueError, match=r"ppo.accuracy_function: cannot import 'rlhf_ray.data.answers:nope'"):
+        accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:nope"), rows)
+    with pytest.raises(ConfigError, match="accuracy_function"):
+        job("ppo.accuracy_function=not a path")

@@ -78,3 +78,9 @@ class PPOSpec(StrictModel):
     """Answers sampled per held-out prompt with `generation.sampling` (rounded up to a multiple of
     n_samples_per_prompt) for summary.json's sampled_reward_* and sampled_task_accuracy_*: the policy PPO
     optimises, where greedy answers show only its most likely one. 0 skips them."""
+    accuracy_function: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
+    """Import path (`package.module:function`) of the rule that marks held-out answers right (1.0) or wrong (0.0)
+    for summary.json's task_accuracy_*, called like a reward function: `fn(prompts, answers, **columns)`. Unset:
+    the dataset's own rule where it has one (demo/sort and demo/arithmetic: the exact answer; demo/word-problems:
+    the last number), else no task accuracy. E.g. `rlhf_ray.data.answers:last_number_reward` for an instruct
+    model that explains before it answers."""

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from rlhf_ray import cluster
 from rlhf_ray.actors.group import ActorDiedError
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
-from rlhf_ray.actors.reward_function import column_arguments
+from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
 from rlhf_ray.compare import load_function
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
@@ -68,7 +68,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     eval_rows = data.eval[: job.ppo.eval_prompts]
     if job.reward.function:  # a function that needs a column the data lacks fails here, before Ray starts
         column_arguments(load_function(job.reward.function), [r["columns"] for r in data.train[:1]])
-    rule = task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
+    rule = accuracy_rule(job, data.eval[:1])
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     started = time.time()
@@ -83,6 +83,19 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
         finally:
             cluster.remove(groups)
             metrics.close()
+
+
+def accuracy_rule(job: PPOJob, rows: list[dict]):
+    """The rule behind summary.json's task accuracy: `ppo.accuracy_function`, else the dataset's own (one
+    dataset only), else None. A named rule that needs a column the data lacks fails here, before Ray starts."""
+    if job.ppo.accuracy_function:
+        try:
+            rule = load_function(job.ppo.accuracy_function)
+            column_arguments(rule, [r["columns"] for r in rows])
+        except (ValueError, RewardFunctionError) as exc:
+            raise ValueError(f"ppo.accuracy_function: {exc}") from None
+        return rule
+    return task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
 
 
 class LearnerRankDied(RuntimeError):
