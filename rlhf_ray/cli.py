@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_preprocess_arguments(sub.add_parser(
         "preprocess", help="tokenise text / JSON-lines files into an mmap corpus (PREFIX.bin + PREFIX.idx)"))
 
-    quick = sub.add_parser("quickstart", help="build the tiny model and run the quickstart pipeline on CPU")
+    quick = sub.add_parser("quickstart", help="GRPO on SmolLM2-135M-Instruct on CPU (--pipeline: SFT -> RM -> PPO "
+                                              "on a tiny model)")
     quick.add_argument("--configs", default="configs/quickstart", help="folder of the quickstart YAMLs")
+    quick.add_argument("--pipeline", action="store_true",
+                       help="build the tiny model and run the whole pipeline (pipeline.yaml) instead of grpo.yaml")
     return parser
 
 
@@ -252,7 +255,7 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from rlhf_ray.quickstart import run_quickstart
 
-    return run_quickstart(Path(args.configs))
+    return run_quickstart(Path(args.configs), pipeline=args.pipeline)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
