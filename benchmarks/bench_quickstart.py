@@ -3,7 +3,7 @@ grpo.yaml) from an empty output folder, the same job at two more seeds, and `rlh
 tiny SFT -> RM -> PPO pipeline). Wall time, peak memory and the held-out before -> after numbers of each.
 
 Memory is the peak of the summed PSS of the whole process tree (the driver, the embedded Ray's processes and
-every actor), sampled every 0.25 s.
+every actor), sampled as often as costs the job under 5% of a core (common.run_watched).
 
     python benchmarks/bench_quickstart.py [--seeds 1,2,3] [--skip-pipeline] [--write docs/benchmarks.md]
 """
