@@ -39,6 +39,7 @@ def grpo_runs(seeds: list[int]) -> list[dict]:
 
     config = ROOT / "configs/quickstart/grpo.yaml"
     own = load_job(config).seed
+    LOGS.mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in seeds:
         if seed == own:
