@@ -1,6 +1,6 @@
 """The README's main job. By default: check every quickstart config, then GRPO on a real instruct model
-(configs/quickstart/grpo.yaml: SmolLM2-135M-Instruct learns arithmetic, ~8 minutes on 2 cores). With
-`--pipeline`: build the tiny model and run the whole InstructGPT pipeline on it (SFT -> RM -> PPO, ~3 minutes).
+(configs/quickstart/grpo.yaml: SmolLM2-135M-Instruct learns arithmetic, ~9 minutes on 2 cores). With
+`--pipeline`: build the tiny model and run the whole InstructGPT pipeline on it (SFT -> RM -> PPO, ~2 minutes).
 docs/jobs.md, "The two quickstarts", says why the default is the real model."""
 
 from __future__ import annotations
