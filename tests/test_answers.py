@@ -118,6 +118,7 @@ def test_the_task_accuracy_rule_is_the_named_function_else_the_datasets_own():
 
     with pytest.raises(ValueError, match=r"ppo.accuracy_function: .*needs the dataset column\(s\) \['answer'\]"):
         accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:last_number_reward"), [{"columns": {}}])
+    assert accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:last_number_reward"), []) is named  # no eval
     with pytest.raises(ValueError, match=r"ppo.accuracy_function: cannot import 'rlhf_ray.data.answers:nope'"):
         accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:nope"), rows)
     with pytest.raises(ConfigError, match="accuracy_function"):

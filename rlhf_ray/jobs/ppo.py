@@ -68,7 +68,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     eval_rows = data.eval[: job.ppo.eval_prompts]
     if job.reward.function:  # a function that needs a column the data lacks fails here, before Ray starts
         column_arguments(load_function(job.reward.function), [r["columns"] for r in data.train[:1]])
-    rule = accuracy_rule(job, data.eval[:1])
+    rule = accuracy_rule(job, eval_rows[:1])
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     started = time.time()
@@ -87,11 +87,13 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
 
 def accuracy_rule(job: PPOJob, rows: list[dict]):
     """The rule behind summary.json's task accuracy: `ppo.accuracy_function`, else the dataset's own (one
-    dataset only), else None. A named rule that needs a column the data lacks fails here, before Ray starts."""
+    dataset only), else None. A named rule that needs a column the held-out rows lack fails here, before Ray
+    starts (with no held-out rows it is never called)."""
     if job.ppo.accuracy_function:
         try:
             rule = load_function(job.ppo.accuracy_function)
-            column_arguments(rule, [r["columns"] for r in rows])
+            if rows:
+                column_arguments(rule, [r["columns"] for r in rows])
         except (ValueError, RewardFunctionError) as exc:
             raise ValueError(f"ppo.accuracy_function: {exc}") from None
         return rule
