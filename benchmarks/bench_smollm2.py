@@ -11,6 +11,7 @@ log-prob gap (metrics.jsonl), plotted against iterations.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import tempfile
@@ -26,8 +27,14 @@ RECIPES = {"grpo": ("ppo", "configs/recipes/smollm2-grpo.yaml"),
            "pipeline": ("pipeline", "configs/recipes/smollm2-pipeline.yaml")}
 
 
+def recipe_hash(config: str) -> str:
+    return hashlib.sha256((ROOT / config).read_bytes()).hexdigest()[:12]
+
+
 def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeout: float) -> dict:
-    """One job in a fresh process; its summary, metrics rows, wall seconds and peak PSS of the process tree."""
+    """One job in a fresh process; its summary, metrics rows, wall seconds and peak PSS of the process tree.
+    The result is kept as `<out>.json` (with the recipe's hash), so later runs of other seeds or recipes report
+    it too."""
     command = [sys.executable, "-m", "rlhf_ray.cli", kind, "--config", str(ROOT / config)]
     for item in ["cluster.dashboard=false", "logging.progress=false", f"output_dir={out}", *overrides]:
         command += ["--set", item]
@@ -35,8 +42,24 @@ def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeou
     stage = out / "ppo" if kind == "pipeline" else out
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]
-    return {"summary": summary.get("ppo", summary), "stages": summary if kind == "pipeline" else None,
-            "metrics": metrics, "seconds": seconds, "peak_gib": peak}
+    result = {"summary": summary.get("ppo", summary), "stages": summary if kind == "pipeline" else None,
+              "metrics": metrics, "seconds": seconds, "peak_gib": peak, "recipe": recipe_hash(config),
+              "overrides": overrides, "date": today()}
+    out.with_suffix(".json").write_text(json.dumps(result))
+    return result
+
+
+def kept_results(workdir: Path) -> dict:
+    """Every kept result in `workdir` whose recipe file is unchanged since it ran, by (recipe, seed)."""
+    found = {}
+    for name, (_, config) in RECIPES.items():
+        for file in sorted(workdir.glob(f"{name}-*.json")):
+            r = json.loads(file.read_text())
+            if r.get("recipe") == recipe_hash(config):
+                found[(name, int(file.stem.rsplit("-", 1)[1]))] = r
+            else:
+                print(f"not reported: {file} ran an older {config}", flush=True)
+    return found
 
 
 def fmt(x, digits=3) -> str:
@@ -55,7 +78,18 @@ def table(results: dict) -> str:
                     f"{fmt(s.get('sampled_task_accuracy_before'))} | {fmt(s.get('sampled_task_accuracy_after'))} | "
                     f"{s['iterations']} | {train_min:.1f} | {r['seconds'] / 60:.1f} | {r['peak_gib']:.1f} | "
                     f"{fmt(sum(gaps) / len(gaps) if gaps else None, 4)} |")
-    return "\n".join(rows)
+    stages = [stage_line(name, seed, r["stages"]) for (name, seed), r in results.items() if r.get("stages")]
+    return "\n".join(rows + ([""] + stages if stages else []))
+
+
+def stage_line(name: str, seed: int, stages: dict) -> str:
+    """The pipeline's first two stages in one line: SFT's held-out loss, the reward model's pair accuracy, and
+    their minutes (their minutes count as training time against the 20-minute goal)."""
+    sft, rm = stages["sft"], stages["rm"]
+    return (f"- {name} seed {seed}: SFT {sft['steps']} steps in {sft['seconds'] / 60:.1f} min (held-out loss "
+            f"{sft['eval_loss_first']:.3f} -> {sft['eval_loss_last']:.3f}); reward model {rm['steps']} steps in "
+            f"{rm['seconds'] / 60:.1f} min (held-out pair accuracy {rm['eval_accuracy_first']:.2f} -> "
+            f"{rm['eval_accuracy']:.2f}); the PPO row's `before` is the SFT model.")
 
 
 def plot(results: dict, doc: Path) -> str:
@@ -100,6 +134,7 @@ def main() -> int:
             results[(name, seed)] = r = run_measured(kind, config, overrides, tmp / f"{name}-{seed}", args.timeout)
             print(json.dumps({k: v for k, v in r["summary"].items() if k != "data_report"}), flush=True)
             print(f"   {r['seconds']:.0f} s, peak {r['peak_gib']:.1f} GiB", flush=True)
+    results = {**kept_results(tmp), **results}
     text = table(results)
     print(text)
     if args.write:
