@@ -23,7 +23,8 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, run_watched, steady, today, trl_step_timer, versions, write_section  # noqa: E402
+from common import (ROOT, machine, pyplot, run_watched, save_figure, steady, today, trl_step_timer,  # noqa: E402
+                    versions, write_section)
 
 SECTION = "## GRPO against TRL on SmolLM2-135M-Instruct"
 RECIPE = ROOT / "configs/recipes/smollm2-grpo.yaml"
@@ -69,7 +70,8 @@ def trl_child(model_dir: str, rows_file: str, steps: int, new_tokens: int, out: 
     import trl
 
     return {"step_seconds": [b - a for a, b in zip(marks, marks[1:])], "generate_seconds": generate,
-            "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h], "trl": trl.__version__}
+            "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
+            "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h], "trl": trl.__version__}
 
 
 def eval_child(model_dir: str, tokenizer: str, rows_file: str, new_tokens: int) -> dict:
@@ -86,6 +88,29 @@ def eval_child(model_dir: str, tokenizer: str, rows_file: str, new_tokens: int) 
     answers = [o.outputs[0].text for o in outs]
     scores = last_number_reward([r["prompt"] for r in rows], answers, answer=[r["answer"] for r in rows])
     return {"accuracy": sum(scores) / len(scores)}
+
+
+def plot(trl: dict, ours_rows: list[dict], before: float, trl_after: float, ours_after: float, doc: Path) -> str:
+    """Reward and KL per step for both sides, and held-out greedy accuracy before and after."""
+    plt = pyplot()
+    if plt is None:
+        return "(matplotlib missing: no plot)"
+    rows = [r for r in ours_rows if "reward/mean" in r]
+    steps = list(range(1, len(rows) + 1))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    axes[0].plot(range(1, len(trl["rewards"]) + 1), trl["rewards"], "o-", label="TRL GRPOTrainer")
+    axes[0].plot(steps, [r["reward/mean"] for r in rows], "s-", label="rlhf-ray")
+    axes[1].plot(range(1, len(trl["kl"]) + 1), trl["kl"], "o-")
+    axes[1].plot(steps, [r["kl/mean"] for r in rows], "s-")
+    axes[2].plot([0, len(steps)], [before, trl_after], "o-")
+    axes[2].plot([0, len(steps)], [before, ours_after], "s-")
+    titles = ["rollout reward (share right)", "KL to the reference (k3, token mean)",
+              f"held-out greedy accuracy ({EVAL} problems)"]
+    for ax, title in zip(axes, titles):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    return save_figure(fig, doc, "grpo_vs_trl_smollm2.png")
 
 
 def run_measured(command: list[str], log: Path, env: dict | None = None) -> tuple[str, float, float]:
@@ -158,6 +183,9 @@ def main() -> int:
         return {**json.loads(line), "wall": wall, "peak": peak}
 
     trl = cached("trl", run_trl)
+    if "kl" not in trl:  # kept by a version of this script that did not record TRL's KL
+        (tmp / "trl.json").unlink()
+        trl = cached("trl", run_trl)
     trl_peak = trl["peak"]
     trl_after = cached("trl_after", lambda: evaluate(tmp / "trl" / "model", "trl"))
     print(f"trl: {trl['wall']:.0f} s, after {trl_after:.3f}", flush=True)
@@ -223,6 +251,7 @@ def main() -> int:
     print(text)
     print(json.dumps({"trl": trl, "ours": ours}))
     if args.write:
+        text += "\n" + plot(trl, metrics, before, trl_after, ours_after, args.write) + "\n"
         write_section(args.write, SECTION, text)
     return 0
 

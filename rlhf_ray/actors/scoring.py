@@ -12,11 +12,12 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import unpack_rollouts
-from rlhf_ray.algorithms.logprobs import answer_logprobs
+from rlhf_ray.algorithms.logprobs import token_logprobs
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
-from rlhf_ray.models.loading import last_logits_only, load_causal_lm, load_scalar_model, token_values
+from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
+from rlhf_ray.models.shared_prompt import forward_answer_logits
 
 
 def _device() -> torch.device:
@@ -43,9 +44,9 @@ class ReferenceWorker:
         answer_len = batch["action_mask"].shape[1]
         parts = []
         for s in micro_batches(len(seq), self.micro):
-            logits = self.model(input_ids=seq[s].to(_device()), attention_mask=mask[s].to(_device()),
-                                **last_logits_only(self.model, answer_len + 1)).logits
-            parts.append(answer_logprobs(logits, seq[s].to(_device()), answer_len, self.temperature).cpu())
+            rows = seq[s].to(_device())
+            logits = forward_answer_logits(self.model, self.model, rows, mask[s].to(_device()), answer_len)
+            parts.append(token_logprobs(logits, rows[:, -answer_len:], self.temperature).cpu())
         return torch.cat(parts) * batch["action_mask"][lo:hi]
 
     def ping(self) -> int:

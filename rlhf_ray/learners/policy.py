@@ -11,12 +11,13 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import logprob_gap
-from rlhf_ray.algorithms.logprobs import answer_logits, answer_logprobs, entropy
+from rlhf_ray.algorithms.logprobs import entropy, token_logprobs
 from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
-from rlhf_ray.models.loading import last_logits_only, load_causal_lm
+from rlhf_ray.models.loading import load_causal_lm
+from rlhf_ray.models.shared_prompt import forward_answer_logits
 from rlhf_ray.models.weight_buckets import pack
 
 EMA_FILE = "ema.pt"
@@ -48,13 +49,13 @@ class PolicyLearner(PPOLearnerRank):
     def _logprobs(self, batch: Batch, with_entropy: bool = False):
         """Answer-token log-probs at the sampling temperature (and the sampling distribution's entropy there)."""
         answer_len = batch["action_mask"].shape[1]
-        logits = self.engine(input_ids=batch["sequences"], attention_mask=batch["attention_mask"],
-                             **last_logits_only(self.engine.module, answer_len + 1)).logits
-        logp = answer_logprobs(logits, batch["sequences"], answer_len, self.temperature) * batch["action_mask"]
+        logits = forward_answer_logits(self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
+                                       answer_len)
+        logp = token_logprobs(logits, batch["sequences"][:, -answer_len:], self.temperature) * batch["action_mask"]
         if not with_entropy:
             return logp
         with torch.no_grad():
-            ent = entropy(answer_logits(logits, answer_len), self.temperature) * batch["action_mask"]
+            ent = entropy(logits, self.temperature) * batch["action_mask"]
         return logp, ent
 
     @by_reference

@@ -62,7 +62,9 @@ class PPOLearnerRank(LearnerRank):
         totals: dict[str, float] = {}
         scale = self.world_size * self.engine.gradient_accumulation_steps()  # DeepSpeed divides by both
         for step, minibatch in enumerate(plan.minibatches):
-            rows = np.asarray(minibatch)
+            # in row order: the answers to one prompt are neighbours, so a micro-batch shares its prompts' forward
+            # (models/shared_prompt.py); a mini-batch's gradient is the same sum whatever its rows' order
+            rows = np.sort(np.asarray(minibatch))
             mine = rows[self.rank_slice(len(rows))]
             micro = [mine[s] for s in self.micro_slices(len(mine))]
             (tokens,) = self.all_reduce_sum([float(batch["action_mask"][mine].sum())])

@@ -1,0 +1,66 @@
+"""The logits that score a batch's answers, with each distinct prompt run through the model once.
+
+GRPO and RLOO sample several answers per prompt, so a batch holds each prompt n times, and the reference and the
+policy score every row over prompt + answer. The answers need the prompt only as context: its keys and values do
+not depend on the answer. So the distinct prompts run once with the KV cache kept, the cache is repeated row by
+row, and the answers run on top of it: the same logits as the whole-sequence forward at P/n + A instead of P + A
+tokens per row, with gradients flowing through the cache into the prompt's forward. Rows are left-padded prompts
+followed by right-padded answers (the layout `pack_rollouts` writes), so a prompt's pads are part of its key.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from rlhf_ray.models.loading import last_logits_only
+
+
+def distinct_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the first row of each distinct row [U], index of each row's distinct row [B]) for rows [B, L]."""
+    _, inverse = torch.unique(rows, dim=0, return_inverse=True)
+    first = torch.full((int(inverse.max()) + 1,), rows.shape[0], dtype=torch.long, device=rows.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(rows.shape[0], device=rows.device), "amin")
+    return first, inverse
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    """The model's sliding attention window, if some of its layers have one."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    window, types = getattr(config, "sliding_window", None), getattr(config, "layer_types", None)
+    return window if window and (types is None or "sliding_attention" in types) else None
+
+
+def _keeps_every_position(cache, prompt_len: int) -> bool:
+    """A cache whose rows can be selected and that kept all `prompt_len` positions of every layer (a sliding layer
+    does while the prompt fits its window; recurrent or compressed caches never do)."""
+    layers = getattr(cache, "layers", None)
+    return (hasattr(cache, "batch_select_indices") and bool(layers)
+            and all(type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer")
+                    and layer.keys.shape[-2] == prompt_len for layer in layers))
+
+
+def forward_answer_logits(forward: Callable, model: torch.nn.Module, sequences: torch.Tensor,
+                  attention_mask: torch.Tensor, answer_len: int) -> torch.Tensor:
+    """Logits [B, A, V] predicting the last `answer_len` tokens of `sequences` [B, P + A]: position i's logits
+    predict token i + 1. `forward` is the callable that runs `model` (a DeepSpeed engine or the model itself).
+    Prompts shared by several rows run once; a batch of distinct prompts, a model that trains with gradient
+    checkpointing (it drops the cache), a sequence longer than the model's sliding window, or a cache that does not
+    keep every position (recurrent layers) runs whole."""
+    prompt_len, window = sequences.shape[1] - answer_len, _sliding_window(model)
+    checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
+    if prompt_len > 0 and answer_len > 0 and not checkpointed and (window is None or sequences.shape[1] < window):
+        first, inverse = distinct_rows(torch.cat([sequences[:, :prompt_len], attention_mask[:, :prompt_len]], 1))
+        if len(first) < len(sequences):
+            head = forward(input_ids=sequences[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
+                           use_cache=True, **last_logits_only(model, 1))
+            cache = head.past_key_values
+            if _keeps_every_position(cache, prompt_len):
+                cache.batch_select_indices(inverse)
+                tail = forward(input_ids=sequences[:, prompt_len:], attention_mask=attention_mask,
+                               past_key_values=cache, use_cache=True, **last_logits_only(model, answer_len))
+                return torch.cat([head.logits[inverse, -1:], tail.logits[:, :-1]], dim=1)
+    logits = forward(input_ids=sequences, attention_mask=attention_mask,
+                     **last_logits_only(model, answer_len + 1)).logits
+    return logits[:, -answer_len - 1: -1]

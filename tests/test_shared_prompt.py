@@ -1,0 +1,108 @@
+"""Scoring answers with each distinct prompt run once (models/shared_prompt.py) gives the whole-sequence forward's
+logits and gradients, on every model family, while the prompt runs once per distinct prompt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlhf_ray.algorithms.experience import pack_rollouts
+from rlhf_ray.algorithms.logprobs import answer_logprobs, token_logprobs
+from rlhf_ray.models.families import FAMILIES, build_family_model
+from rlhf_ray.models.shared_prompt import distinct_rows, forward_answer_logits
+
+# three prompts of different lengths (left-padded), answered 3, 1 and 2 times, in mixed order, ragged answers
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+ROWS = [(0, [20, 21, 22]), (1, [23]), (0, [24, 25]), (2, [26, 27, 28, 29]), (0, [30]), (2, [31, 32])]
+
+
+def batch() -> dict[str, torch.Tensor]:
+    return pack_rollouts([PROMPTS[p] for p, _ in ROWS], [a for _, a in ROWS], pad_id=0)
+
+
+def test_distinct_rows_finds_the_first_row_of_each_and_maps_every_row_to_it():
+    rows = torch.tensor([[1, 2], [3, 4], [1, 2], [5, 6], [3, 4]])
+    first, inverse = distinct_rows(rows)
+    assert torch.equal(rows[first][inverse], rows)
+    assert sorted(first.tolist()) == [0, 1, 3]  # first occurrences, not later ones
+
+
+def forwards(model):
+    """The model's forward, recording the shape of every input it runs."""
+    shapes = []
+
+    def forward(**kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return model(**kwargs)
+
+    return forward, shapes
+
+
+def full_logprobs(model, b, temperature=0.7):
+    logits = model(input_ids=b["sequences"], attention_mask=b["attention_mask"]).logits
+    return answer_logprobs(logits, b["sequences"], b["action_mask"].shape[1], temperature) * b["action_mask"]
+
+
+def shared_logprobs(forward, model, b, temperature=0.7):
+    answer_len = b["action_mask"].shape[1]
+    logits = forward_answer_logits(forward, model, b["sequences"], b["attention_mask"], answer_len)
+    return token_logprobs(logits, b["sequences"][:, -answer_len:], temperature) * b["action_mask"]
+
+
+def test_shared_prompts_give_the_full_forward_log_probs_and_gradients(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.train()  # dropout is 0 in the tiny model: training mode only keeps the graph
+    b = batch()
+    forward, shapes = forwards(model)
+    shared = shared_logprobs(forward, model, b)
+    prompt_len, answer_len = b["sequences"].shape[1] - 4, 4
+    assert shapes == [(3, prompt_len), (6, answer_len)]  # 3 prompts once, then the 6 answers on their cache
+    full = full_logprobs(model, b)
+    torch.testing.assert_close(shared, full, rtol=0, atol=1e-5)
+
+    shared.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    full_logprobs(model, b).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_distinct_prompts_and_gradient_checkpointing_run_the_whole_sequence(tiny_model):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    b = pack_rollouts([PROMPTS[0], PROMPTS[1]], [[20, 21], [22]], pad_id=0)
+    forward, shapes = forwards(model)
+    with torch.no_grad():
+        torch.testing.assert_close(shared_logprobs(forward, model, b), full_logprobs(model, b), rtol=0, atol=1e-5)
+    assert shapes == [tuple(b["sequences"].shape)]
+
+    model.gradient_checkpointing_enable()
+    model.train()
+    forward, shapes = forwards(model)
+    shared_logprobs(forward, model, batch())
+    assert shapes == [tuple(batch()["sequences"].shape)]  # the checkpointed forward drops the cache
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_scores_shared_prompts_like_the_whole_sequence(family, tmp_path):
+    path = build_family_model(family, tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    b = batch()
+    forward, shapes = forwards(model)
+    with torch.no_grad():
+        shared = shared_logprobs(forward, model, b)
+        full = full_logprobs(model, b)
+    torch.testing.assert_close(shared, full, rtol=0, atol=1e-4)
+    prompt_len, answer_len = b["sequences"].shape[1] - 4, 4
+    assert shapes == [(3, prompt_len), (6, answer_len)], f"{family}: the prompts did not run once"
+
+
+def test_a_sequence_longer_than_the_sliding_window_runs_whole(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(build_family_model("gemma2", tmp_path / "g"), dtype=torch.float32)
+    model.config.sliding_window = 8  # shorter than the batch's 10 positions: the prompt's cache would be cut
+    b = batch()
+    forward, shapes = forwards(model.eval())
+    with torch.no_grad():
+        torch.testing.assert_close(shared_logprobs(forward, model, b), full_logprobs(model, b), rtol=0, atol=1e-4)
+    assert shapes == [tuple(b["sequences"].shape)]
