@@ -42,6 +42,8 @@ def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeou
     stage = out / "ppo" if kind == "pipeline" else out
     summary = json.loads((out / "summary.json").read_text())
     metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]
+    # a pipeline rerun reuses the stages an earlier run finished: their time counts as if run now
+    seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     result = {"summary": summary.get("ppo", summary), "stages": summary if kind == "pipeline" else None,
               "metrics": metrics, "seconds": seconds, "peak_gib": peak, "recipe": recipe_hash(config),
               "overrides": overrides, "date": today()}
@@ -72,7 +74,8 @@ def table(results: dict) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (name, seed), r in results.items():
         s, m = r["summary"], [row for row in r["metrics"] if "time/iteration" in row]
-        train_min = sum(row["time/iteration"] for row in m) / 60
+        train_min = (sum(row["time/iteration"] for row in m)  # the pipeline's SFT and RM train too
+                     + sum(r["stages"][k]["seconds"] for k in ("sft", "rm") if r.get("stages"))) / 60
         gaps = [row["generate/logprob_gap"] for row in m if "generate/logprob_gap" in row]
         rows.append(f"| {name} | {seed} | {fmt(s.get('task_accuracy_before'))} | {fmt(s.get('task_accuracy_after'))} | "
                     f"{fmt(s.get('sampled_task_accuracy_before'))} | {fmt(s.get('sampled_task_accuracy_after'))} | "

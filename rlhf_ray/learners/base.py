@@ -35,6 +35,7 @@ class LearnerRank:
         self.ds_spec = DeepSpeedSpec.model_validate(deepspeed)
         self.micro_batch_size = micro_batch_size
         self.engine = None
+        self._grad_norm: float | None = None  # see optimizer_step
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     # ---- setup -------------------------------------------------------------------------------------------
@@ -76,8 +77,21 @@ class LearnerRank:
         dist.all_reduce(tensor)
         return tensor.tolist()
 
+    def optimizer_step(self) -> None:
+        """`engine.step()` after a micro-batch's backward. DeepSpeed keeps no gradient norm for an fp32 ZeRO-0
+        engine (it clips and drops the norm), so at an accumulation boundary this notes it first: the gradients are
+        already averaged over ranks then, so every rank sees the global norm, before clipping."""
+        e = self.engine
+        if (e.is_gradient_accumulation_boundary() and e.zero_optimization_stage() == 0
+                and not (e.fp16_enabled() or e.bfloat16_enabled())):
+            norms = [p.grad.detach().float().norm() for p in e.module.parameters() if p.grad is not None]
+            self._grad_norm = torch.stack(norms).norm().item() if norms else 0.0
+        e.step()
+
     def step_info(self) -> dict:
         grad_norm = self.engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = self._grad_norm
         return {"lr": self.scheduler.get_last_lr()[0], "applied": bool(self.engine.was_step_applied()),
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
 

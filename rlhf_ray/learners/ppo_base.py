@@ -78,7 +78,7 @@ class PPOLearnerRank(LearnerRank):
                     loss = loss + extra[0]
                     stats |= extra[1]
                 self.engine.backward(loss * scale)
-                self.engine.step()
+                self.optimizer_step()
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
         reduced = self.all_reduce_sum(list(totals.values()))

@@ -38,7 +38,7 @@ class RewardLearner(SupervisedRank):
         for rows in self.step_micro_batches(step):
             loss, chosen, rejected = self._forward(rows)
             self.engine.backward(loss)
-            self.engine.step()
+            self.optimizer_step()
             loss_total += loss.item() * len(rows)
             correct += (chosen > rejected).float().sum().item()
             pairs += len(rows)

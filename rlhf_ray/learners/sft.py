@@ -39,7 +39,7 @@ class SFTLearner(SupervisedRank):
         for rows in micro:
             loss_sum = self._loss_sum(rows)
             self.engine.backward(loss_sum * scale)
-            self.engine.step()
+            self.optimizer_step()
             loss_total += loss_sum.item()
         (loss_total,) = self.all_reduce_sum([loss_total])
         return {"loss": loss_total / max(tokens, 1.0), "tokens": tokens, **self.step_info()}
