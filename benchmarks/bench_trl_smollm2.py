@@ -237,16 +237,19 @@ def main() -> int:
              f"({'met' if ours_after >= trl_after else 'missed'}).", "",
              "Where the time goes: our generation (vLLM) takes "
              f"{ours['time/engine_generate']:.1f} s against TRL's {trl_gen:.1f} s with `generate`, and the on-policy "
-             "step skips the old-log-prob forward; the rest is the same work on both sides, the reference forward "
-             f"({ours['time/experience']:.1f} s) and the policy's forward and backward ({ours['time/train']:.1f} s), "
-             "each on both cores. On one 2-core machine every phase shares the same cores, so what separate actors "
-             "buy elsewhere (reference, engine and learner on devices of their own, working at once) cannot show "
-             "here. What would close the gap to 1.5x on this machine: less work per training token (a chunked "
-             "log-softmax over the 49k vocabulary instead of the full [samples x tokens x vocabulary] tensor, bf16 "
-             "on CPUs with bf16 units, which this one lacks) and no padding of answers to the longest one. The "
-             "accuracy comparison is a draw, not a result: the starting model answers 3% of these problems right, "
-             "a group of 4 answers rarely holds a right one (GRPO's advantage is zero otherwise), and after 8 steps "
-             "both models are within a problem or two of where they started.", ""]
+             "step skips the old-log-prob forward. The reference forward "
+             f"({ours['time/experience']:.1f} s) and the policy's forward and backward ({ours['time/train']:.1f} s) "
+             f"run each of the {PROMPTS} prompts once per micro-batch and its {SAMPLES} answers on the prompt's KV "
+             "cache (docs/architecture.md, \"Shared prompts\"), where TRL runs every prompt + answer sequence whole; "
+             "both use every core. On one 2-core machine every phase shares the same cores, so what separate "
+             "actors buy elsewhere (reference, engine and learner on devices of their own, working at once) cannot "
+             "show here. What is left to gain on this machine: less work per answer token (no padding of answers to "
+             "the longest one; a chunked log-softmax over the 49k vocabulary) and bf16 on CPUs with bf16 units, "
+             "which this one lacks. Held-out accuracy after the same steps: TRL "
+             f"{round((trl_after - before) * EVAL):+d}, ours {round((ours_after - before) * EVAL):+d} problems of "
+             f"{EVAL}: at this scale a difference of a few problems is noise; the starting model answers "
+             f"{before:.0%} of these problems right, so a group of {SAMPLES} answers rarely holds a right one "
+             "(GRPO's advantage is zero otherwise).", ""]
     text = "\n".join(lines)
     print(text)
     print(json.dumps({"trl": trl, "ours": ours}))
