@@ -95,6 +95,33 @@ def stage_line(name: str, seed: int, stages: dict) -> str:
             f"{rm['eval_accuracy']:.2f}); the PPO row's `before` is the SFT model.")
 
 
+def command(name: str, seed: int, r: dict) -> str:
+    extra = " ".join(f"--set {o}" for o in r["overrides"] if not o.startswith(("seed=", "checkpoint.resume",
+                                                                              "ppo.checkpoint.resume")))
+    return f"python benchmarks/bench_smollm2.py --runs {name} --seeds {seed}" + (f" {extra}" if extra else "")
+
+
+def verdicts(results: dict) -> str:
+    """The goal, +20 points of held-out greedy accuracy within 20 minutes of training, row by row. A pipeline's
+    gain counts from the starting model: the GRPO rows' `before` (the same model on the same held-out problems)."""
+    base = next((r["summary"]["task_accuracy_before"] for (name, _), r in results.items() if name == "grpo"), None)
+    lines = ["Goal: +20 points of held-out greedy accuracy within 20 minutes of training, 3 seeds per recipe."]
+    for (name, seed), r in results.items():
+        s = r["summary"]
+        minutes = (sum(row["time/iteration"] for row in r["metrics"] if "time/iteration" in row)
+                   + sum(r["stages"][k]["seconds"] for k in ("sft", "rm") if r.get("stages"))) / 60
+        start = base if r.get("stages") and base is not None else s["task_accuracy_before"]
+        gain = 100 * (s["task_accuracy_after"] - start)
+        met = gain >= 20 and minutes <= 20
+        origin = "from the starting model" if r.get("stages") else "from before"
+        lines.append(f"- {name} seed {seed}: {gain:+.1f} points {origin} ({start:.3f} -> "
+                     f"{s['task_accuracy_after']:.3f}) in {minutes:.1f} min: {'met' if met else 'missed'}.")
+    seeds = {name: sum(1 for (n, _) in results if n == name) for name, _ in results}
+    lines += [f"- {name}: {n} of 3 seeds run." for name, n in seeds.items() if n < 3]
+    lines += [f"- {name}: not run yet." for name in RECIPES if name not in seeds]
+    return "\n".join(lines)
+
+
 def plot(results: dict, doc: Path) -> str:
     plt = pyplot()
     if plt is None:
@@ -106,7 +133,9 @@ def plot(results: dict, doc: Path) -> str:
         axes[0].plot(steps, [row["reward/mean"] for row in rows], label=f"{name} seed {seed}")
         axes[1].plot(steps, [row.get("kl/mean", float("nan")) for row in rows])
         axes[2].plot(steps, [row.get("generate/logprob_gap", float("nan")) for row in rows])
-    for ax, title in zip(axes, ["rollout reward (rule: share right)", "KL to the reference", "engine/learner log-prob gap"]):
+    titles = ["rollout reward (rule: share right; pipeline: RM score)", "KL to the reference",
+              "engine/learner log-prob gap"]
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("iteration")
     axes[0].legend(fontsize=7)
@@ -116,7 +145,8 @@ def plot(results: dict, doc: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path)
-    parser.add_argument("--runs", default="grpo", help="comma-separated: " + ", ".join(RECIPES))
+    parser.add_argument("--runs", default="grpo", help="comma-separated: " + ", ".join(RECIPES) +
+                        "; empty: run nothing, report the kept runs")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--iterations", type=int, help="override ppo.iterations")
     parser.add_argument("--set", action="append", default=[], help="extra override for every run")
@@ -127,7 +157,7 @@ def main() -> int:
     results = {}
     args.workdir.mkdir(parents=True, exist_ok=True)
     tmp = args.workdir
-    for name in args.runs.split(","):
+    for name in filter(None, args.runs.split(",")):
         kind, config = RECIPES[name]
         prefix = "ppo." if kind == "pipeline" else ""
         extra = list(args.set) + ([f"{prefix}ppo.iterations={args.iterations}"] if args.iterations else [])
@@ -141,17 +171,19 @@ def main() -> int:
     text = table(results)
     print(text)
     if args.write:
-        overrides = " ".join(f"--set {o}" for o in args.set)
-        section = (f"{HEADING}\n\nMeasured {today()} by `python benchmarks/bench_smollm2.py --runs {args.runs} "
-                   f"--seeds {args.seeds}{f' --iterations {args.iterations}' if args.iterations else ''}"
-                   f"{(' ' + overrides) if overrides else ''}` on {machine()}; "
-                   f"{versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.\n\n"
+        commands = "; ".join(f"{name} seed {seed}: `{command(name, seed, r)}` ({r['date']})"
+                             for (name, seed), r in results.items())
+        section = (f"{HEADING}\n\nMeasured on {machine()}; "
+                   f"{versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. Each row is one run of "
+                   f"`benchmarks/bench_smollm2.py`, kept in its work folder and reported by every later invocation "
+                   f"while its recipe file is unchanged: {commands}.\n\n"
                    "The recipes as shipped (configs/recipes/smollm2-*.yaml), one process tree per run. Greedy "
                    "and sampled accuracy: the correctness rule on `ppo.eval_prompts` held-out problems (greedy; "
-                   "`ppo.eval_samples` sampled answers each at the training temperature), before and after. "
-                   "Training min: the iterations' wall time; total: the whole job with model import, actor "
-                   "start and both evaluations. Peak: PSS of the job's process tree, polled every 2 s.\n\n"
-                   f"{text}\n\n{plot(results, args.write)}\n")
+                   "`ppo.eval_samples` sampled answers each at the training temperature), before and after PPO. "
+                   "Training min: the iterations' wall time (the pipeline's SFT and reward-model stages included); "
+                   "total: the whole job with model import, actor start and both evaluations. Peak: PSS of the "
+                   "job's process tree, polled.\n\n"
+                   f"{text}\n\n{plot(results, args.write)}\n\n{verdicts(results)}\n")
         write_section(args.write, HEADING, section)
     return 0
 
