@@ -68,14 +68,19 @@ def fmt(x, digits=3) -> str:
     return "" if x is None else f"{x:.{digits}f}"
 
 
+def training_minutes(r: dict) -> float:
+    """The PPO iterations' wall time, plus the pipeline's SFT and reward-model stages (they train too)."""
+    iterations = sum(row["time/iteration"] for row in r["metrics"] if "time/iteration" in row)
+    return (iterations + sum(r["stages"][k]["seconds"] for k in ("sft", "rm") if r.get("stages"))) / 60
+
+
 def table(results: dict) -> str:
     rows = ["| recipe | seed | greedy before | greedy after | sampled before | sampled after | iterations | "
             "training min | total min | peak GiB | log-prob gap (mean) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (name, seed), r in results.items():
         s, m = r["summary"], [row for row in r["metrics"] if "time/iteration" in row]
-        train_min = (sum(row["time/iteration"] for row in m)  # the pipeline's SFT and RM train too
-                     + sum(r["stages"][k]["seconds"] for k in ("sft", "rm") if r.get("stages"))) / 60
+        train_min = training_minutes(r)
         gaps = [row["generate/logprob_gap"] for row in m if "generate/logprob_gap" in row]
         rows.append(f"| {name} | {seed} | {fmt(s.get('task_accuracy_before'))} | {fmt(s.get('task_accuracy_after'))} | "
                     f"{fmt(s.get('sampled_task_accuracy_before'))} | {fmt(s.get('sampled_task_accuracy_after'))} | "
@@ -108,8 +113,7 @@ def verdicts(results: dict) -> str:
     lines = ["Goal: +20 points of held-out greedy accuracy within 20 minutes of training, 3 seeds per recipe."]
     for (name, seed), r in results.items():
         s = r["summary"]
-        minutes = (sum(row["time/iteration"] for row in r["metrics"] if "time/iteration" in row)
-                   + sum(r["stages"][k]["seconds"] for k in ("sft", "rm") if r.get("stages"))) / 60
+        minutes = training_minutes(r)
         start = base if r.get("stages") and base is not None else s["task_accuracy_before"]
         gain = 100 * (s["task_accuracy_after"] - start)
         met = gain >= 20 and minutes <= 20
