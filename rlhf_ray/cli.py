@@ -13,7 +13,8 @@ from typing import Callable, Sequence
 import yaml
 from rich.console import Console
 
-from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob, job_schema, load_job, validate_job
+from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob, job_schema, validate_job
+from rlhf_ray.preflight import preflight
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--live", action="store_true",
                           help="check the plan against the live cluster even if the config declares a shape")
     validate.add_argument("--quiet", action="store_true", help="do not print the resolved config")
+    validate.add_argument("--config-only", action="store_true",
+                          help="check the config and its plan, not the files it reads (models, data, checkpoints, "
+                               "output_dir): for a config whose inputs an earlier stage has yet to write")
 
     schema = sub.add_parser("schema", help="write the JSON schema of the YAML configs (for editors)")
     schema.add_argument("--out", help="file to write (default: stdout)")
@@ -135,51 +139,9 @@ def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]
     return problems
 
 
-def check_datasets(job: JobBase, source: ConfigSource) -> None:
-    """Unknown dataset names and bad `format` sections fail at validation, not after the cluster is up."""
-    from rlhf_ray.data.errors import DataError
-    from rlhf_ray.data.registry import resolve_adapter
-
-    problems = []
-    for stage, stage_job in _plans(job):
-        data = getattr(stage_job, "data", None)
-        for i, dataset in enumerate(data.datasets if data is not None else []):
-            loc = ((stage,) if isinstance(job, PipelineJob) else ()) + ("data", "datasets", str(i), "name")
-            try:
-                resolve_adapter(dataset)
-            except DataError as exc:
-                problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {exc}")
-    if problems:
-        raise ConfigError(problems)
-
-
-def check_models(job: JobBase, source: ConfigSource) -> None:
-    """Model inputs that would fail after the cluster is up: a GGUF file that is missing or corrupt, a model whose
-    architecture the chosen engine cannot serve, a reward model whose tokenizer cannot be bridged."""
-    from rlhf_ray.models.sources import ModelSourceError, check_gguf, gguf_path, gguf_specs
-    from rlhf_ray.models.support import model_problems
-
-    problems = []
-    for where, spec in gguf_specs(job):
-        loc = tuple(where.split(".")) + ("gguf_file",)
-        try:
-            check_gguf(gguf_path(spec.path, spec.gguf_file))
-        except ModelSourceError as exc:
-            problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {exc}")
-    for stage, stage_job in _plans(job):
-        prefix = (stage,) if isinstance(job, PipelineJob) else ()
-        for field, problem in model_problems(stage_job):
-            loc = prefix + tuple(field.split("."))
-            problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {problem}")
-    if problems:
-        raise ConfigError(problems)
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     source = ConfigSource.from_file(args.config).override(args.overrides)
     job = validate_job(source)
-    check_datasets(job, source)
-    check_models(job, source)
     if not args.quiet:
         out.print(f"# {args.config}: resolved {job.kind} config")
         out.print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False).rstrip(), markup=False)
@@ -187,6 +149,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if problems:
         console.print("[red]the plan does not fit:[/red]\n  " + "\n  ".join(problems), markup=True)
         return EXIT_PLAN_DOES_NOT_FIT
+    preflight(job, source, files=not args.config_only)
     out.print(f"[green]ok[/green]: {args.config} is a valid {job.kind} config and its plan fits")
     return EXIT_OK
 
@@ -204,7 +167,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    job = load_job(args.config, args.overrides, expect=args.command)
+    source = ConfigSource.from_file(args.config).override(args.overrides)
+    job = validate_job(source, expect=args.command)
     runner = job_runners().get(job.kind)
     if runner is None:
         console.print(f"rlhf-ray {job.kind}: {args.config} is valid, but the {job.kind} job is not implemented in "
@@ -214,6 +178,7 @@ def cmd_job(args: argparse.Namespace) -> int:
     if problems:
         console.print("[red]refusing to start: the plan does not fit the cluster:[/red]\n  " + "\n  ".join(problems))
         return EXIT_PLAN_DOES_NOT_FIT
+    preflight(job, source)  # every file the job reads, before Ray starts
     stop_after = getattr(args, "stop_after", None)
     summary = runner(job, stop_after=stop_after) if stop_after is not None else runner(job)
     out.print_json(data=summary)

@@ -149,6 +149,13 @@ class ResourcePlan:
                  for s in self.slots.values() if s.per_replica.get(kind)]
         return " + ".join(parts)
 
+    def _fields(self, kind: str) -> str:
+        """The YAML fields that set each role's share of `kind` (`learner` is a supervised job's top-level
+        placement)."""
+        name = "num_gpus" if kind == "GPU" else "num_cpus" if kind == "CPU" else f"resources.{kind}"
+        return " / ".join(f"{'' if s.role == 'learner' else s.role + '.'}placement.{name}"
+                          for s in self.slots.values() if s.per_replica.get(kind))
+
     def check_fits(self, nodes: list[Resources]) -> list[str]:
         """Problems that would leave placement groups pending forever; empty when the plan fits."""
         if not nodes:
@@ -159,14 +166,18 @@ class ResourcePlan:
             if need > have.get(kind, 0.0) + _EPS:
                 unit = kind + ("s" if need != 1 else "")
                 problems.append(f"needs {_fmt(need)} {unit} ({self._breakdown(kind)}) but the cluster has "
-                                f"{_fmt(have.get(kind, 0.0))} ({describe_nodes(nodes)})")
+                                f"{_fmt(have.get(kind, 0.0))} ({describe_nodes(nodes)}); to fit, lower "
+                                f"{self._fields(kind)} (or replicas), or give the job a bigger cluster "
+                                "(cluster.num_cpus / num_gpus on one machine, cluster.shape or cluster.address)")
         for g in self.groups:
             for shape in {tuple(sorted(b.items())) for b in g.bundles}:
                 b = dict(shape)
                 if not any(_fits(b, n) for n in nodes):
                     who = " + ".join(f"{r} {format_resources(self.slots[r].per_replica)}" for r in g.roles)
+                    fields = " / ".join(f"{'' if r == 'learner' else r + '.'}placement" for r in g.roles)
                     problems.append(f"group `{g.name}`: a bundle of {format_resources(b)} ({who}) fits on no "
-                                    f"node ({describe_nodes(nodes)})")
+                                    f"node ({describe_nodes(nodes)}); lower num_cpus / num_gpus in {fields}, or "
+                                    "use bigger nodes")
             if g.strategy == "STRICT_PACK" and len(g.bundles) > 1 and not any(_fits(g.total(), n) for n in nodes):
                 problems.append(f"group `{g.name}` is STRICT_PACK: all {len(g.bundles)} bundles "
                                 f"({format_resources(g.total())}) must share one node, and no node is that big "

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rlhf_ray.config import ConfigError, PipelineJob, PPOJob, load_job
+from rlhf_ray.config import ConfigError, ConfigSource, PipelineJob, PPOJob, load_job, validate_job
+from rlhf_ray.preflight import preflight
 
 console = Console(soft_wrap=True)
 
@@ -22,12 +23,12 @@ def run_quickstart(configs: Path, pipeline: bool = False) -> int:
         console.print(f"[red]no quickstart configs in {configs}[/red]")
         return EXIT_BAD_CONFIG
     steps = 3 if pipeline else 2
+    source = ConfigSource.from_file(configs / ("pipeline.yaml" if pipeline else "grpo.yaml"))
+    job = validate_job(source, expect="pipeline" if pipeline else "ppo")
     if pipeline:
-        job = load_job(configs / "pipeline.yaml", expect="pipeline")
         assert isinstance(job, PipelineJob)
         _tiny_model(Path(job.sft.model.path or ""), steps)
     else:
-        job = load_job(configs / "grpo.yaml", expect="ppo")
         assert isinstance(job, PPOJob)
 
     console.print(f"[{steps - 1}/{steps}] validating {len(files)} quickstart configs")
@@ -42,6 +43,11 @@ def run_quickstart(configs: Path, pipeline: bool = False) -> int:
             console.print(f"[red]{path}: the plan does not fit this machine:[/red]\n  " + "\n  ".join(problems))
             return EXIT_PLAN_DOES_NOT_FIT
         console.print(f"      ok  {path} ({config.kind})")
+    try:
+        preflight(job, source)  # the files the job about to run reads (the others may name models not built yet)
+    except ConfigError as exc:
+        console.print(str(exc), markup=False)
+        return EXIT_BAD_CONFIG
 
     if pipeline:
         console.print(f"[{steps}/{steps}] running the pipeline on the tiny model: SFT -> RM -> PPO")

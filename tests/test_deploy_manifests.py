@@ -257,14 +257,15 @@ def test_entrypoint_runs_a_config_of_this_repository(job: Manifest) -> None:
 
 @pytest.mark.parametrize("job", ray_manifests("RayJob"))
 def test_entrypoint_config_loads_and_its_plan_fits_the_cluster(job: Manifest) -> None:
-    from rlhf_ray.cli import check_datasets
+    from rlhf_ray.preflight import check_datasets, stages as job_stages
     from rlhf_ray.config import ConfigSource, PipelineJob, validate_job
     from rlhf_ray.plan import ResourcePlan
 
     args = entrypoint_args(job)
     source = ConfigSource.from_file(ROOT / args.config).override(args.overrides)
     config = validate_job(source, expect=args.command)  # as `rlhf-ray <command>` would: kind must match
-    check_datasets(config, source)
+    for prefix, stage in job_stages(config):
+        assert not list(check_datasets(stage)), f"{args.config}: {list(check_datasets(stage))}"
     stages = config.stages() if isinstance(config, PipelineJob) else [config]
     nodes = ray_nodes(job)
     for stage in stages:

@@ -113,7 +113,8 @@ def test_bundle_bigger_than_any_node():
     nodes = nodes_from_shape([NodeShape(count=2, cpus=8, gpus=4)])
     problems = ResourcePlan.from_roles({"policy": P(replicas=1, num_cpus=4, num_gpus=8)}).check_fits(nodes)
     assert problems == ["group `policy`: a bundle of CPU 4, GPU 8 (policy CPU 4, GPU 8) fits on no node "
-                        "(2 nodes of CPU 8, GPU 4)"]
+                        "(2 nodes of CPU 8, GPU 4); lower num_cpus / num_gpus in policy.placement, or use bigger "
+                        "nodes"]
 
 
 def test_strict_pack_too_big_for_any_node():

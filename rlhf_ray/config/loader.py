@@ -24,18 +24,24 @@ class ConfigError(ValueError):
         super().__init__("invalid configuration:\n  " + "\n  ".join(problems))
 
 
-def _positions(node: yaml.Node, loc: Loc, out: dict[Loc, int]) -> None:
-    """Record the 1-based line of every mapping key and sequence item, by path."""
+def _positions(node: yaml.Node, loc: Loc, out: dict[Loc, int], duplicates: list[tuple[str, int, int]]) -> None:
+    """Record the 1-based line of every mapping key and sequence item, by path; a key given twice in one mapping
+    (YAML keeps the last one silently) is added to `duplicates` as (field, first line, second line)."""
     if isinstance(node, yaml.MappingNode):
+        first_lines: dict[str, int] = {}
         for key_node, value_node in node.value:
             child = loc + (str(key_node.value),)
-            out[child] = key_node.start_mark.line + 1
-            _positions(value_node, child, out)
+            line = key_node.start_mark.line + 1
+            if child[-1] in first_lines and key_node.tag != "tag:yaml.org,2002:merge":
+                duplicates.append((".".join(child), first_lines[child[-1]], line))
+            first_lines.setdefault(child[-1], line)
+            out[child] = line
+            _positions(value_node, child, out, duplicates)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             child = loc + (str(i),)
             out[child] = item.start_mark.line + 1
-            _positions(item, child, out)
+            _positions(item, child, out, duplicates)
 
 
 def parse_override(text: str) -> tuple[Loc, Any]:
@@ -75,9 +81,20 @@ class ConfigSource:
     @classmethod
     def from_file(cls, path: str | Path) -> "ConfigSource":
         path = Path(path)
+        if path.is_dir():
+            found = sorted(p.name for p in path.glob("*.y*ml"))
+            hint = f"; it holds {', '.join(found[:6])}" if found else ""
+            raise ConfigError([f"{path}: is a directory, not a config file; pass one YAML file{hint}"])
         if not path.is_file():
             raise ConfigError([f"{path}: no such config file"])
-        text = path.read_text()
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = raw[: exc.start].count(b"\n") + 1
+            column = exc.start - (raw.rfind(b"\n", 0, exc.start) + 1) + 1
+            raise ConfigError([f"{path}:{line}: not UTF-8 text: byte 0x{raw[exc.start]:02x} at column {column}; "
+                               "save the file as UTF-8"]) from None
         try:
             node = yaml.compose(text)
             data = yaml.safe_load(text)
@@ -90,8 +107,12 @@ class ConfigSource:
         if not isinstance(data, dict):
             raise ConfigError([f"{path}:1: the top level must be a mapping of sections, got {type(data).__name__}"])
         lines: dict[Loc, int] = {}
+        duplicates: list[tuple[str, int, int]] = []
         if node is not None:
-            _positions(node, (), lines)
+            _positions(node, (), lines, duplicates)
+        if duplicates:
+            raise ConfigError([f"{path}:{second}: {field}: given twice (lines {first} and {second}); YAML would keep "
+                               f"only the second silently: merge them into one" for field, first, second in duplicates])
         return cls(data, str(path), lines)
 
     def override(self, texts: list[str]) -> "ConfigSource":

@@ -1,0 +1,302 @@
+"""Pre-flight checks: every file a job reads, checked before Ray starts (by `rlhf-ray validate` and at the start of
+every job). Each problem is one line, `file:line: field: what is wrong; the fix`, so a broken input costs seconds
+and names itself instead of failing inside an actor minutes later."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Iterator
+
+from pydantic import BaseModel
+
+from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR
+from rlhf_ray.config.model import ModelSpec
+
+Loc = tuple[str, ...]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def stages(job: JobBase) -> list[tuple[Loc, JobBase]]:
+    """(field prefix, job) for each stage: one for a plain job, sft / rm / ppo for a pipeline."""
+    if isinstance(job, PipelineJob):
+        return [((stage.kind,), stage) for stage in job.stages()]
+    return [((), job)]
+
+
+def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
+    """Run every check; raise one ConfigError listing all problems found (none: return quietly). `files=False`
+    checks what the config names (datasets, reward functions, engines) but not the files it reads, for a config
+    whose inputs do not exist yet (a PPO config before its SFT stage has run)."""
+    produced = {_norm(Path(stage.output_dir) / FINAL_MODEL_DIR) for _, stage in stages(job)}
+    problems: list[str] = []
+    for prefix, stage in stages(job):
+        found = [*check_datasets(stage, files), *check_reward_function(stage)]
+        if files:
+            found += [*check_output_dir(stage), *check_checkpoint(stage), *check_corpora(stage),
+                      *check_model_folders(stage, produced)]
+        problems += [f"{source.where(prefix + loc)}: {'.'.join(prefix + loc)}: {what}" for loc, what in found]
+    problems += check_engines(job, source, files)
+    if problems:
+        raise ConfigError(problems)
+
+
+# --- output and checkpoints ----------------------------------------------------------------------------------
+
+
+def check_output_dir(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    out = Path(job.output_dir)
+    if out.exists() and not out.is_dir():
+        yield ("output_dir",), f"{out} is a file, not a folder; set output_dir to a folder (new or existing)"
+        return
+    existing = next((p for p in [out, *out.parents] if p.exists()), Path("."))
+    if not existing.is_dir():
+        yield ("output_dir",), f"{existing} is a file, so {out} cannot be created; choose another output_dir"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        yield ("output_dir",), f"{existing} is not writable by this user; choose another output_dir"
+
+
+def check_checkpoint(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    """The checkpoint a job would resume from must have a readable state (sealed ones always have a state file)."""
+    from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
+
+    if not job.checkpoint.resume or not Path(job.output_dir).is_dir():
+        return
+    latest = Checkpoints(job.output_dir, job.checkpoint.keep_last).latest()
+    if latest is None:
+        return
+    try:
+        state = Checkpoints.state(latest)
+        if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+            raise ValueError("it has no integer 'step'")
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        yield ("checkpoint", "resume"), (
+            f"the newest checkpoint's state {latest / STATE_FILE} is unreadable ({exc}); move {latest} away to "
+            "resume from the one before it, or set checkpoint.resume: false to start over")
+
+
+# --- data ------------------------------------------------------------------------------------------------------
+
+
+def check_datasets(job: JobBase, files: bool = True) -> Iterator[tuple[Loc, str]]:
+    """Dataset names and formats (cheap), and local dataset files read through once (the first bad line)."""
+    from rlhf_ray.data.errors import DataError
+    from rlhf_ray.data.registry import load_raw, resolve_adapter
+
+    data = getattr(job, "data", None)
+    for i, dataset in enumerate(data.datasets if data is not None else []):
+        loc: Loc = ("data", "datasets", str(i))
+        try:
+            resolve_adapter(dataset)
+            if files and dataset.path is not None:
+                if not Path(dataset.path).exists():
+                    yield loc + ("path",), f"no such file or folder {dataset.path!r}; fix the path"
+                    continue
+                load_raw(dataset)
+        except DataError as exc:
+            yield loc + ((exc.field or "name"),), str(exc)
+
+
+def check_corpora(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    from rlhf_ray.data.errors import DataError
+    from rlhf_ray.data.mmap_corpus import MMapCorpus
+
+    ppo = getattr(job, "ppo", None)
+    for i, prefix in enumerate(ppo.pretrain_data if ppo is not None else []):
+        try:
+            corpus = MMapCorpus(prefix)
+        except (OSError, DataError) as exc:
+            yield ("ppo", "pretrain_data", str(i)), f"{exc}; write the corpus with `rlhf-ray preprocess`"
+            continue
+        if len(corpus) == 0:
+            yield ("ppo", "pretrain_data", str(i)), f"corpus {prefix} has no samples"
+
+
+# --- reward function --------------------------------------------------------------------------------------------
+
+
+def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    """`reward.function` (and `ppo.accuracy_function`) import and take (prompts, answers, **columns)."""
+    from rlhf_ray.compare import load_function
+
+    names = [(("reward", "function"), getattr(getattr(job, "reward", None), "function", None)),
+             (("ppo", "accuracy_function"), getattr(getattr(job, "ppo", None), "accuracy_function", None))]
+    for loc, name in names:
+        if not name:
+            continue
+        try:
+            function = load_function(name)
+        except Exception as exc:  # the module's own import may raise anything
+            module = name.partition(":")[0]
+            yield loc, f"{exc}; check the spelling and that {module!r} is importable from the job's working dir"
+            continue
+        if not callable(function):
+            yield loc, f"{name} is a {type(function).__name__}, not a function"
+            continue
+        try:
+            inspect.signature(function).bind(["prompt"], ["answer"])
+        except TypeError as exc:
+            if "missing" not in str(exc):  # a required column (e.g. answer=) is checked against the data later
+                yield loc, (f"{name} cannot be called as f(prompts, answers, **columns): {exc}; give it two "
+                            "positional parameters (lists of prompts and answers) and take dataset columns as "
+                            "keyword arguments")
+        except ValueError:
+            pass  # a builtin without a signature: it will be called and judged then
+
+
+# --- models -----------------------------------------------------------------------------------------------------
+
+
+def model_specs(node: BaseModel, loc: Loc = ()) -> Iterator[tuple[Loc, ModelSpec]]:
+    """Every ModelSpec inside a job config, with its field path."""
+    if isinstance(node, ModelSpec):
+        yield loc, node
+        return
+    for name in type(node).model_fields:
+        value = getattr(node, name)
+        if isinstance(value, BaseModel):
+            yield from model_specs(value, loc + (name,))
+
+
+def check_model_folders(job: JobBase, produced: set[str]) -> Iterator[tuple[Loc, str]]:
+    """Local model folders hold a readable config, whole safetensors files and a tokenizer that loads; a path
+    that is neither a folder here nor a hub id is said to be missing. Folders an earlier pipeline stage writes
+    are skipped."""
+    seen: set[tuple[str, str]] = set()
+    for loc, spec in model_specs(job):
+        if spec.gguf_file is not None:
+            continue  # checked with the GGUF file (check_engines)
+        for field, path, what in (("path", spec.path, "model"), ("tokenizer", spec.tokenizer, "tokenizer")):
+            if path is None or _norm(Path(path)) in produced or (field, path) in seen:
+                continue
+            seen.add((field, path))
+            if not Path(path).exists():
+                problem = _missing_problem(path, what)
+            elif (problem := _local_problem(path, what)) is None:
+                if what == "model":
+                    problem = _weights_problem(Path(path))
+                if problem is None and (what == "tokenizer" or spec.tokenizer is None):
+                    problem = _tokenizer_problem(Path(path), spec.trust_remote_code)
+            if problem:
+                yield loc + (field,), problem
+
+
+def _norm(path: Path) -> str:
+    return os.path.normpath(os.path.abspath(path))
+
+
+def _local_problem(path: str, what: str) -> str | None:
+    folder = Path(path)
+    if not folder.is_dir():
+        return f"{path} is a file; a {what} is a Hugging Face folder (config.json, weights, tokenizer files)"
+    if what == "model":
+        config = folder / "config.json"
+        if not config.is_file():
+            return f"{config} is missing: {path} is not a Hugging Face model folder; point at the folder that holds it"
+        try:
+            json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            return f"{config} is unreadable ({exc}); restore the file from the model's source"
+    return None
+
+
+def _missing_problem(path: str, what: str) -> str | None:
+    """A path that does not exist here: fine if it is a hub id (fetched later), else missing."""
+    from huggingface_hub import constants
+
+    local_looking = path.startswith((".", "/", "~")) or path.count("/") > 1 or not _HUB_ID.match(path) or (
+        "/" in path and Path(path.split("/")[0]).is_dir())
+    if local_looking:
+        return f"no such folder {path!r} (relative to {Path.cwd()}); fix the path, or build the {what} first"
+    if constants.HF_HUB_OFFLINE:
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json" if what == "model" else "tokenizer_config.json"),
+                          str):
+            return (f"{path!r} is not a local folder and not in the hub cache, and HF_HUB_OFFLINE is set; download "
+                    f"it (`hf download {path}`) or unset HF_HUB_OFFLINE")
+    return None
+
+
+def _weights_problem(folder: Path) -> str | None:
+    """Every safetensors file's header parses and its tensors lie inside the file (a cut-off download fails)."""
+    index = folder / "model.safetensors.index.json"
+    files = sorted(folder.glob("*.safetensors"))
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            return f"{index} is unreadable ({exc}); restore it from the model's source"
+        missing = sorted(s for s in shards if not (folder / s).is_file())
+        if missing:
+            return f"{index} names shards that are missing: {', '.join(missing[:3])}; download them again"
+    if not files and not any(folder.glob("*.bin")) and not any(folder.glob("*.pt")):
+        return f"{folder} holds no weights (*.safetensors); point at a complete model folder"
+    for file in files:
+        problem = safetensors_problem(file)
+        if problem:
+            return f"{file}: {problem}; the file is damaged or incomplete: download or save it again"
+    return None
+
+
+def safetensors_problem(file: Path) -> str | None:
+    """Read only the header: 8-byte length, JSON, and tensor offsets within the file's size."""
+    size = file.stat().st_size
+    try:
+        with file.open("rb") as handle:
+            head = handle.read(8)
+            if len(head) < 8:
+                return f"only {size} bytes, shorter than a safetensors header"
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8:
+                return f"header announces {length} bytes but the file has {size - 8} after it"
+            header = json.loads(handle.read(length).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"unreadable safetensors header ({exc})"
+    if not isinstance(header, dict):
+        return "unreadable safetensors header (not a JSON object)"
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
+               and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2), default=0)
+    if 8 + length + end > size:
+        return f"truncated: its tensors need {8 + length + end} bytes, the file has {size}"
+    return None
+
+
+def _tokenizer_problem(folder: Path, trust_remote_code: bool) -> str | None:
+    from transformers import AutoTokenizer
+
+    try:
+        AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # transformers raises OSError, ValueError, JSONDecodeError, ... for a bad folder
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return (f"cannot load the tokenizer in the local folder {folder} ({type(exc).__name__}: {text[:300]}); "
+                "restore its tokenizer files or set the tokenizer field to one that loads")
+    return None
+
+
+# --- engines and GGUF files (checks that used to live in the CLI) ------------------------------------------------
+
+
+def check_engines(job: JobBase, source: ConfigSource, files: bool = True) -> list[str]:
+    """A GGUF file that is missing or corrupt, a model whose architecture the chosen engine cannot serve, a reward
+    model whose tokenizer cannot be bridged."""
+    from rlhf_ray.models.sources import ModelSourceError, check_gguf, gguf_path, gguf_specs
+    from rlhf_ray.models.support import model_problems
+
+    problems = []
+    for where, spec in gguf_specs(job) if files else []:
+        loc = tuple(where.split(".")) + ("gguf_file",)
+        try:
+            check_gguf(gguf_path(spec.path, spec.gguf_file))
+        except ModelSourceError as exc:
+            problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {exc}")
+    for prefix, stage_job in stages(job):
+        for field, problem in model_problems(stage_job):
+            loc = prefix + tuple(field.split("."))
+            problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {problem}")
+    return problems
