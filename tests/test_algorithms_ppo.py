@@ -171,3 +171,28 @@ def test_make_experience_gae_shapes_rewards_before_the_critic():
     close(out["rewards"], [[-0.05, 5.1, 0.0]])
     close(out["returns"], [[5.05, 5.1, 0.0]])
     close(out["advantages"], [[5.05 - 0.2, 5.1 - 0.4, 0.0]])
+
+
+def test_garbage_on_padding_never_reaches_losses_or_rewards():
+    """A masked token may hold anything (an old log-prob of -inf, a stale 1e4): the math masks before it
+    exponentiates, so values and gradients stay finite and equal to the clean case."""
+    old, ref = T([[0.0, 0.0, -1e4]]), T([[0.0, 0.0, float("-inf")]])
+    logp = T([[math.log(1.5), math.log(0.5), 1e4]], requires_grad=True)
+    adv = T([[2.0, -1.0, 50.0]])
+    loss, stats = policy_loss(logp, old, adv, MASK, clip_ratio=0.2)
+    close(loss, -0.8)  # as in test_policy_loss_clips_and_dual_clips: padding carries nothing
+    close(stats["approx_kl"], (0.5 * math.log(1.5) ** 2 + 0.5 * math.log(0.5) ** 2) / 2)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0
+    close(kl_loss(logp.detach(), ref, MASK, "k3"), ((1 / 1.5 - 1 + math.log(1.5)) + (2 - 1 + math.log(0.5))) / 2)
+    rewards = shaped_rewards(T([1.0]), logp.detach(), ref, MASK, 0.1, 5.0, estimator="k3")
+    assert torch.isfinite(rewards).all() and rewards[0, 2] == 0
+    assert masked_mean(T([[1.0, 3.0, float("nan")]]), MASK) == 2.0
+
+
+def test_shaped_rewards_accept_float64():
+    logp, ref = T([[-1.0, -2.0, -3.0]], dtype=torch.float64), T([[-1.5, -1.0, -3.0]], dtype=torch.float64)
+    rewards = shaped_rewards(T([7.0]), logp, ref, MASK.double(), kl_coef=0.1, clip_reward=5.0,
+                             ended=T([False]), eos_penalty=-1.0)
+    assert rewards.dtype == torch.float64
+    close(rewards, [[-0.05, 4.1, 0.0]])

@@ -50,7 +50,7 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
     reward_kl_coef = 0.0 if spec.kl_in_loss else spec.kl_coef
     if logp is None and reward_kl_coef:
         raise ValueError("the KL-shaped reward needs the policy's old log-probs")
-    kl = None if logp is None else kl_estimate(logp, ref_logp, spec.kl_estimator) * action_mask
+    kl = None if logp is None else kl_estimate(logp, ref_logp, spec.kl_estimator, action_mask) * action_mask
     rewards = shaped_rewards(scores, ref_logp if logp is None else logp, ref_logp, action_mask, reward_kl_coef,
                              spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty)
     out: dict[str, torch.Tensor] = {"ref_logp": ref_logp}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_ray.algorithms.masked import masked_mean
+from rlhf_ray.algorithms.masked import masked_mean, zero_masked
 from rlhf_ray.algorithms.rewards import KLEstimator, kl_estimate
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 
@@ -21,21 +21,22 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_ratio: float, dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate: max(-A r, -A clip(r, 1-eps, 1+eps)); with dual clip c, the loss of a token with A < 0
     is also capped at -c A (a very large ratio on a bad token no longer dominates)."""
-    ratio = torch.exp(logp - old_logp)
+    log_ratio = zero_masked(logp - old_logp, action_mask)  # padding: ratio 1, never exp of garbage
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
     loss = torch.max(unclipped, clipped)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), action_mask),
-             "approx_kl": masked_mean(0.5 * (logp - old_logp) ** 2, action_mask)}
+             "approx_kl": masked_mean(0.5 * log_ratio**2, action_mask)}
     return masked_mean(loss, action_mask), stats
 
 
 def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor,
             estimator: KLEstimator = "k3") -> torch.Tensor:
     """Token-mean KL(policy || reference) estimate, differentiable in `logp` (the KL term of GRPO's loss)."""
-    return masked_mean(kl_estimate(logp, ref_logp, estimator), action_mask)
+    return masked_mean(kl_estimate(logp, ref_logp, estimator, action_mask), action_mask)
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,

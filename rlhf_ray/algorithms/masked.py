@@ -5,11 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def zero_masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x on answer tokens, 0 elsewhere, whatever x holds there (inf or NaN included). Apply it to a log-ratio
+    before exponentiating: masking after exp turns an overflow on a padding token into NaN, in the value and in
+    the gradient."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """sum(x * mask) / sum(mask): the token mean (DeepSpeed-Chat's reduction); 0 where the mask is empty."""
+    """sum(x * mask) / sum(mask): the token mean (DeepSpeed-Chat's reduction); 0 where the mask is empty. Values
+    under the mask's zeros never reach the result, even inf or NaN."""
+    x = zero_masked(x, mask) * mask
     if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+        return x.sum() / mask.sum().clamp(min=1)
+    return x.sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:

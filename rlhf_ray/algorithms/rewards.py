@@ -6,14 +6,20 @@ from typing import Literal
 
 import torch
 
+from rlhf_ray.algorithms.masked import zero_masked
+
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
-def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k1") -> torch.Tensor:
+def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimator = "k1",
+                action_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from samples of the policy.
     k1 = log r (unbiased, can be negative), k2 = (log r)^2 / 2, k3 = r' - 1 - log r' with r' = ref / policy
-    (unbiased and non-negative), where log r = logp - ref_logp."""
+    (unbiased and non-negative), where log r = logp - ref_logp. With `action_mask`, 0 off the answer tokens
+    (masked before k3's exponential)."""
     log_ratio = logp - ref_logp
+    if action_mask is not None:
+        log_ratio = zero_masked(log_ratio, action_mask)
     if estimator == "k1":
         return log_ratio
     if estimator == "k2":
@@ -33,9 +39,9 @@ def shaped_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Ten
                    ended: torch.Tensor | None = None, eos_penalty: float | None = None) -> torch.Tensor:
     """rewards[b, t] = -kl_coef * KL_t on answer tokens, plus clip(score_b, +-clip_reward) (and `eos_penalty`
     for an answer that never produced end-of-text) on the answer's last token; 0 on padding."""
-    score = scores.float().clamp(-clip_reward, clip_reward)
+    rewards = -kl_coef * kl_estimate(logp, ref_logp, estimator, action_mask) * action_mask
+    score = scores.to(rewards.dtype).clamp(-clip_reward, clip_reward)
     if eos_penalty is not None and ended is not None:
-        score = score + eos_penalty * (~ended.bool()).float()
-    rewards = -kl_coef * kl_estimate(logp, ref_logp, estimator) * action_mask
+        score = score + eos_penalty * (~ended.bool()).to(rewards.dtype)
     last = last_action_index(action_mask)
     return rewards.scatter_add(1, last.unsqueeze(1), score.unsqueeze(1) * (action_mask.sum(-1, keepdim=True) > 0))
