@@ -61,6 +61,21 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
 
 
+def sockets_off_loopback() -> list[str]:
+    """Listening sockets of this test's process tree (the embedded Ray and every actor) not bound to loopback."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN and conn.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1"):
+                    found.append(f"{proc.name()} (pid {proc.pid}) listens on {conn.laddr.ip}:{conn.laddr.port}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
 @pytest.mark.parametrize("engine,zero_stage,transport", [("hf", 2, "object_store"), ("vllm", 3, "object_store"),
                                                           ("hf", 3, "collective")])
 def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
@@ -90,6 +105,8 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
         groups = cluster.place(plan, handle.nodes(), 120)
         try:
             run = PPORun(job, plan, groups, tokenizer)
+            if transport == "collective":  # every store is up: DeepSpeed's (2 policy ranks) and the weight-sync one
+                assert not sockets_off_loopback(), sockets_off_loopback()
             for iteration in range(2):
                 rows = data.train[iteration * 32:(iteration + 1) * 32]
                 rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))

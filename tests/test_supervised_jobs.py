@@ -77,7 +77,14 @@ def test_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, tiny_model):
     partial = run_supervised(resumed, stop_after=4)
     assert partial["stopped_at_step"] == 4
     assert [p.name for p in (tmp_path / "b" / "sft" / "checkpoints").iterdir()] == ["step-00000004"]
+    log = tmp_path / "b" / "sft" / "metrics.jsonl"
+    with log.open("a") as f:  # what a driver killed during step 5, after logging it, leaves behind
+        f.write(json.dumps({"step": 5, "time": 0.0, "train/loss": 99.0}) + "\n")
     run_supervised(resumed)
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    train_steps = [r["step"] for r in logged if "train/loss" in r]
+    assert train_steps == list(range(1, 9)), train_steps  # step 5 redone once, the stale line gone
+    assert 99.0 not in [r["train/loss"] for r in logged if "train/loss" in r]
     a, b = weights(tmp_path / "a" / "sft" / "model"), weights(tmp_path / "b" / "sft" / "model")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)

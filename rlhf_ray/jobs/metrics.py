@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -32,6 +33,18 @@ class MetricsLogger:
             import wandb
 
             self.wandb = wandb.init(project=spec.wandb_project, name=spec.wandb_run_name or run_name)
+
+    def rewind(self, step: int) -> int:
+        """On resume from the checkpoint of `step`: drop the lines of later steps (and later samples), which the
+        run is about to redo, so each step appears once. The file is rewritten aside and renamed into place.
+        Returns how many lines were dropped."""
+        self.jsonl.close()
+        dropped = _keep_lines(self.dir / "metrics.jsonl", "step", step)
+        dropped += _keep_lines(self.dir / SAMPLES_FILE, "iteration", step)
+        self.jsonl = (self.dir / "metrics.jsonl").open("a")
+        if dropped:
+            log.info("resuming at step %d: dropped %d logged lines of the steps to be redone", step, dropped)
+        return dropped
 
     def log(self, step: int, metrics: dict[str, float], prefix: str = "") -> None:
         values = {f"{prefix}{k}": float(v) for k, v in metrics.items() if isinstance(v, (int, float, bool))}
@@ -67,6 +80,27 @@ class MetricsLogger:
 
 
 SAMPLES_FILE = "samples.jsonl"
+
+
+def _keep_lines(path: Path, key: str, last: int) -> int:
+    """Keep the JSON lines of `path` whose `key` is at most `last` (and any line without one); atomic rewrite."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            value = json.loads(line).get(key)
+        except (ValueError, AttributeError):
+            value = None
+        if isinstance(value, (int, float)) and value > last:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
 
 
 def write_samples(path: Path, iteration: int, samples: list[dict], tokenizer) -> None:

@@ -125,7 +125,9 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         state = run.restore(latest)
         start, before = state["step"], state["eval_before"]
         log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, start, run.version)
+        metrics.rewind(start)  # the iterations after the checkpoint are redone: their old lines go
     else:
+        metrics.rewind(-1)  # a fresh start: lines a previous run left in this output_dir are not this run's
         start, before = 0, run.evaluate(eval_rows, rule, job.ppo.eval_samples)
         metrics.log(0, {f"eval/{k}": v for k, v in before.items()})
     end = min(job.ppo.iterations, stop_after) if stop_after is not None else job.ppo.iterations

@@ -80,6 +80,7 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
                                            bundles, job.cluster, steps, **_learner_kwargs(job, tokens.pad_id))
             learners.call("set_data", ray.put(data.train), ray.put(data.eval))
             start, first_eval = _resume(job, checkpoints, learners)
+            metrics.rewind(start if first_eval is not None else -1)  # steps to be redone (or a previous run's)
             if first_eval is None:
                 first_eval = learners.call("evaluate")[0]
                 metrics.log(0, first_eval)

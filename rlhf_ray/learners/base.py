@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import shutil
+import socket
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
-from rlhf_ray.learners.engine import apply_lora, build_engine, free_port, init_process_group
+from rlhf_ray.learners.engine import apply_lora, build_engine, init_process_group, listen
 from rlhf_ray.models.weight_buckets import group_by_size
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class LearnerRank:
         self.micro_batch_size = micro_batch_size
         self.engine = None
         self._grad_norm: float | None = None  # see optimizer_step
+        self._listeners: dict[int, socket.socket] = {}  # rendezvous_address's sockets, by port
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     # ---- setup -------------------------------------------------------------------------------------------
@@ -44,13 +46,16 @@ class LearnerRank:
         the weight-sync group with the engines)."""
         import ray
 
-        return ray.util.get_node_ip_address(), free_port()
+        listener = listen(ray.util.get_node_ip_address())
+        host, port = listener.getsockname()[:2]
+        self._listeners[port] = listener  # kept open until the group's store takes it over: no one else gets it
+        return host, port
 
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
     def setup(self, master_addr: str, master_port: int, total_steps: int) -> dict:
-        init_process_group(self.rank, self.world_size, master_addr, master_port)
+        init_process_group(self.rank, self.world_size, master_addr, master_port, self._listeners.pop(master_port, None))
         self._seed_everything(self.seed)
         ds_config = self.ds_spec.to_ds_config(self.model_spec.dtype, self.micro_batch_size, self.world_size)
         if self.ds_spec.zero_stage == 3:

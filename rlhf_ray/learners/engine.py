@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -16,22 +17,46 @@ def on_gpu() -> bool:
     return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1" if not on_gpu() else "", 0))
-        return s.getsockname()[1]
+def listen(host: str) -> socket.socket:
+    """A listening socket on `host` (this node's Ray address: 127.0.0.1 on a local cluster) and a free port, for
+    a rendezvous store to take over. torch's TCPStore given only a host and port listens on every interface."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
 
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """One torch.distributed world per learner group (NCCL on GPUs, gloo on CPU). Ray sets CUDA_VISIBLE_DEVICES
-    to this actor's GPU, so the local device is always 0."""
+def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta,
+                     listener: socket.socket | None = None):
+    """The TCPStore of a process group: rank 0 serves it on `listener` (bound to `host` only), the others connect."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        if listener is None:
+            raise RuntimeError(f"rank 0 of the group at {host}:{port} has no listening socket; call "
+                               "rendezvous_address on it first")
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=listener.detach())  # the store owns the socket from here on
+    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+
+
+def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
+                       listener: socket.socket | None = None, timeout_s: float = 1800.0) -> None:
+    """One torch.distributed world per learner group (NCCL on GPUs, gloo on CPU), its store bound to the master's
+    address only. Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so the local device is always 0."""
     import deepspeed
+    import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
     if on_gpu():
         torch.cuda.set_device(0)
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu() else "gloo", auto_mpi_discovery=False)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = rendezvous_store(master_addr, master_port, rank, world_size, timeout, listener)
+    backend = "nccl" if on_gpu() else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts the group above
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

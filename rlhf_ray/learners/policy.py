@@ -140,7 +140,7 @@ class PolicyLearner(PPOLearnerRank):
         if self.rank == 0:
             from rlhf_ray.models.weight_transport import WeightSyncGroup
 
-            self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s)
+            self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s, self._listeners.pop(port, None))
         return self.rank == 0
 
     def broadcast_weights(self, bucket_bytes: int) -> dict | None:

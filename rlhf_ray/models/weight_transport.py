@@ -17,13 +17,16 @@ from rlhf_ray.models.weight_buckets import Named, dtype_runs, flatten, split_fla
 
 
 class WeightSyncGroup:
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, listener=None):
+        """Rank 0 (the learner) serves the group's store on `listener`, a socket bound to `host` only."""
         import torch.distributed as dist
+
+        from rlhf_ray.learners.engine import rendezvous_store
 
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        store = rendezvous_store(host, port, rank, world_size, timeout, listener)
         if self.device is not None:
             self.pg = dist.ProcessGroupNCCL(store, rank, world_size)
         else:
