@@ -102,7 +102,7 @@ def test_killed_learner_rank_stops_the_job_naming_it_and_a_rerun_resumes(tmp_pat
     summary = run_ppo(job)  # the same job again: resumes from the last complete checkpoint
     assert summary["iterations"] == 4
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in logged if "policy_version" in m][-(4 - done):] == list(range(done + 1, 5))
+    assert [m["step"] for m in logged if "policy_version" in m] == [1, 2, 3, 4]  # redone steps logged once
     assert_no_half_written_checkpoint(out)
 
 
