@@ -179,7 +179,7 @@ def check_model_folders(job: JobBase, produced: set[str]) -> Iterator[tuple[Loc,
                 problem = _missing_problem(path, what)
             elif (problem := _local_problem(path, what)) is None:
                 if what == "model":
-                    problem = _weights_problem(Path(path))
+                    problem = _weights_problem(Path(path), spec.allow_pickle_weights)
                 if problem is None and (what == "tokenizer" or spec.tokenizer is None):
                     problem = _tokenizer_problem(Path(path), spec.trust_remote_code)
             if problem:
@@ -223,8 +223,9 @@ def _missing_problem(path: str, what: str) -> str | None:
     return None
 
 
-def _weights_problem(folder: Path) -> str | None:
-    """Every safetensors file's header parses and its tensors lie inside the file (a cut-off download fails)."""
+def _weights_problem(folder: Path, allow_pickle: bool = False) -> str | None:
+    """Every safetensors file's header parses and its tensors lie inside the file (a cut-off download fails);
+    pickled weights only when allowed."""
     index = folder / "model.safetensors.index.json"
     files = sorted(folder.glob("*.safetensors"))
     if index.is_file():
@@ -235,8 +236,13 @@ def _weights_problem(folder: Path) -> str | None:
         missing = sorted(s for s in shards if not (folder / s).is_file())
         if missing:
             return f"{index} names shards that are missing: {', '.join(missing[:3])}; download them again"
-    if not files and not any(folder.glob("*.bin")) and not any(folder.glob("*.pt")):
+    pickled = any(folder.glob("*.bin")) or any(folder.glob("*.pt"))
+    if not files and not pickled:
         return f"{folder} holds no weights (*.safetensors); point at a complete model folder"
+    if not files and not allow_pickle:
+        return (f"{folder} holds pickled weights only (*.bin / *.pt), which can run code when loaded; convert them "
+                "to safetensors (save_pretrained does), or set allow_pickle_weights: true on this model if you "
+                "trust the file")
     for file in files:
         problem = safetensors_problem(file)
         if problem:

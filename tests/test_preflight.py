@@ -147,3 +147,33 @@ def test_config_only_skips_the_files_and_the_good_case_passes(write_yaml, tiny_m
     assert code == EXIT_OK, out
     code, out = run_cli(capsys, "validate", "--quiet", str(sft_yaml(write_yaml, tiny_model)))
     assert code == EXIT_OK, out
+
+
+def test_pickled_weights_are_refused_unless_allowed(write_yaml, model_copy, capsys):
+    import torch
+    from safetensors.torch import load_file
+
+    weights = model_copy / "model.safetensors"
+    torch.save(load_file(str(weights)), model_copy / "pytorch_model.bin")
+    weights.unlink()
+    path = sft_yaml(write_yaml, model_copy)
+    code, out = run_cli(capsys, "validate", "--quiet", str(path))
+    assert code == EXIT_BAD_CONFIG
+    assert "model.path: " in out and "holds pickled weights only" in out and "allow_pickle_weights: true" in out
+    code, out = run_cli(capsys, "validate", "--quiet", str(path), "--set", "model.allow_pickle_weights=true")
+    assert code == EXIT_OK, out
+
+
+def test_the_learner_loads_safetensors_only_unless_allowed(model_copy):
+    import torch
+    from safetensors.torch import load_file
+
+    from rlhf_ray.config.model import ModelSpec
+    from rlhf_ray.models.loading import load_causal_lm
+
+    weights = model_copy / "model.safetensors"
+    torch.save(load_file(str(weights)), model_copy / "pytorch_model.bin")
+    weights.unlink()
+    with pytest.raises(OSError):
+        load_causal_lm(ModelSpec(path=str(model_copy), dtype="fp32"))
+    assert load_causal_lm(ModelSpec(path=str(model_copy), dtype="fp32", allow_pickle_weights=True)) is not None

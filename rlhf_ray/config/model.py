@@ -48,6 +48,8 @@ class ModelSpec(StrictModel):
     """Weights and compute precision of this role."""
     trust_remote_code: bool = False
     """Allow model code shipped in the checkpoint to run. Off unless you trust the checkpoint."""
+    allow_pickle_weights: bool = False
+    """Load `*.bin` / `*.pt` weights (Python pickles, which can run code when loaded). Off: safetensors only."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) to pin."""
     disable_dropout: bool = True

@@ -32,7 +32,8 @@ def load_tokenizer(spec: ModelSpec):
 
 
 def _common(spec: ModelSpec) -> dict:
-    return {"dtype": DTYPES[spec.dtype], "trust_remote_code": spec.trust_remote_code, "revision": spec.revision}
+    return {"dtype": DTYPES[spec.dtype], "trust_remote_code": spec.trust_remote_code, "revision": spec.revision,
+            "use_safetensors": None if spec.allow_pickle_weights else True}
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
