@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from rlhf_ray import orphan_guard
 from rlhf_ray.config.placement import ClusterSpec
 from rlhf_ray.plan import ResourcePlan
 
@@ -134,9 +135,11 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
     env = _job_env_vars(env)
     runtime_env = {"env_vars": env} if env else None
     t0 = time.monotonic()
+    guard = None
     with _loopback_mode() if loopback else contextlib.nullcontext():
         try:
             if local:
+                guard = orphan_guard.start()  # if this driver is killed, the Ray it starts here goes with it
                 ctx = ray.init(address="local", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
                                include_dashboard=spec.dashboard, dashboard_host="127.0.0.1",
                                dashboard_port=spec.dashboard_port, namespace=spec.namespace,
@@ -157,6 +160,8 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
             yield ClusterHandle(gcs, local, url, spec.namespace, env)
         finally:
             ray.shutdown()
+            if guard is not None:
+                orphan_guard.stop(guard)
             log.info("%s Ray at %s", "stopped embedded" if local else "disconnected from", address or "127.0.0.1")
 
 

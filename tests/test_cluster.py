@@ -211,3 +211,47 @@ def test_every_ray_listener_is_on_loopback(echo, cluster):
 
     exposed = [s for s in sockets if not loopback(s[1])]
     assert exposed == [], f"Ray listens beyond loopback: {exposed}"
+
+
+DRIVER = """
+import sys, time
+from rlhf_ray import cluster
+from rlhf_ray.config.placement import ClusterSpec
+with cluster.connect(ClusterSpec(num_cpus=1, dashboard=True)):
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_driver_takes_its_embedded_ray_with_it(tmp_path):
+    """kill -9 of a driver that started Ray in-process: within seconds no process it started is left (Ray's agents
+    used to linger for about a minute, holding the dashboard agent's port)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from tests.conftest import ROOT
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert driver.stdout.readline().strip() == "up"
+        time.sleep(3)  # the guard polls the driver's process tree once a second
+        started = [p for p in psutil.Process(driver.pid).children(recursive=True)
+                   if "orphan_guard" not in " ".join(p.cmdline())]
+        names = {p.name() for p in started}
+        assert any("raylet" in n for n in names) and any("gcs" in n for n in names), names
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+                                                  for p in started):
+            time.sleep(0.5)
+        left = [f"{p.name()} (pid {p.pid})" for p in started if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert not left, f"still running after the driver was killed: {left}"
+    finally:
+        driver.kill()
