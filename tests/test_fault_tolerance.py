@@ -76,6 +76,56 @@ def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp
             cluster.remove(groups)
 
 
+def actor_pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60)
+
+
+def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, sft_model, rm_model, caplog):
+    """SIGSTOP: the process is alive but answers nothing. After cluster.call_timeout_s it is killed and replaced,
+    and its share of the work is done again."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ray import cluster
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.jobs.ppo_run import PPORun
+    from rlhf_ray.plan import ResourcePlan
+
+    job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
+                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
+                  "cluster.call_timeout_s=30")
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
+    prompts = [r["prompt_ids"] for r in data.train[:32]]
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), 120)
+        stopped = []
+        try:
+            run = PPORun(job, plan, groups, tokenizer)
+            run.step(0, run.pool.collect(run.pool.submit(prompts, seed=0)), list(range(32)))
+            stopped.append(actor_pid(run.pool.group.actors[1]))
+            os.kill(stopped[-1], signal.SIGSTOP)
+            start = time.monotonic()
+            rollout = run.pool.collect(run.pool.submit(prompts, seed=1))
+            assert run.restarts.replaced == ["generation-1"]
+            assert 30 <= time.monotonic() - start < 120
+            assert rollout["samples"] == 32 and run.pool.versions() == [1, 1]
+            assert "generation-1 hangs" in caplog.text
+
+            stopped.append(actor_pid(run.reward.actors[0]))
+            os.kill(stopped[-1], signal.SIGSTOP)
+            result = run.step(1, rollout, list(range(32)))
+            assert run.restarts.replaced == ["generation-1", "reward-0"]
+            assert result["policy_version"] == 2 and "reward-0 hangs" in caplog.text
+        finally:
+            for pid in stopped:  # a stopped process would not even die of SIGTERM
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            cluster.remove(groups)
+
+
 def test_killed_learner_rank_stops_the_job_naming_it_and_a_rerun_resumes(tmp_path, sft_model, rm_model):
     from rlhf_ray.jobs.ppo import LearnerRankDied, run_ppo
 

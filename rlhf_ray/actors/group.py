@@ -207,27 +207,30 @@ class RestartBudget:
         self.limit = limit
         self.replaced: list[str] = []
 
-    def spend(self, err: ActorDiedError) -> None:
+    def spend(self, err: ActorDiedError | ActorCallTimeout) -> None:
+        actor = err.actor if isinstance(err, ActorDiedError) else err.pending[0][0]
         if len(self.replaced) >= self.limit:
             raise ActorDiedError(f"{err} (no restarts left: cluster.max_actor_restarts={self.limit} already used "
-                                 f"by {', '.join(self.replaced)})", err.actor) from err
-        self.replaced.append(err.actor)
-        log.warning("%s died; replacing it (restart %d of %d): %s", err.actor, len(self.replaced), self.limit,
+                                 f"by {', '.join(self.replaced)})", actor) from err
+        self.replaced.append(actor)
+        how = "died" if isinstance(err, ActorDiedError) else "hangs (no answer within cluster.call_timeout_s)"
+        log.warning("%s %s; replacing it (restart %d of %d): %s", actor, how, len(self.replaced), self.limit,
                     str(err).splitlines()[0])
 
 
 def resilient_gather(group: ActorGroup, method: str, per_rank_args: Sequence[tuple], refs: Sequence[Any],
                      budget: RestartBudget, after_replace=None) -> list:
-    """Results of `refs` (one call of `method` per replica, started with `per_rank_args`). A replica that died is
-    replaced on its bundle, `after_replace(rank)` brings it up to date (e.g. loads the current weights), and its
-    call is issued again with the same arguments."""
+    """Results of `refs` (one call of `method` per replica, started with `per_rank_args`). A replica that died, or
+    that did not answer within the group's call timeout (hung: stopped, deadlocked), is replaced on its bundle (a
+    hung one is killed first), `after_replace(rank)` brings it up to date (e.g. loads the current weights), and its
+    call is issued again with the same arguments. The timeout counts from when the replica's turn comes."""
     results = []
     for rank, ref in enumerate(refs):
         while True:
             try:
                 results.append(gather([ref], [group.names[rank]], group.call_timeout_s, method)[0])
                 break
-            except ActorDiedError as err:
+            except (ActorDiedError, ActorCallTimeout) as err:
                 budget.spend(err)
                 group.replace(rank)
                 if after_replace is not None:

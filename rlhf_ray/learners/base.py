@@ -54,8 +54,11 @@ class LearnerRank:
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def setup(self, master_addr: str, master_port: int, total_steps: int) -> dict:
-        init_process_group(self.rank, self.world_size, master_addr, master_port, self._listeners.pop(master_port, None))
+    def setup(self, master_addr: str, master_port: int, total_steps: int, collective_timeout_s: float = 1800.0) -> dict:
+        """Join the group's process group (its collectives fail after `collective_timeout_s`: a rank that stops
+        answering ends the step instead of blocking the others forever) and build this rank's DeepSpeed engine."""
+        init_process_group(self.rank, self.world_size, master_addr, master_port, self._listeners.pop(master_port, None),
+                           collective_timeout_s)
         self._seed_everything(self.seed)
         ds_config = self.ds_spec.to_ds_config(self.model_spec.dtype, self.micro_batch_size, self.world_size)
         if self.ds_spec.zero_stage == 3:

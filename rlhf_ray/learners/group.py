@@ -41,5 +41,5 @@ def setup_learner_group(group: ActorGroup, cluster: ClusterSpec, total_steps: in
     group.wait_ready(cluster.startup_timeout_s)
     (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1],
                         cluster.startup_timeout_s, "rendezvous_address")
-    group.call("setup", address[0], address[1], total_steps, timeout=cluster.startup_timeout_s)
+    group.call("setup", address[0], address[1], total_steps, cluster.call_timeout_s, timeout=cluster.startup_timeout_s)
     return group

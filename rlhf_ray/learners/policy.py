@@ -38,8 +38,8 @@ class PolicyLearner(PPOLearnerRank):
     def build_model(self) -> torch.nn.Module:
         return load_causal_lm(self.model_spec)
 
-    def setup(self, master_addr: str, master_port: int, total_steps: int) -> dict:
-        info = super().setup(master_addr, master_port, total_steps)
+    def setup(self, master_addr: str, master_port: int, total_steps: int, collective_timeout_s: float = 1800.0) -> dict:
+        info = super().setup(master_addr, master_port, total_steps, collective_timeout_s)
         if self.ema_beta is not None:
             self.ema = self.gathered_state_dict(GATHER_BYTES)  # the EMA starts at the starting policy
             if self.ema is not None:
