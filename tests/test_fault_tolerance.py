@@ -126,17 +126,39 @@ def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, 
             cluster.remove(groups)
 
 
+def kill_after_first_checkpoint(out: Path, name: str, namespace: str) -> None:
+    deadline = time.monotonic() + 300
+    while not complete_checkpoints(out) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+
+
+def test_killed_learner_rank_restarts_the_job_by_itself_from_its_checkpoint(tmp_path, sft_model, rm_model):
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL)  # cluster.learner_restarts: 2 by default
+    out = Path(job.output_dir)
+    killer = threading.Thread(target=kill_after_first_checkpoint, args=(out, "critic-0", job.cluster.namespace),
+                              daemon=True)
+    killer.start()
+    summary = run_ppo(job)  # no user action: the job restarts every role from its last checkpoint
+    killer.join()
+    assert summary["iterations"] == 4
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "policy_version" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert steps[0]["actors/learner_restarts"] == 0 and steps[-1]["actors/learner_restarts"] == 1
+    assert_no_half_written_checkpoint(out)
+
+
 def test_killed_learner_rank_stops_the_job_naming_it_and_a_rerun_resumes(tmp_path, sft_model, rm_model):
     from rlhf_ray.jobs.ppo import LearnerRankDied, run_ppo
 
-    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL)
+    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "cluster.learner_restarts=0")
     out = Path(job.output_dir)
 
     def kill_policy_after_first_checkpoint():
-        deadline = time.monotonic() + 300
-        while not complete_checkpoints(out) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        ray.kill(ray.get_actor("policy-0", namespace=job.cluster.namespace), no_restart=True)
+        kill_after_first_checkpoint(out, "policy-0", job.cluster.namespace)
 
     killer = threading.Thread(target=kill_policy_after_first_checkpoint, daemon=True)
     killer.start()

@@ -117,10 +117,22 @@ class ActorGroup:
         self.actors: list = []
         try:
             for rank in range(replicas):
-                self.actors.append(self._spawn(rank))
+                self.actors.append(self._spawn_named(rank, start_timeout_s))
         except Exception:
             self.kill()
             raise
+
+    def _spawn_named(self, rank: int, timeout: float):
+        """_spawn, waiting while the name is still held by a killed predecessor (a replaced replica, or the
+        actors of a job's previous attempt): Ray releases a name once it has marked the old actor dead."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._spawn(rank)
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def _spawn(self, rank: int):
         args, kwargs, num_cpus, num_gpus, placement_group, bundle_indices, env_vars, ray_options = self._spawn_args
@@ -140,15 +152,7 @@ class ActorGroup:
             ray.kill(self.actors[rank], no_restart=True)
         except Exception:  # noqa: BLE001 - already dead
             pass
-        deadline = time.monotonic() + (self.start_timeout_s if timeout is None else timeout)
-        while True:  # the name is released once Ray has marked the old actor dead
-            try:
-                self.actors[rank] = self._spawn(rank)
-                break
-            except ValueError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        self.actors[rank] = self._spawn_named(rank, self.start_timeout_s if timeout is None else timeout)
         gather([self.actors[rank].__ray_ready__.remote()], [self.names[rank]],
                self.start_timeout_s if timeout is None else timeout, f"{self.actor_cls.__name__}.__init__")
 

@@ -71,6 +71,9 @@ class ClusterSpec(StrictModel):
     startup_timeout_s: float = Field(300.0, gt=0)
     """Longest wait for placement groups and actors to start."""
     max_actor_restarts: int = Field(3, ge=0)
-    """Stateless actors (generation engines, reference, reward) that die are replaced on their bundle and their
-    work re-issued, this many times per job; then the job fails. A dead learner rank always fails the job (its
-    ZeRO group cannot continue without it): run the job again to resume from the last checkpoint."""
+    """Stateless actors (generation engines, reference, reward) that die or hang are replaced on their bundle and
+    their work re-issued, this many times per job; then the job fails."""
+    learner_restarts: int = Field(2, ge=0)
+    """PPO: when a learner rank dies (its node lost, say), a ZeRO group cannot continue without it, so the job
+    removes all its actors and starts them again from the last checkpoint, by itself, up to this many times
+    (counted in metrics as `actors/learner_restarts`); 0 stops the job instead (run it again to resume)."""

@@ -72,17 +72,25 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     started = time.time()
-    with cluster.connect(job.cluster) as handle:
+    with cluster.connect(job.cluster) as handle, contextlib.closing(metrics):
         job = with_turn_threads(job, min(int(node.get("CPU", 1)) for node in handle.nodes()))
         plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
-        try:
-            run = PPORun(job, plan, groups, tokenizer, tokens)
-            with learner_deaths_explained(checkpoints):
-                return _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out)
-        finally:
-            cluster.remove(groups)
-            metrics.close()
+        for attempt in range(job.cluster.learner_restarts + 1):
+            groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+            try:
+                run = PPORun(job, plan, groups, tokenizer, tokens)
+                run.learner_restarts = attempt
+                with learner_deaths_explained(checkpoints):
+                    return _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out)
+            except LearnerRankDied as err:
+                if attempt == job.cluster.learner_restarts:
+                    raise
+                log.warning("%s\nrestarting every role from %s (automatic restart %d of %d, "
+                            "cluster.learner_restarts)", str(err).splitlines()[0], checkpoints.latest() or "the start",
+                            attempt + 1, job.cluster.learner_restarts)
+            finally:
+                cluster.remove(groups)
+    raise AssertionError("unreachable: the last attempt returns or raises")
 
 
 def accuracy_rule(job: PPOJob, rows: list[dict]):

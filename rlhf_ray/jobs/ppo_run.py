@@ -101,6 +101,7 @@ class PPORun:
                                                                                        job.reward.model.path),
                                                 bridge_from=bridge)
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
+        self.learner_restarts = 0  # set by the job: how many times it restarted every role after a learner died
         self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts, wait=False)
         self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
                                     kwargs={"ppo": job.ppo.model_dump(), "pad_token_id": pad,
@@ -205,6 +206,7 @@ class PPORun:
             "sync/bytes": sync["bytes"], "sync/gather_seconds": sync["gather_seconds"],
             "sync/load_seconds": sync["load_seconds"], "policy_version": self.version,
             "experience/staleness": plan.staleness, "actors/restarts": len(self.restarts.replaced),
+            "actors/learner_restarts": self.learner_restarts,
         }
 
     def _form_weight_group(self) -> None:
