@@ -4,6 +4,7 @@ the job with its name and the checkpoint to resume from; no checkpoint is ever h
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,8 +37,9 @@ def assert_no_half_written_checkpoint(out: Path) -> None:
         assert (path / STATE_FILE).is_file(), f"{path} has no {STATE_FILE}"
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp_path, sft_model, rm_model, transport):
+@contextlib.contextmanager
+def two_engine_run(tmp_path, sft_model, rm_model, *overrides):
+    """A PPORun with two engines on an embedded Ray, one iteration done; yields (run, 32 training prompts)."""
     from transformers import AutoTokenizer
 
     from rlhf_ray import cluster
@@ -46,8 +48,7 @@ def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp
     from rlhf_ray.plan import ResourcePlan
 
     job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
-                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
-                  f"generation.weight_sync.transport={transport}")
+                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25", *overrides)
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     prompts = [r["prompt_ids"] for r in data.train[:32]]
@@ -58,22 +59,28 @@ def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp
             run = PPORun(job, plan, groups, tokenizer)
             run.step(0, run.pool.collect(run.pool.submit(prompts, seed=0)), list(range(32)))
             assert run.pool.versions() == [1, 1]
-
-            pending = run.pool.submit(prompts, seed=1)
-            ray.kill(run.pool.group.actors[1], no_restart=True)  # dies while generating its half of the prompts
-            rollout = run.pool.collect(pending)
-            assert run.restarts.replaced == ["generation-1"]
-            assert rollout["samples"] == 32 and rollout["version"] == 1  # the new engine was brought to version 1
-            assert run.pool.versions() == [1, 1]
-            greedy = run.pool.generate(prompts[:4] * 2, seed=0, greedy=True)  # engine 0 and engine 1, same prompts
-            assert [s["answer_ids"] for s in greedy[:4]] == [s["answer_ids"] for s in greedy[4:]]
-
-            ray.kill(run.reward.actors[0], no_restart=True)
-            result = run.step(1, rollout, list(range(32)))  # the reward rows are scored again by a new actor
-            assert run.restarts.replaced == ["generation-1", "reward-0"]
-            assert result["actors/restarts"] == 2 and result["policy_version"] == 2
+            yield run, prompts
         finally:
             cluster.remove(groups)
+
+
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp_path, sft_model, rm_model, transport):
+    with two_engine_run(tmp_path, sft_model, rm_model, f"generation.weight_sync.transport={transport}") as started:
+        run, prompts = started
+        pending = run.pool.submit(prompts, seed=1)
+        ray.kill(run.pool.group.actors[1], no_restart=True)  # dies while generating its half of the prompts
+        rollout = run.pool.collect(pending)
+        assert run.restarts.replaced == ["generation-1"]
+        assert rollout["samples"] == 32 and rollout["version"] == 1  # the new engine was brought to version 1
+        assert run.pool.versions() == [1, 1]
+        greedy = run.pool.generate(prompts[:4] * 2, seed=0, greedy=True)  # engine 0 and engine 1, same prompts
+        assert [s["answer_ids"] for s in greedy[:4]] == [s["answer_ids"] for s in greedy[4:]]
+
+        ray.kill(run.reward.actors[0], no_restart=True)
+        result = run.step(1, rollout, list(range(32)))  # the reward rows are scored again by a new actor
+        assert run.restarts.replaced == ["generation-1", "reward-0"]
+        assert result["actors/restarts"] == 2 and result["policy_version"] == 2
 
 
 def actor_pid(actor) -> int:
@@ -83,26 +90,10 @@ def actor_pid(actor) -> int:
 def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, sft_model, rm_model, caplog):
     """SIGSTOP: the process is alive but answers nothing. After cluster.call_timeout_s it is killed and replaced,
     and its share of the work is done again."""
-    from transformers import AutoTokenizer
-
-    from rlhf_ray import cluster
-    from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.ppo_run import PPORun
-    from rlhf_ray.plan import ResourcePlan
-
-    job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
-                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
-                  "cluster.call_timeout_s=30")
-    tokenizer = AutoTokenizer.from_pretrained(sft_model)
-    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
-    prompts = [r["prompt_ids"] for r in data.train[:32]]
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
-        stopped = []
+    stopped = []
+    with two_engine_run(tmp_path, sft_model, rm_model, "cluster.call_timeout_s=30") as started:
+        run, prompts = started
         try:
-            run = PPORun(job, plan, groups, tokenizer)
-            run.step(0, run.pool.collect(run.pool.submit(prompts, seed=0)), list(range(32)))
             stopped.append(actor_pid(run.pool.group.actors[1]))
             os.kill(stopped[-1], signal.SIGSTOP)
             start = time.monotonic()
@@ -123,7 +114,6 @@ def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, 
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            cluster.remove(groups)
 
 
 def kill_after_first_checkpoint(out: Path, name: str, namespace: str) -> None:
