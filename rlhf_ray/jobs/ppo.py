@@ -19,7 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rlhf_ray import cluster
-from rlhf_ray.actors.group import ActorDiedError
+from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
 from rlhf_ray.compare import load_function
@@ -116,13 +116,16 @@ class LearnerRankDied(RuntimeError):
 def learner_deaths_explained(checkpoints: Checkpoints):
     try:
         yield
-    except ActorDiedError as err:
-        if not err.actor.startswith(("policy-", "critic-")):
+    except (ActorDiedError, ActorCallTimeout) as err:
+        learners = [n for n in ([err.actor] if isinstance(err, ActorDiedError) else [n for n, _ in err.pending])
+                    if n.startswith(("policy-", "critic-"))]
+        if not learners:
             raise
+        what = "died" if isinstance(err, ActorDiedError) else "hangs (no answer within cluster.call_timeout_s)"
         latest = checkpoints.latest()
         resume = (f"run the job again with the same output_dir to resume from {latest}" if latest else
                   "no checkpoint was written yet (set checkpoint.every_steps), so a new run starts over")
-        raise LearnerRankDied(f"learner rank {err.actor} died; a ZeRO group cannot continue without one of its "
+        raise LearnerRankDied(f"learner rank {learners[0]} {what}; a ZeRO group cannot continue without one of its "
                               f"ranks, so the job stops: {resume}.\nCause: {err}") from err
 
 
