@@ -103,5 +103,12 @@ class RewardWorker:
             parts.append(end_scores(values, mask[s].to(_device())).cpu())
         return torch.cat(parts)
 
+    def set_threads(self, n: int) -> int:
+        """Score on `n` threads from now on (the held-out evaluation, when the other roles idle, gives it the
+        node's cores); returns the count it had."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(max(1, n))
+        return before
+
     def ping(self) -> int:
         return 0

@@ -3,6 +3,8 @@ rollout batches, per-role results and experience live in the object store and mo
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from pathlib import Path
@@ -278,12 +280,28 @@ class PPORun:
         if not rows:
             return {}
         prompt_ids = [r["prompt_ids"] for r in rows]
-        out = self._score_answers(self.pool.generate(prompt_ids, seed=0, greedy=True), rows, rule)
-        if samples:
-            rounds = -(-samples // self.job.generation.sampling.n_samples_per_prompt)
-            sampled = self.pool.generate(prompt_ids * rounds, seed=1)
-            out |= {f"sampled_{k}": v for k, v in self._score_answers(sampled, rows, rule).items()}
+        with self._reward_model_on_every_core():
+            out = self._score_answers(self.pool.generate(prompt_ids, seed=0, greedy=True), rows, rule)
+            if samples:
+                rounds = -(-samples // self.job.generation.sampling.n_samples_per_prompt)
+                sampled = self.pool.generate(prompt_ids * rounds, seed=1)
+                out |= {f"sampled_{k}": v for k, v in self._score_answers(sampled, rows, rule).items()}
         return out
+
+    @contextlib.contextmanager
+    def _reward_model_on_every_core(self):
+        """In sync mode nothing else runs during the evaluation, so a CPU reward model, sized for the experience
+        phase it shares with three other roles (often one thread), scores on the node's cores meanwhile."""
+        placement = self.job.reward.placement
+        if self.job.reward.function or placement.num_gpus > 0 or self.job.ppo.mode != "sync":
+            yield
+            return
+        cores = min(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))
+        before = self.reward.call("set_threads", max(1, cores // placement.replicas))
+        try:
+            yield
+        finally:
+            self.reward.call("set_threads", before[0])
 
     def _score_answers(self, samples: list[dict], rows: list[dict], rule) -> dict[str, float]:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
