@@ -91,7 +91,7 @@ def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, 
     """SIGSTOP: the process is alive but answers nothing. After cluster.call_timeout_s it is killed and replaced,
     and its share of the work is done again."""
     stopped = []
-    with two_engine_run(tmp_path, sft_model, rm_model, "cluster.call_timeout_s=30") as started:
+    with two_engine_run(tmp_path, sft_model, rm_model, "cluster.call_timeout_s=15") as started:
         run, prompts = started
         try:
             stopped.append(actor_pid(run.pool.group.actors[1]))
@@ -99,7 +99,7 @@ def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, 
             start = time.monotonic()
             rollout = run.pool.collect(run.pool.submit(prompts, seed=1))
             assert run.restarts.replaced == ["generation-1"]
-            assert 30 <= time.monotonic() - start < 120
+            assert 15 <= time.monotonic() - start < 90
             assert rollout["samples"] == 32 and run.pool.versions() == [1, 1]
             assert "generation-1 hangs" in caplog.text
 
