@@ -76,7 +76,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
         job = with_turn_threads(job, min(int(node.get("CPU", 1)) for node in handle.nodes()))
         plan = ResourcePlan.from_roles(job.placement_roles())
         for attempt in range(job.cluster.learner_restarts + 1):
-            groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+            groups, run = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s), None
             try:
                 run = PPORun(job, plan, groups, tokenizer, tokens)
                 run.learner_restarts = attempt
@@ -89,6 +89,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
                             "cluster.learner_restarts)", str(err).splitlines()[0], checkpoints.latest() or "the start",
                             attempt + 1, job.cluster.learner_restarts)
             finally:
+                if run is not None:
+                    run.kill()
                 cluster.remove(groups)
     raise AssertionError("unreachable: the last attempt returns or raises")
 

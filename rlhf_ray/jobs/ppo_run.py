@@ -125,6 +125,17 @@ class PPORun:
         self.recent_samples: list[dict] = []
         """The latest rollout's first `logging.samples_per_iteration` rows (token ids, score, dataset columns)."""
 
+    def kill(self) -> None:
+        """Kill every actor of the run. Before its placement groups go: an actor killed by the removal of its group
+        keeps holding its name, so a restarted run could not take it again; the experience and buffer actors
+        live in no group at all."""
+        for name in ("policy", "critic", "reference", "reward", "assembler", "buffer"):
+            group = getattr(self, name, None)
+            if group is not None:
+                group.kill()
+        if getattr(self, "pool", None) is not None:
+            self.pool.group.kill()
+
     def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
         """The role's replicas, started; the caller waits for them."""
         return ActorGroup(cls, role, placement.replicas, placement_group=slot[0], bundle_indices=slot[1],
