@@ -15,11 +15,19 @@ from tests.conftest import ROOT
 GRPO = ROOT / "configs/quickstart/grpo.yaml"
 
 
+@pytest.fixture(autouse=True)
+def ray_must_not_start(monkeypatch):
+    """Every check here must refuse before any Ray process starts: starting one fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("ray.init was called: the bad input was not caught before Ray started")
+
+    monkeypatch.setattr(ray, "init", refuse)
+
+
 def run_cli(capsys, *args: str) -> tuple[int, str]:
-    assert not ray.is_initialized()
     code = main(list(args))
     captured = capsys.readouterr()
-    assert not ray.is_initialized(), "Ray was started before the input was checked"
     return code, " ".join((captured.out + captured.err).split())  # rich wraps long lines
 
 
