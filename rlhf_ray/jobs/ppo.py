@@ -27,6 +27,7 @@ from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo_run import PPORun
 from rlhf_ray.jobs.threads import with_turn_threads
@@ -40,17 +41,10 @@ log = logging.getLogger(__name__)
 
 
 def check_inputs(job: PPOJob) -> None:
-    """Files the job reads besides its models, checked before any actor starts."""
-    if job.ppo.pretrain_data:
-        from rlhf_ray.data.sampler import MixedCorpus
-
-        try:
-            corpus = MixedCorpus.open(job.ppo.pretrain_data)
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"ppo.pretrain_data: {exc}") from exc
-        empty = [p for p, n in zip(job.ppo.pretrain_data, corpus.sizes) if n == 0]
-        if empty:
-            raise ValueError(f"ppo.pretrain_data: corpus {empty[0]} has no samples")
+    """Files the job reads besides its models, checked before any actor starts (the CLI's pre-flight checks do the
+    same and more; this covers callers of run_ppo)."""
+    if problems := list(check_corpora(job)):
+        raise ValueError("; ".join(f"{'.'.join(loc)}: {what}" for loc, what in problems))
 
 
 def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
