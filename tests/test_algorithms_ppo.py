@@ -9,7 +9,7 @@ from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_retu
                                             leave_one_out, reinforce_pp)
 from rlhf_ray.algorithms.experience import make_experience, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
-from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss, value_loss
+from rlhf_ray.algorithms.losses import first_predicting_column, kl_loss, lm_loss_sum, policy_loss, value_loss
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
 from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
@@ -196,3 +196,14 @@ def test_shaped_rewards_accept_float64():
                              ended=T([False]), eos_penalty=-1.0)
     assert rewards.dtype == torch.float64
     close(rewards, [[-0.05, 4.1, 0.0]])
+
+
+def test_lm_loss_of_the_last_columns_equals_the_full_loss_from_the_first_predicting_column():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 3)
+    labels = T([[7, -100, -100, 1, 2], [7, -100, 0, 1, -100]]).long()
+    assert first_predicting_column(labels) == 1  # row 2's first label (column 2) is predicted by column 1
+    close(lm_loss_sum(logits[:, 1:], labels), lm_loss_sum(logits, labels).item())
+    assert lm_loss_sum(logits[:, 2:], labels) < lm_loss_sum(logits, labels)  # one column too few drops a label
+    no_labels = torch.full((1, 4), -100)
+    assert first_predicting_column(no_labels) == 3 and lm_loss_sum(logits[:1, -1:], no_labels) == 0

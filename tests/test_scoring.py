@@ -32,3 +32,41 @@ def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(ti
     assert logits.shape[1] == 9  # what it computed before: every position, the prompt's included
     full = answer_logprobs(logits, batch["sequences"], 3, 0.7) * batch["action_mask"]
     torch.testing.assert_close(kept, full, rtol=0, atol=1e-5)
+
+
+def test_sft_loss_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_model):
+    """SFT's loss skips the vocabulary projection of the prompt columns that no row's labels need."""
+    from types import SimpleNamespace
+
+    from rlhf_ray.algorithms.losses import lm_loss_sum
+    from rlhf_ray.data.collate import collate_sft
+    from rlhf_ray.learners.sft import SFTLearner
+    from rlhf_ray.models.loading import load_causal_lm
+    from rlhf_ray.config import ModelSpec
+
+    model = load_causal_lm(ModelSpec(path=str(tiny_model), dtype="fp32"))
+    seen = []
+    forward = model.forward
+
+    def recording(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        seen.append((kwargs.get("logits_to_keep"), out.logits.shape[1]))
+        return out
+
+    model.forward = recording
+
+    def engine(**kwargs):  # what a DeepSpeed engine does with a forward call
+        return model(**kwargs)
+
+    engine.module, engine.device = model, torch.device("cpu")
+    rank = SimpleNamespace(engine=engine, pad_token_id=0)
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10, 11], "labels": [-100, -100, -100, -100, 9, 10, 11]},
+            {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, -100, 8, 9]}]
+    kept = SFTLearner._loss_sum(rank, rows)
+    assert seen == [(5, 5)]  # the earliest label is column 3, predicted by column 2: columns 2..6 are kept
+
+    batch = collate_sft(rows, 0)
+    with torch.no_grad():
+        full = lm_loss_sum(forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                           batch["labels"])
+    torch.testing.assert_close(kept.detach(), full, rtol=0, atol=1e-5)

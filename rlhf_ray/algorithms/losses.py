@@ -11,10 +11,20 @@ from rlhf_ray.data.tokenized import IGNORE_INDEX
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy: position t predicts labels[t + 1]; labels of -100 carry no loss. Callers
-    divide by the loss-carrying tokens of the whole global batch, not per micro-batch."""
+    """Sum of next-token cross-entropy: position t predicts labels[t + 1]; labels of -100 carry no loss. `logits`
+    may cover only the last positions of the sequence (see `first_predicting_column`); they are aligned with the
+    labels' last columns. Callers divide by the loss-carrying tokens of the whole global batch, not per
+    micro-batch."""
+    labels = labels[:, labels.shape[1] - logits.shape[1]:]
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                                              ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def first_predicting_column(labels: torch.Tensor) -> int:
+    """The first column whose logits predict a label (the column before the earliest label of any row): logits
+    left of it carry no loss, so a model may skip the vocabulary projection there (SFT: the prompt)."""
+    carries = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
+    return int(carries[0]) if len(carries) else labels.shape[1] - 1
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,

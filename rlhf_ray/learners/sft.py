@@ -7,11 +7,11 @@ import math
 
 import torch
 
-from rlhf_ray.algorithms.losses import lm_loss_sum
+from rlhf_ray.algorithms.losses import first_predicting_column, lm_loss_sum
 from rlhf_ray.data.collate import collate_sft
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.base import SupervisedRank
-from rlhf_ray.models.loading import load_causal_lm
+from rlhf_ray.models.loading import last_logits_only, load_causal_lm
 
 
 def label_tokens(rows: list[dict]) -> int:
@@ -25,7 +25,10 @@ class SFTLearner(SupervisedRank):
 
     def _loss_sum(self, rows: list[dict]) -> torch.Tensor:
         batch = {k: v.to(self.engine.device) for k, v in collate_sft(rows, self.pad_token_id).items()}
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        # Logits only where they predict an answer token: the vocabulary projection of the prompt is skipped.
+        keep = batch["labels"].shape[1] - first_predicting_column(batch["labels"])
+        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             **last_logits_only(self.engine.module, keep)).logits
         return lm_loss_sum(logits, batch["labels"])
 
     def train_step(self, step: int) -> dict:
