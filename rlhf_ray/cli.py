@@ -125,15 +125,22 @@ def _cluster_nodes(job: JobBase, live: bool) -> tuple[list[dict[str, float]], st
 
 def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]:
     """Every stage's resource plan against the cluster it would run on; problems prefixed by stage."""
+    from rlhf_ray.memory.budget import check_memory, written_shapes
     from rlhf_ray.plan import ResourcePlan, describe_nodes
 
     nodes, which = _cluster_nodes(job, live)
     problems: list[str] = []
+    derived: dict = {}  # shapes of the models earlier stages write
     for stage, stage_job in _plans(job):
         plan = ResourcePlan.from_roles(stage_job.placement_roles())
         if show:
             out.print(plan.render(title=f"{stage}: resource plan"))
         problems += [f"{stage}: {p}" for p in plan.check_fits(nodes)]
+        memory, too_big = check_memory(stage_job, plan, nodes, derived)
+        derived.update(written_shapes(stage_job, derived))
+        if show:
+            out.print(memory)
+        problems += [f"{stage}: {p}" for p in too_big]
     if show:
         out.print(f"checked against {which}: {describe_nodes(nodes)}")
     return problems

@@ -8,6 +8,7 @@ cannot fit fails in a second with arithmetic instead of pending forever.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -76,9 +77,16 @@ def _visible_gpus() -> int:
 
 def local_nodes(spec: ClusterSpec) -> list[dict[str, float]]:
     """The one node an embedded local Ray would offer, computed without starting it (for `validate`)."""
+    import psutil
+
     cpus = spec.num_cpus if spec.num_cpus is not None else _cpu_count()
     gpus = spec.num_gpus if spec.num_gpus is not None else _visible_gpus()
-    return [{"CPU": float(cpus), "GPU": float(gpus)}]
+    node = {"CPU": float(cpus), "GPU": float(gpus), "memory": float(psutil.virtual_memory().total)}
+    if gpus:
+        import torch
+
+        node["gpu_memory"] = float(torch.cuda.get_device_properties(0).total_memory)
+    return [node]
 
 
 def _is_loopback(address: str) -> bool:
@@ -103,6 +111,37 @@ def _loopback_mode() -> Iterator[None]:
             os.environ.pop(LOOPBACK_ENV, None)
         else:
             os.environ[LOOPBACK_ENV] = old_env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the OS's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _free_agent_port() -> Iterator[int]:
+    """Give the embedded Ray's dashboard agent (the HTTP server that runs submitted jobs) a free port. Ray 2.60's
+    `ray.init` always asks for 52365, so a second Ray on the machine (another job, or a killed driver's agent still
+    shutting down) leaves one of them without an agent: "No available agent to submit job". `ray.init` does not
+    expose the port, so its RayParams get it as a default for the duration (private API; checked against 2.60)."""
+    import ray._private.parameter as parameter
+
+    port, original = free_port(), parameter.RayParams.__init__
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):
+        kwargs.setdefault("dashboard_agent_listen_port", port)
+        original(self, *args, **kwargs)
+
+    parameter.RayParams.__init__ = init
+    try:
+        yield port
+    finally:
+        parameter.RayParams.__init__ = original
 
 
 def _job_env_vars(wanted: dict[str, str]) -> dict[str, str]:
@@ -140,10 +179,11 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
         try:
             if local:
                 guard = orphan_guard.start()  # if this driver is killed, the Ray it starts here goes with it
-                ctx = ray.init(address="local", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
-                               include_dashboard=spec.dashboard, dashboard_host="127.0.0.1",
-                               dashboard_port=spec.dashboard_port, namespace=spec.namespace,
-                               runtime_env=runtime_env, _metrics_export_port=spec.metrics_export_port)
+                with _free_agent_port() as agent_port:
+                    ctx = ray.init(address="local", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
+                                   include_dashboard=spec.dashboard, dashboard_host="127.0.0.1",
+                                   dashboard_port=spec.dashboard_port, namespace=spec.namespace,
+                                   runtime_env=runtime_env, _metrics_export_port=spec.metrics_export_port)
             else:
                 ctx = _init_remote(ray, address, spec.namespace, runtime_env)
             gcs = ray.get_runtime_context().gcs_address
@@ -151,9 +191,9 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
             if url and "://" not in url:
                 url = f"http://{url}"
             if local:
-                log.info("started embedded Ray on %s in %.1f s (dashboard: %s, Prometheus metrics: "
-                         "http://127.0.0.1:%s/metrics, namespace %s)", gcs, time.monotonic() - t0, url or "off",
-                         metrics_port(), spec.namespace)
+                log.info("started embedded Ray on %s in %.1f s (dashboard: %s, job agent port %d, Prometheus "
+                         "metrics: http://127.0.0.1:%s/metrics, namespace %s)", gcs, time.monotonic() - t0,
+                         url or "off", agent_port, metrics_port(), spec.namespace)
             else:
                 log.info("connected to Ray at %s (gcs %s) in %.1f s (dashboard: %s, namespace %s)",
                          address, gcs, time.monotonic() - t0, url or "unknown", spec.namespace)

@@ -243,4 +243,13 @@ def describe_nodes(nodes: list[Resources]) -> str:
 
 
 def nodes_from_shape(shape: list[NodeShape]) -> list[Resources]:
-    return [{"CPU": float(s.cpus), "GPU": float(s.gpus)} for s in shape for _ in range(s.count)]
+    """Node dicts as Ray reports them (CPU, GPU, memory in bytes), plus the bytes of one GPU where declared."""
+    nodes = []
+    for s in shape:
+        node = {"CPU": float(s.cpus), "GPU": float(s.gpus)}
+        if s.memory_gb:
+            node["memory"] = s.memory_gb * 2**30
+        if s.gpu_memory_gb:
+            node["gpu_memory"] = s.gpu_memory_gb * 2**30
+        nodes += [dict(node) for _ in range(s.count)]
+    return nodes

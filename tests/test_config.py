@@ -226,10 +226,23 @@ def test_field_reference_in_docs_is_generated_from_the_models():
     assert generated.strip() == render_reference().strip(), "stale: run .venv/bin/python scripts/update_config_reference.py"
 
 
+DOES_NOT_FIT_YET = {"llama-70b-4node.yaml": ["group `policy` (policy + reference) needs", "group `reward` (reward) needs"]}
+"""Shipped layouts the memory model refuses until reference and reward models can be sharded (their headers say
+so); the refusal must name the groups that are over."""
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_fits(path, capsys):
     """--config-only: most shipped configs name models an earlier stage (or a download) provides."""
-    assert main(["validate", "--quiet", "--config-only", str(path)]) == EXIT_OK, capsys.readouterr()
+    code = main(["validate", "--quiet", "--config-only", str(path)])
+    output = capsys.readouterr()
+    if path.name in DOES_NOT_FIT_YET:
+        assert code == EXIT_PLAN_DOES_NOT_FIT
+        assert "DOES NOT FIT YET" in path.read_text()
+        for group in DOES_NOT_FIT_YET[path.name]:
+            assert group in " ".join(output.err.split()), output.err
+    else:
+        assert code == EXIT_OK, output
 
 
 def test_plan_needing_more_gpus_than_the_cluster_is_refused(capsys):

