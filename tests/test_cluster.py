@@ -255,3 +255,43 @@ def test_a_killed_driver_takes_its_embedded_ray_with_it(tmp_path):
         assert not left, f"still running after the driver was killed: {left}"
     finally:
         driver.kill()
+
+
+AGENT_DRIVER = """
+import sys, time
+from ray.job_submission import JobStatus, JobSubmissionClient
+from rlhf_ray import cluster
+from rlhf_ray.config.placement import ClusterSpec
+with cluster.connect(ClusterSpec(num_cpus=1, dashboard=True, dashboard_port=int(sys.argv[1]))) as handle:
+    client = JobSubmissionClient(handle.dashboard_url)
+    job = client.submit_job(entrypoint="echo agent-ok")
+    deadline = time.monotonic() + 120
+    while not client.get_job_status(job).is_terminal() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(client.get_job_status(job), client.get_job_logs(job).strip(), flush=True)
+"""
+
+
+def test_an_embedded_ray_takes_jobs_while_the_default_agent_port_is_taken(tmp_path):
+    """Another Ray on the machine (or a dying one) holds the dashboard agent's default port 52365: an embedded Ray
+    picks a free port for its agent and still runs submitted jobs (before: "No available agent to submit job")."""
+    import socket
+    import subprocess
+    import sys
+
+    from rlhf_ray.cluster import free_port
+    from tests.conftest import ROOT
+
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", 52365))
+        holder.listen()
+    except OSError:  # already taken by something else: the case under test all the same
+        pass
+    try:
+        done = subprocess.run([sys.executable, "-c", AGENT_DRIVER, str(free_port())], capture_output=True,
+                              text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        holder.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["SUCCEEDED", "agent-ok"], done.stdout + done.stderr[-2000:]

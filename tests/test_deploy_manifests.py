@@ -306,6 +306,13 @@ def test_rayjob_owns_its_cluster_and_is_retried(job: Manifest) -> None:
 
 
 @pytest.mark.parametrize("manifest", ray_manifests())
+def test_every_cluster_keeps_token_auth_on(manifest: Manifest) -> None:
+    """The head's dashboard listens on the pod IP (the Service and port-forwards reach it there), so every
+    request to it, `ray job submit` included, must carry the cluster's token."""
+    assert cluster_spec(manifest).get("authOptions", {}).get("mode") == "token"
+
+
+@pytest.mark.parametrize("manifest", ray_manifests())
 def test_every_pod_mounts_the_shared_volume(manifest: Manifest) -> None:
     claim = load("pvc.yaml")["metadata"]["name"]
     head = cluster_spec(manifest)["headGroupSpec"]["rayStartParams"]
