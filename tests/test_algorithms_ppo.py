@@ -207,3 +207,41 @@ def test_lm_loss_of_the_last_columns_equals_the_full_loss_from_the_first_predict
     assert lm_loss_sum(logits[:, 2:], labels) < lm_loss_sum(logits, labels)  # one column too few drops a label
     no_labels = torch.full((1, 4), -100)
     assert first_predicting_column(no_labels) == 3 and lm_loss_sum(logits[:1, -1:], no_labels) == 0
+
+
+def _saved_bytes_beyond(fn, logits: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for fn's backward pass, not counting the logits' own storage."""
+    storages = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr != logits.untyped_storage().data_ptr():
+            storages[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(logits)
+    return sum(storages.values()), out
+
+
+def test_token_logprobs_keep_no_vocabulary_sized_copy_and_match_log_softmax_with_gradients():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 16, 1000, requires_grad=True)
+    tokens = torch.randint(0, 1000, (4, 16))
+    weights = torch.randn(4, 16)
+
+    for temperature in (1.0, 0.7):
+        def reference(x):  # the textbook form: a [B, L, V] log-softmax kept for the backward pass
+            return torch.log_softmax(x / temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+        ref_bytes, ref = _saved_bytes_beyond(reference, logits)
+        lean_bytes, lean = _saved_bytes_beyond(lambda x: token_logprobs(x, tokens, temperature), logits)
+        torch.testing.assert_close(lean, ref, rtol=0, atol=1e-5)
+        (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
+        (lean_grad,) = torch.autograd.grad((lean * weights).sum(), logits)
+        torch.testing.assert_close(lean_grad, ref_grad, rtol=0, atol=1e-6)
+        assert ref_bytes >= logits.numel() * 4  # the textbook form keeps a second vocabulary-sized tensor
+        if temperature == 1.0:  # (learners divide the logits by T in place first, then call it at 1)
+            assert lean_bytes < logits.numel() * 4 / 100, lean_bytes  # only per-position sums beyond the logits
+    expected = -(torch.softmax(logits / 0.7, -1) * torch.log_softmax(logits / 0.7, -1)).sum(-1)
+    torch.testing.assert_close(entropy(logits, 0.7), expected, rtol=0, atol=1e-5)

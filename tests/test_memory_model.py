@@ -121,3 +121,12 @@ def test_pipeline_stages_size_the_models_earlier_stages_write(capsys):
     assert main(["validate", "--quiet", "--config-only", str(ROOT / "configs/recipes/smollm2-pipeline.yaml")]) == 0
     printed = capsys.readouterr().out
     assert "memory per replica" in printed and "unknown" not in printed  # RM and PPO roles sized from the SFT model
+
+
+def test_cpu_roles_must_fit_the_hosts_memory():
+    recipe = "configs/recipes/smollm2-ppo.yaml"
+    _, problems = _check(recipe, "cluster.shape=[{cpus: 2, memory_gb: 24}]")
+    assert problems == []
+    _, problems = _check(recipe, "cluster.shape=[{cpus: 2, memory_gb: 8}]")
+    assert len(problems) == 1 and problems[0].startswith("CPU roles and offloaded state need ")
+    assert "the cluster has 8.0 GiB" in problems[0] and "micro_batch_size" in problems[0]

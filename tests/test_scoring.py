@@ -70,3 +70,22 @@ def test_sft_loss_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_mo
         full = lm_loss_sum(forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                            batch["labels"])
     torch.testing.assert_close(kept.detach(), full, rtol=0, atol=1e-5)
+
+
+def test_values_come_from_the_root_forward_and_equal_the_heads_output_at_every_position(tiny_model):
+    """ZeRO-3 prefetches parameters from hooks on the root module's forward: the critic and reward model must call
+    it, not the backbone inside it."""
+    from rlhf_ray.config import ModelSpec
+    from rlhf_ray.models.loading import load_scalar_model, scalar_head, token_values
+
+    model = load_scalar_model(ModelSpec(path=str(tiny_model), dtype="fp32"), pad_token_id=0)
+    roots = []
+    model.register_forward_pre_hook(lambda module, args: roots.append(1))
+    ids = torch.tensor([[0, 0, 5, 6, 7], [5, 6, 7, 8, 9]])
+    mask = (ids != 0).long()
+    values = token_values(model, ids, mask)
+    assert roots == [1] and values.shape == (2, 5)
+    with torch.no_grad():
+        backbone = getattr(model, model.base_model_prefix)
+        expected = scalar_head(model)(backbone(input_ids=ids, attention_mask=mask).last_hidden_state).squeeze(-1)
+    torch.testing.assert_close(values.detach(), expected, rtol=0, atol=1e-6)

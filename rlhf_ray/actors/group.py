@@ -148,13 +148,29 @@ class ActorGroup:
     def replace(self, rank: int, timeout: float | None = None) -> None:
         """Start a fresh replica `rank` on the same bundle, under the same name (the old one is killed first if it
         still runs). For stateless roles: a learner rank cannot rejoin its ZeRO group this way."""
+        self._kill(rank)
+        timeout = self.start_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            self.actors[rank] = self._spawn_named(rank, max(deadline - time.monotonic(), 1.0))
+            try:
+                gather([self.actors[rank].__ray_ready__.remote()], [self.names[rank]],
+                       max(deadline - time.monotonic(), 1.0), f"{self.actor_cls.__name__}.__init__")
+                return
+            except ActorDiedError as e:
+                # Until Ray has marked a lost node dead (missed heartbeats: seconds), the bundle stays on it and a
+                # replacement lands there and dies with it; once marked, the bundle moves to a live node.
+                if not _node_lost(e) or time.monotonic() > deadline:
+                    raise
+                log.warning("%s: the replacement started on the lost node too; starting it again", self.names[rank])
+                self._kill(rank)  # releases its name (Ray keeps the name of an actor lost with its node)
+                time.sleep(1.0)
+
+    def _kill(self, rank: int) -> None:
         try:
             ray.kill(self.actors[rank], no_restart=True)
         except Exception:  # noqa: BLE001 - already dead
             pass
-        self.actors[rank] = self._spawn_named(rank, self.start_timeout_s if timeout is None else timeout)
-        gather([self.actors[rank].__ray_ready__.remote()], [self.names[rank]],
-               self.start_timeout_s if timeout is None else timeout, f"{self.actor_cls.__name__}.__init__")
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -201,6 +217,12 @@ class ActorGroup:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead or Ray shut down: nothing left to kill
                 pass
+
+
+def _node_lost(error: Exception) -> bool:
+    """An actor death caused by its node's death (Ray's message; checked against 2.60)."""
+    text = str(error)
+    return "node has died" in text or "node was terminated" in text
 
 
 class RestartBudget:

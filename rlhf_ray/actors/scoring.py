@@ -46,7 +46,8 @@ class ReferenceWorker:
         for s in micro_batches(len(seq), self.micro):
             rows = seq[s].to(_device())
             logits = forward_answer_logits(self.model, self.model, rows, mask[s].to(_device()), answer_len)
-            parts.append(token_logprobs(logits, rows[:, -answer_len:], self.temperature).cpu())
+            logits.div_(self.temperature)  # in place: no second vocabulary-sized tensor
+            parts.append(token_logprobs(logits, rows[:, -answer_len:]).cpu())
         return torch.cat(parts) * batch["action_mask"][lo:hi]
 
     def ping(self) -> int:

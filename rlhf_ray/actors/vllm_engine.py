@@ -14,12 +14,16 @@ from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.data.split import stable_seed
+from rlhf_ray.models.weight_buckets import layer_chunks
 
 log = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CPU_BLOCK_SIZE = 32
 CPU_MIN_BATCHED_TOKENS = 4096
+RELOAD_CHUNK_BYTES = 512 * 2**20
+"""Tensor-parallel engines (workers in other processes) receive a weight update in calls of about this size,
+whole layers each, instead of one list of the whole model (a 70B update would pile 140 GB into one process)."""
 
 
 def vllm_dtype(spec: GenerationSpec, model: ModelSpec) -> str:
@@ -90,6 +94,9 @@ class VLLMEngine(GenerationEngine):
         self.llm = LLM(**self.kwargs)
         self.tokens = tokens
         self.head_alias = tied_head_alias(model, self.llm.collective_rpc(_parameter_names)[0])
+        self.chunk_bytes = 0
+        """Bytes per reload call; 0: one streamed call where the worker shares this process (tests set it to
+        exercise the chunked path of tensor-parallel engines on one CPU worker)."""
         self.sleeping = False
         log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
 
@@ -136,10 +143,11 @@ class VLLMEngine(GenerationEngine):
                 if name == self.head_alias:
                     yield "lm_head.weight", tensor
 
-        stream = counted()
-        if self.kwargs["distributed_executor_backend"] != "uni":
-            stream = list(stream)  # workers in other processes need a picklable list (one full copy)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        if self.kwargs["distributed_executor_backend"] == "uni" and not self.chunk_bytes:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})  # streamed in place
+        else:  # workers in other processes need picklable lists: send whole layers, ~chunk_bytes at a time
+            for chunk in layer_chunks(counted(), self.chunk_bytes or RELOAD_CHUNK_BYTES):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": chunk})
         if self.kwargs["enable_prefix_caching"]:
             self.llm.reset_prefix_cache()  # cached KV of the old weights must not serve new prompts
         return count

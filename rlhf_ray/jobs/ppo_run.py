@@ -11,6 +11,7 @@ from pathlib import Path
 
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_ray.actors.experience import ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
@@ -105,13 +106,18 @@ class PPORun:
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
         self.learner_restarts = 0  # set by the job: how many times it restarted every role after a learner died
         self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts, wait=False)
+        # The assembler owns every experience object and the buffer holds their references: both live on the
+        # driver's node, which goes only with the driver. Placed anywhere, a lost worker node would take them
+        # and the experience with them (the learners' fetch then fails with OwnerDiedError).
+        on_driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)}
         self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
                                     kwargs={"ppo": job.ppo.model_dump(), "pad_token_id": pad,
                                             "group_size": job.generation.sampling.n_samples_per_prompt},
-                                    call_timeout_s=cluster.call_timeout_s)
+                                    call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
         self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
                                  kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},
-                                 call_timeout_s=cluster.call_timeout_s)
+                                 call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
         setup_learner_group(self.policy, cluster, updates)
         if self.critic is not None:
             setup_learner_group(self.critic, cluster, updates)

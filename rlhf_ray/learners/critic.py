@@ -22,7 +22,7 @@ class CriticLearner(PPOLearnerRank):
         """V(state before answer token t) = the head at position P - 1 + t."""
         answer_len = batch["action_mask"].shape[1]
         start = batch["sequences"].shape[1] - answer_len - 1
-        values = token_values(self.engine.module, batch["sequences"], batch["attention_mask"])
+        values = token_values(self.engine.module, batch["sequences"], batch["attention_mask"], forward=self.engine)
         return values[:, start: start + answer_len] * batch["action_mask"]
 
     @by_reference

@@ -4,6 +4,7 @@ publishes its weights for the generation engines."""
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -51,12 +52,12 @@ class PolicyLearner(PPOLearnerRank):
         answer_len = batch["action_mask"].shape[1]
         logits = forward_answer_logits(self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
                                        answer_len)
-        logp = token_logprobs(logits, batch["sequences"][:, -answer_len:], self.temperature) * batch["action_mask"]
+        logits.div_(self.temperature)  # in place: no second vocabulary-sized tensor (the LM head's backward
+        # needs its input, not its output)
+        logp = token_logprobs(logits, batch["sequences"][:, -answer_len:]) * batch["action_mask"]
         if not with_entropy:
             return logp
-        with torch.no_grad():
-            ent = entropy(logits, self.temperature) * batch["action_mask"]
-        return logp, ent
+        return logp, entropy(logits) * batch["action_mask"]
 
     @by_reference
     def logprobs(self, batch: Batch) -> torch.Tensor:
@@ -87,9 +88,9 @@ class PolicyLearner(PPOLearnerRank):
         return {f"policy/{k}": v for k, v in metrics.items()}
 
     # ---- PPO-ptx ------------------------------------------------------------------------------------------
-    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list[tuple[torch.Tensor, dict[str, float]]]:
+    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list:
         """ptx_coef x the LM loss of mix batch k (a pure function of iteration and step: resumable), token-mean over
-        the global mix batch."""
+        the global mix batch; each micro-batch's forward runs when its PPO micro-batch does."""
         if self.mix is None:
             return []
         k = plan.meta.iteration * len(plan.minibatches) + step
@@ -97,13 +98,14 @@ class PolicyLearner(PPOLearnerRank):
         if len(parts) != micro_batches:
             raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")
         (tokens,) = self.all_reduce_sum([sum(float((p["labels"][:, 1:] != IGNORE_INDEX).sum()) for p in parts)])
-        out = []
-        for part in parts:
+
+        def mix_loss(part: dict) -> tuple[torch.Tensor, dict[str, float]]:
             part = {k: v.to(self.engine.device) for k, v in part.items()}
             logits = self.engine(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits
             lm = lm_loss_sum(logits, part["labels"]) / max(tokens, 1.0)
-            out.append((self.ptx_coef * lm, {"ptx_loss": lm.item()}))
-        return out
+            return self.ptx_coef * lm, {"ptx_loss": lm.item()}
+
+        return [functools.partial(mix_loss, part) for part in parts]
 
     # ---- EMA ----------------------------------------------------------------------------------------------
     @torch.no_grad()

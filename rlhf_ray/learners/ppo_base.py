@@ -47,9 +47,10 @@ class PPOLearnerRank(LearnerRank):
 
         return ray.get(plan.refs[0])
 
-    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list[tuple[torch.Tensor, dict[str, float]]]:
+    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list[Callable[[], tuple[torch.Tensor, dict]]]:
         """Extra loss terms for each micro-batch of mini-batch `step`, already normalised over the global batch
-        (e.g. the policy's pretraining mix); (loss, stats) per micro-batch, or [] for none."""
+        (e.g. the policy's pretraining mix): one function per micro-batch returning (loss, stats), called right
+        before that micro-batch's backward pass, so only one micro-batch's graph is alive at a time; [] for none."""
         return []
 
     def run_epochs(self, batch: Batch, plan, token_loss: TokenLoss) -> dict[str, float]:
@@ -75,8 +76,9 @@ class PPOLearnerRank(LearnerRank):
                 loss = loss_sum / tokens
                 stats = {"loss": loss_sum.item() / tokens, **{k: v / tokens for k, v in stats.items()}}
                 if extra is not None:
-                    loss = loss + extra[0]
-                    stats |= extra[1]
+                    extra_loss, extra_stats = extra()
+                    loss = loss + extra_loss
+                    stats |= extra_stats
                 self.engine.backward(loss * scale)
                 self.optimizer_step()
                 for key, value in stats.items():

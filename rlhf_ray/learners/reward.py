@@ -21,7 +21,7 @@ class RewardLearner(SupervisedRank):
     def _forward(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, chosen end scores, rejected end scores) of a micro-batch of pairs."""
         batch = {k: v.to(self.engine.device) for k, v in collate_pairs(rows, self.pad_token_id).items()}
-        values = token_values(self.engine.module, batch["input_ids"], batch["attention_mask"])
+        values = token_values(self.engine.module, batch["input_ids"], batch["attention_mask"], forward=self.engine)
         scores = end_scores(values, batch["attention_mask"])
         n = len(rows)
         chosen, rejected = scores[:n], scores[n:]

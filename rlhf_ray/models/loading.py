@@ -84,9 +84,19 @@ def scalar_head(model: PreTrainedModel) -> torch.nn.Module:
     raise TypeError(f"{type(model).__name__} has no scalar head (score / classifier)")
 
 
-def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The head applied at every position: [B, T]. Rewards read it at the last real token; critics use it all."""
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-    return scalar_head(model)(hidden).squeeze(-1).float()
+def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 forward=None) -> torch.Tensor:
+    """The head applied at every position: [B, T]. Rewards read it at the last real token; critics use it all.
+
+    Runs the root module's forward (`forward`: the DeepSpeed engine wrapping `model`, else the model), which
+    applies the head at every position before pooling the last one, and keeps the head's per-position output: a
+    ZeRO-3 engine's parameter prefetch is driven by the root module's forward, which calling the backbone directly
+    would skip (every all-gather then runs in series with compute)."""
+    captured: list[torch.Tensor] = []
+    handle = scalar_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        (forward or model)(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        handle.remove()
+    return captured[-1].squeeze(-1).float()
 

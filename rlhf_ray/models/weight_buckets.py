@@ -88,3 +88,31 @@ def unpack(bucket: Bucket) -> Iterator[Named]:
         warnings.simplefilter("ignore", UserWarning)  # "non-writable array": the views are only read
         flat = torch.from_numpy(bucket.data).view(bucket.dtype)
     yield from split_flat(flat, bucket.names, bucket.shapes)
+
+
+def layer_of(name: str) -> str:
+    """The decoder layer a parameter belongs to ('model.layers.3' for 'model.layers.3.mlp.up_proj.weight'), or
+    the name itself outside the numbered layers (embeddings, final norm, head)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return name
+
+
+def layer_chunks(stream: Iterable[Named], chunk_bytes: int) -> Iterator[list[Named]]:
+    """The stream cut into lists of about `chunk_bytes`, never splitting one layer's tensors over two lists (an
+    engine reloads weights layer by layer; a layer half loaded by one call would be processed incomplete). Only one
+    list is held at a time."""
+    chunk: list[Named] = []
+    size, layer = 0, None
+    for name, tensor in stream:
+        current = layer_of(name)
+        if chunk and size >= chunk_bytes and current != layer:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        layer = current
+    if chunk:
+        yield chunk

@@ -1,0 +1,118 @@
+"""WORK IN PROGRESS (opt-in, failing): node faults on a multi-node Ray: Ray's own test harness (`ray.cluster_utils.Cluster`) runs a head and four
+worker raylets on this machine, on 127.0.0.1, and the roles of a PPO job land on different nodes. Removing the node
+of the engine, then of the reference, is survived by replacing the actor on its rescheduled bundle; removing the
+policy's node makes the job restart every role from its last checkpoint by itself. The disturbed run ends with the
+numbers of an undisturbed run on the same cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from rlhf_ray.jobs.checkpoints import Checkpoints
+from tests.test_ppo_job import ppo_job
+
+pytestmark = [pytest.mark.system, pytest.mark.skipif(
+    not os.environ.get("RLHF_RAY_MULTINODE"),
+    reason="opt-in (RLHF_RAY_MULTINODE=1), ~8 min: does not pass yet; the engine's replacement on its rescheduled "
+           "bundle never starts (issue #18 notes)")]
+
+# Every bundle takes 0.75 of a 1-CPU node, so no two groups share a node: policy, critic (with the reward model),
+# reference and engine each get a node of their own.
+ONE_ROLE_PER_NODE = ["policy.placement.num_cpus=0.75", "critic.placement.num_cpus=0.5",
+                     "reward.placement.num_cpus=0.25", "reference.placement.colocate_with=null",
+                     "reference.placement.num_cpus=0.75", "generation.placement.num_cpus=0.75"]
+RUN = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
+       "critic.micro_batch_size=16", "checkpoint.every_steps=1", "checkpoint.keep_last=10",
+       "generation.engine=hf", "cluster.call_timeout_s=300", "cluster.startup_timeout_s=300"]
+WORKERS = 4
+
+
+@pytest.fixture
+def three_plus_nodes(monkeypatch):
+    """A head (the driver's node, no CPU for actors) and WORKERS 1-CPU nodes, all on loopback."""
+    from ray.cluster_utils import Cluster
+
+    from rlhf_ray import cluster as rcluster
+
+    monkeypatch.setenv(rcluster.LOOPBACK_ENV, "0")
+    with rcluster._loopback_mode():
+        harness = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        for _ in range(WORKERS):
+            harness.add_node(num_cpus=1)
+        harness.wait_for_nodes()
+    try:
+        yield harness
+    finally:
+        harness.shutdown()
+
+
+def node_of(name: str, namespace: str) -> str:
+    actor = ray.get_actor(name, namespace=namespace)
+    return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()), timeout=60)
+
+
+def remove_node_of(harness, name: str, namespace: str) -> str:
+    """Kill every process of the node that hosts actor `name` (as a lost machine would), and add a fresh node in
+    its place, as an autoscaler would."""
+    from rlhf_ray import cluster as rcluster
+
+    node_id = node_of(name, namespace)
+    node = next(n for n in harness.worker_nodes if n.node_id == node_id)
+    harness.remove_node(node, allow_graceful=False)
+    with rcluster._loopback_mode():  # the new raylet on 127.0.0.1 too, where the others listen
+        harness.add_node(num_cpus=1)
+    return node_id
+
+
+def step_logs(out: Path) -> list[dict]:
+    return [m for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+            if "policy_version" in m]
+
+
+def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_numbers(tmp_path, three_plus_nodes,
+                                                                                      sft_model, rm_model):
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    address = three_plus_nodes.address
+    calm = ppo_job(tmp_path / "calm", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
+    calm_summary = run_ppo(calm)
+
+    job = ppo_job(tmp_path / "faults", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
+    out, ns = Path(job.output_dir), job.cluster.namespace
+    removed, errors = [], []
+
+    def remove_nodes_as_checkpoints_appear():
+        try:
+            for step, role in ((1, "generation-0"), (2, "reference-0"), (3, "policy-0")):
+                deadline = time.monotonic() + 600
+                while len(Checkpoints(out, keep_last=1).complete()) < step and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                nodes = {r: node_of(r, ns) for r in ("policy-0", "critic-0", "reference-0", "generation-0")}
+                assert len(set(nodes.values())) == 4, f"roles share a node: {nodes}"
+                removed.append((role, remove_node_of(three_plus_nodes, role, ns)))
+        except BaseException as e:  # reported by the test, not lost in the thread
+            errors.append(e)
+
+    remover = threading.Thread(target=remove_nodes_as_checkpoints_appear, daemon=True)
+    remover.start()
+    summary = run_ppo(job)
+    remover.join(timeout=60)
+    assert not errors, errors
+    assert [role for role, _ in removed] == ["generation-0", "reference-0", "policy-0"]
+
+    steps = step_logs(out)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]  # redone steps logged once
+    assert steps[-1]["actors/learner_restarts"] == 1  # the policy's node: every role restarted once, by itself
+    assert summary["iterations"] == 4
+    for key in ("reward_after", "task_accuracy_after", "sampled_reward_after"):
+        assert summary[key] == pytest.approx(calm_summary[key], abs=1e-4), key
+    calm_steps = step_logs(Path(calm.output_dir))
+    for got, want in zip(steps, calm_steps):
+        assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]
