@@ -3,8 +3,8 @@
 A bundle's roles add up (colocated roles share the bundle's device). On a GPU a bundle may use its share of the
 device: `num_gpus` x the GPU's memory (0.75 of an 80 GB GPU: 60 GB); a vLLM engine reserves
 gpu_memory_utilization of the whole device whatever its share, so its share must cover that. CPU bundles share
-their node's host memory; the plan's CPU bundles, and what learners offload to the host, must fit the node they
-would land on (checked against the largest node, the sum over all bundles against the whole cluster).
+their node's host memory: the sum of every CPU bundle and of what learners offload to the host is checked against
+the cluster's host memory (an approximation on several nodes: which node a bundle lands on is Ray's choice).
 """
 
 from __future__ import annotations
