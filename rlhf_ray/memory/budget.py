@@ -44,17 +44,13 @@ def _shape(spec, derived: dict[str, ModelShape]) -> tuple[ModelShape | None, str
     return (derived.get(name) or shape_of(name)), name
 
 
-def _dtype(spec) -> str:
-    return spec.dtype if spec.dtype in DTYPE_BYTES else "bf16"
-
-
 def _learner(name: str, spec, deepspeed, replicas: int, micro: int, seq: int, positions: int, gpu: bool,
              scalar: bool, derived: dict[str, ModelShape]) -> RoleMemory:
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like to a hub id "
                                              "of the same architecture")
-    got = learner_bytes(shape, dtype=_dtype(spec), zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
+    got = learner_bytes(shape, dtype=spec.dtype, zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
                         seq_len=seq, logit_positions=positions, offload_optimizer=deepspeed.offload_optimizer,
                         offload_params=deepspeed.offload_params, gradient_checkpointing=spec.gradient_checkpointing,
                         attention_scores=not gpu, scalar_head=scalar)
@@ -68,7 +64,7 @@ def _scorer(name: str, spec, micro: int, seq: int, positions: int, scalar: bool,
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like")
-    got = inference_bytes(shape, dtype=_dtype(spec), micro_batch=micro, seq_len=seq, logit_positions=positions,
+    got = inference_bytes(shape, dtype=spec.dtype, micro_batch=micro, seq_len=seq, logit_positions=positions,
                           scalar_head=scalar, attention_scores=not gpu)
     return RoleMemory(name, model, got, f"{shape.params / 1e9:.2f}B {spec.dtype}, forward of {micro} x {seq} tokens")
 
@@ -108,7 +104,7 @@ def _engine(job, gpu_bytes: int | None, derived: dict[str, ModelShape], seq: int
     shape, model = _shape(job.policy.model, derived)
     gen = job.generation
     on_gpu = gen.placement.num_gpus > 0
-    dtype = _dtype(job.policy.model) if gen.engine == "hf" or gen.vllm.dtype == "auto" else gen.vllm.dtype
+    dtype = job.policy.model.dtype if gen.engine == "hf" or gen.vllm.dtype == "auto" else gen.vllm.dtype
     if shape is None:
         return RoleMemory("generation", model, None, "shape unknown: set policy.model.size_like")
     if gen.engine == "hf" or (gen.engine == "auto" and not on_gpu and shape.params < gen.auto_vllm_min_params):

@@ -66,11 +66,11 @@ def model_states(params: int, dtype: str, zero_stage: int, ranks: int, offload_o
 
 def activation_bytes(shape: ModelShape, dtype: str, micro_batch: int, seq_len: int, gradient_checkpointing: bool,
                      attention_scores: bool) -> int:
-    """Activations kept for the backward pass of one micro-batch. Per token and layer (units of the dtype): the
-    layer input and its norm (2h), q / k / v / attention output / o-projection input (2h + 2 kv + h ... counted as
-    q 1h, k and v 2 kv, context 1h, residual 1h), the MLP input and norm (2h), up / gate / activation / product
-    (4I gated, 2I plain); `attention_scores`: the softmax probabilities (heads x seq per token, the dtype) and the
-    pre-softmax scores. With gradient checkpointing: each layer's input, plus one layer's whole set."""
+    """Activations kept for the backward pass of one micro-batch. Per token and layer, in units of the dtype:
+    7h (the layer input and its norm, q, the attention context, the residual, the MLP input and its norm), 2 kv
+    (k and v), 4I gated (gate, up, activation, product) or 2I plain; `attention_scores`: the softmax
+    probabilities (heads x seq per token, the dtype) and the pre-softmax scores. With gradient checkpointing:
+    each layer's input, plus one layer's whole set."""
     d = DTYPE_BYTES[dtype]
     tokens = micro_batch * seq_len
     kv = shape.kv_heads * shape.dim_per_head
