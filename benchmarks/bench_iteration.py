@@ -14,7 +14,6 @@ Run: python benchmarks/bench_iteration.py [--write docs/benchmarks.md] [--quick]
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time

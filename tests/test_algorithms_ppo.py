@@ -245,3 +245,23 @@ def test_token_logprobs_keep_no_vocabulary_sized_copy_and_match_log_softmax_with
             assert lean_bytes < logits.numel() * 4 / 100, lean_bytes  # only per-position sums beyond the logits
     expected = -(torch.softmax(logits / 0.7, -1) * torch.log_softmax(logits / 0.7, -1)).sum(-1)
     torch.testing.assert_close(entropy(logits, 0.7), expected, rtol=0, atol=1e-5)
+
+
+def test_trim_pad_columns_drops_only_the_columns_no_row_uses():
+    from rlhf_ray.algorithms.experience import pack_rollouts, pad_answer_columns, trim_pad_columns
+
+    batch = pack_rollouts([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[10], [11, 12], []], pad_id=0)  # 4 + 2 wide
+    batch["advantages"] = torch.arange(6.0).reshape(3, 2)
+    batch["kl"] = torch.tensor([0.1, 0.2, 0.3])  # one value per row: passes through
+    rows = {k: v[1:] for k, v in batch.items() if k != "prompt_width"}  # rows 1-2: prompts of 2 and 3, answers 2, 0
+    trimmed = trim_pad_columns(rows)
+    assert trimmed["sequences"].tolist() == [[0, 5, 6, 11, 12], [7, 8, 9, 0, 0]]
+    assert trimmed["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert trimmed["action_mask"].tolist() == [[1, 1], [0, 0]]
+    assert torch.equal(trimmed["kl"], rows["kl"])
+    last = {k: v[2:] for k, v in batch.items() if k != "prompt_width"}  # one row, an empty answer
+    one = trim_pad_columns(last)
+    assert one["sequences"].tolist() == [[7, 8, 9, 0]] and one["advantages"].tolist() == [[4.0]]  # one column stays
+    assert pad_answer_columns(one["advantages"], 2).tolist() == [[4.0, 0.0]]
+    full = {k: v[:2] for k, v in batch.items() if k != "prompt_width"}  # nothing to drop: the same tensors
+    assert trim_pad_columns(full)["sequences"] is full["sequences"]

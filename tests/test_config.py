@@ -226,23 +226,34 @@ def test_field_reference_in_docs_is_generated_from_the_models():
     assert generated.strip() == render_reference().strip(), "stale: run .venv/bin/python scripts/update_config_reference.py"
 
 
-DOES_NOT_FIT_YET = {"llama-70b-4node.yaml": ["group `policy` (policy + reference) needs", "group `reward` (reward) needs"]}
-"""Shipped layouts the memory model refuses until reference and reward models can be sharded (their headers say
-so); the refusal must name the groups that are over."""
+def test_recipe_memory_table_in_docs_is_current_and_every_gpu_recipe_is_in_it():
+    from rlhf_ray.memory.recipes import HEADING, gpu_recipes, render
+
+    doc = (ROOT / "docs/configuration.md").read_text()
+    start = doc.index(HEADING)
+    section = doc[start: doc.index("\n## ", start + len(HEADING))]
+    assert section.strip() == render(ROOT).strip(), "stale: run .venv/bin/python scripts/update_recipe_memory.py"
+    names = {p.name for p in gpu_recipes(ROOT)}
+    assert {"llama-70b-4node.yaml", "llama-8b-8gpu.yaml", "opt-1.3b-single-gpu.yaml"} <= names
+    assert all(f"`{name}`" in section for name in names)
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_validates_and_fits(path, capsys):
     """--config-only: most shipped configs name models an earlier stage (or a download) provides."""
     code = main(["validate", "--quiet", "--config-only", str(path)])
-    output = capsys.readouterr()
-    if path.name in DOES_NOT_FIT_YET:
-        assert code == EXIT_PLAN_DOES_NOT_FIT
-        assert "DOES NOT FIT YET" in path.read_text()
-        for group in DOES_NOT_FIT_YET[path.name]:
-            assert group in " ".join(output.err.split()), output.err
-    else:
-        assert code == EXIT_OK, output
+    assert code == EXIT_OK, capsys.readouterr()
+
+
+def test_the_70b_recipe_fits_only_with_its_reference_and_reward_sharded(capsys):
+    """Whole 70B models per reference / reward replica do not fit their GPUs; sharding them is what makes it fit."""
+    recipe = str(ROOT / "configs/recipes/llama-70b-4node.yaml")
+    code = main(["validate", "--quiet", "--config-only", recipe, "--set", "reference.sharded=false",
+                 "--set", "reward.sharded=false"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == EXIT_PLAN_DOES_NOT_FIT
+    assert "group `policy` (policy + reference) needs" in err and "group `reward` (reward) needs" in err, err
+    assert "sharded: true" in err  # the advice names the fix
 
 
 def test_plan_needing_more_gpus_than_the_cluster_is_refused(capsys):

@@ -250,7 +250,7 @@ def test_malformed_json_names_file_and_line_and_leaves_nothing(tmp_path, tokeniz
     lines[33] = '{"text": "broken'
     bad = tmp_path / "bad.jsonl"
     bad.write_text("\n".join(lines) + "\n")
-    with pytest.raises(DataError, match=rf"bad\.jsonl:34: malformed JSON"):
+    with pytest.raises(DataError, match=r"bad\.jsonl:34: malformed JSON"):
         preprocess([bad], tokenizer_dir, tmp_path / "out", workers=workers, chunk_docs=4, progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
     bad.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "x"}) + "\n")

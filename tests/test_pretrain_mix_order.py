@@ -42,11 +42,11 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
                            ptx_coef=0.5, all_reduce_sum=lambda values: values, optimizer_step=lambda: None,
                            step_info=lambda: {})
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
-    rank.micro_slices = lambda n: PPOLearnerRank.micro_slices(rank, n)
-    rank.to_device = lambda batch, rows: PPOLearnerRank.to_device(rank, batch, rows)
+    rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)
     rank.auxiliary_losses = lambda plan, step, n: PolicyLearner.auxiliary_losses(rank, plan, step, n)
     plan = SimpleNamespace(minibatches=[[0, 1, 2, 3]], meta=SimpleNamespace(iteration=0))
-    batch = {"action_mask": torch.ones(4, 2)}
+    batch = {"sequences": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
+             "action_mask": torch.ones(4, 2)}
 
     def token_loss(micro):
         events.append("ppo forward")

@@ -34,6 +34,29 @@ def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(ti
     torch.testing.assert_close(kept, full, rtol=0, atol=1e-5)
 
 
+def test_each_micro_batch_runs_at_its_own_width_with_the_same_log_probs(tiny_model):
+    """A micro-batch of a short prompt and a short answer drops the pad columns its rows share (the prompt's left
+    padding, the answer's right padding) instead of running at the rollout's longest; log-probs are unchanged."""
+    worker = ReferenceWorker(rank=0, world_size=1, model={"path": str(tiny_model), "dtype": "fp32"},
+                             micro_batch_size=1, temperature=0.7)
+    batch = pack_rollouts([[5, 6, 7, 8, 9, 10], [11, 12]], [[13], [15, 16, 17, 18]], pad_id=0)
+    widths = []
+    forward = worker.model.forward
+
+    def recording(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    worker.model.forward = recording
+    trimmed = ReferenceWorker.logprobs.__wrapped__(worker, batch, 0, 2)
+    assert widths == [7, 6]  # row 0: 6 prompt + 1 answer token; row 1: 2 + 4 (the batch is 6 + 4 wide)
+    with torch.no_grad():
+        logits = forward(input_ids=batch["sequences"], attention_mask=batch["attention_mask"]).logits
+    full = answer_logprobs(logits, batch["sequences"], 4, 0.7) * batch["action_mask"]
+    assert trimmed.shape == full.shape == (2, 4)
+    torch.testing.assert_close(trimmed, full, rtol=0, atol=1e-5)
+
+
 def test_sft_loss_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_model):
     """SFT's loss skips the vocabulary projection of the prompt columns that no row's labels need."""
     from types import SimpleNamespace

@@ -76,7 +76,7 @@ def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path):
     from rlhf_ray.models.sources import resolve_model_sources
 
     job = load_job(ROOT / "configs/quickstart/sft.yaml",
-                   [f"model.path=null", f"model.gguf_file={packaged_gguf('smollm2')}", f"output_dir={tmp_path}"])
+                   ["model.path=null", f"model.gguf_file={packaged_gguf('smollm2')}", f"output_dir={tmp_path}"])
     resolved = resolve_model_sources(job)
     assert resolved.model.gguf_file is None and (tmp_path / "models").is_dir()
     assert AutoTokenizer.from_pretrained(resolved.model.path).eos_token == "<|im_end|>"

@@ -36,6 +36,50 @@ def unpack_rollouts(batch: dict[str, torch.Tensor], lo: int = 0, hi: int | None 
     return rows
 
 
+def row_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    """k contiguous, balanced [lo, hi) ranges over n rows: each replica's share of a batch."""
+    cuts = [round(i * n / k) for i in range(k + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def row_slices(n: int, size: int) -> list[slice]:
+    """Consecutive slices of at most `size` rows covering rows [0, n): a batch's micro-batches."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+SEQUENCE_KEYS = ("sequences", "attention_mask")
+"""The [B, P + A] tensors of a packed batch; its other [B, A] tensors hold one value per answer token."""
+
+
+def trim_pad_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows of a packed batch without the columns none of them uses: the prompt padding every row has on the
+    left, the answer padding every row has on the right. A micro-batch of short prompts and answers then runs at its
+    own width, not the rollout's longest. Answer tensors lose the same trailing columns as the sequences; nothing
+    a kept token sees changes (attention is causal and masks pads; rotary positions are relative; OPT counts
+    positions from the mask). One answer column always stays. Tensors of other shapes pass through."""
+    mask, answer_len = batch["attention_mask"], batch["action_mask"].shape[1]
+    prompt_len = mask.shape[1] - answer_len
+    used = mask[:, :prompt_len].any(0).nonzero()
+    left = int(used[0]) if len(used) else prompt_len
+    acted = batch["action_mask"].any(0).nonzero()
+    keep = int(acted[-1]) + 1 if len(acted) else 1
+    if left == 0 and keep == answer_len:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if key in SEQUENCE_KEYS:
+            value = value[:, left: prompt_len + keep]
+        elif value.dim() >= 2 and value.shape[1] == answer_len:
+            value = value[:, :keep]
+        out[key] = value
+    return out
+
+
+def pad_answer_columns(values: torch.Tensor, answer_len: int) -> torch.Tensor:
+    """[b, a] per-token results of a trimmed micro-batch back to the batch's answer width (zeros: padding)."""
+    return torch.nn.functional.pad(values, (0, answer_len - values.shape[1]))
+
+
 def logprob_gap(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_mask: torch.Tensor) -> float:
     """Mean |engine log-prob - learner log-prob| over answer tokens: how far the distribution that sampled the
     rollout (the generation engine, possibly in lower precision) is from the one PPO trains (0 when they agree)."""

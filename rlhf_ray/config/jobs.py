@@ -160,6 +160,10 @@ class InferenceRoleSpec(StrictModel):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     micro_batch_size: int = Field(8, ge=1)
     """Samples per forward pass of this role when scoring experience."""
+    sharded: bool = False
+    """ZeRO-3 inference: the replicas form one group and each holds 1/replicas of the model's weights (gathered
+    layer by layer during a forward), for a model larger than one device. Every call runs on all replicas at once;
+    a replica that dies stops the group as a learner rank does (cluster.learner_restarts)."""
 
 
 class RewardRoleSpec(InferenceRoleSpec):
@@ -250,6 +254,12 @@ class PPOJob(JobBase):
         if self.ppo.mode == "async" and self.ppo.max_staleness < 1:
             raise FieldProblem("ppo.max_staleness", "async mode trains on experience sampled one policy version "
                                                     "earlier; set ppo.max_staleness: 1 (or more), or ppo.mode: sync")
+        for name, role in {"reference": self.reference, "reward": self.reward}.items():
+            if role.sharded and role.placement.replicas < 2:
+                raise FieldProblem(f"{name}.placement.replicas", f"{name}.sharded splits the model's weights over "
+                                   "the replicas: set replicas: 2 or more (or sharded: false)")
+        if self.reward.sharded and self.reward.function is not None:
+            raise FieldProblem("reward.sharded", "a reward function has no weights to shard; remove sharded")
         n = self.generation.sampling.n_samples_per_prompt
         if estimator in {"grpo", "rloo"} and n < 2:
             raise FieldProblem("generation.sampling.n_samples_per_prompt",

@@ -74,7 +74,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
             try:
                 run = PPORun(job, plan, groups, tokenizer, tokens)
                 run.learner_restarts = attempt
-                with learner_deaths_explained(checkpoints):
+                with learner_deaths_explained(checkpoints, run.sharded_roles):
                     return _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out)
             except LearnerRankDied as err:
                 if attempt == job.cluster.learner_restarts:
@@ -109,12 +109,15 @@ class LearnerRankDied(RuntimeError):
 
 
 @contextlib.contextmanager
-def learner_deaths_explained(checkpoints: Checkpoints):
+def learner_deaths_explained(checkpoints: Checkpoints, sharded_roles: tuple[str, ...] = ()):
+    """A dead or hung rank of a ZeRO group (policy, critic, a sharded reference or reward) ends the attempt with
+    LearnerRankDied, naming it and where a rerun resumes."""
+    prefixes = tuple(f"{role}-" for role in ("policy", "critic", *sharded_roles))
     try:
         yield
     except (ActorDiedError, ActorCallTimeout) as err:
         learners = [n for n in ([err.actor] if isinstance(err, ActorDiedError) else [n for n, _ in err.pending])
-                    if n.startswith(("policy-", "critic-"))]
+                    if n.startswith(prefixes)]
         if not learners:
             raise
         what = "died" if isinstance(err, ActorDiedError) else "hangs (no answer within cluster.call_timeout_s)"

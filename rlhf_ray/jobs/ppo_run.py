@@ -18,7 +18,7 @@ from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_g
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
-from rlhf_ray.algorithms.experience import pack_rollouts
+from rlhf_ray.algorithms.experience import pack_rollouts, row_bounds
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
 from rlhf_ray.data.split import stable_seed
@@ -51,12 +51,6 @@ def weight_transport(job: PPOJob) -> str:
     return chosen
 
 
-def row_bounds(n: int, k: int) -> list[tuple[int, int]]:
-    """k contiguous, balanced [lo, hi) ranges over n rows."""
-    cuts = [round(i * n / k) for i in range(k + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 class PPORun:
     def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer, tokens: TokenConventions | None = None):
         self.job, self.tokenizer = job, tokenizer
@@ -68,6 +62,8 @@ class PPORun:
             name, bundles = plan.role_slots(role)
             return groups[name], bundles
 
+        self.sharded_roles = tuple(r for r in ("reference", "reward") if getattr(job, r).sharded)
+        """Forward-only roles whose replicas hold shards of one model: called together, never replaced alone."""
         # every role's processes start at once (imports and model loads overlap); then each is waited for
         ppo = job.ppo
         self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
@@ -86,7 +82,8 @@ class PPORun:
         self.reference = self._inference_group(ReferenceWorker, "reference", job.reference.placement,
                                                slots("reference"), model=job.reference.model.model_dump(),
                                                micro_batch_size=job.reference.micro_batch_size,
-                                               temperature=job.generation.sampling.temperature)
+                                               temperature=job.generation.sampling.temperature,
+                                               sharded=job.reference.sharded)
         if job.reward.function:
             self.reward = self._inference_group(RewardFunctionWorker, "reward", job.reward.placement, slots("reward"),
                                                 function=job.reward.function,
@@ -102,7 +99,7 @@ class PPORun:
                                                 micro_batch_size=job.reward.micro_batch_size,
                                                 tokens=TokenConventions.from_tokenizer(rm_tokenizer,
                                                                                        job.reward.model.path),
-                                                bridge_from=bridge)
+                                                bridge_from=bridge, sharded=job.reward.sharded)
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
         self.learner_restarts = 0  # set by the job: how many times it restarted every role after a learner died
         self.pool = GenerationPool.start(job, *slots("generation"), self.tokens, self.restarts, wait=False)
@@ -123,6 +120,11 @@ class PPORun:
             setup_learner_group(self.critic, cluster, updates)
         for group in (self.reference, self.reward, self.pool.group, self.assembler, self.buffer):
             group.wait_ready(cluster.startup_timeout_s)
+        for role in self.sharded_roles:  # ZeRO-3 inference groups: one process group each, shards loaded together
+            group = getattr(self, role)
+            (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1],
+                                cluster.startup_timeout_s, "rendezvous_address")
+            group.call("setup", *address, cluster.call_timeout_s, timeout=cluster.startup_timeout_s)
         self.transport = weight_transport(job)
         if self.transport == "collective":
             self._form_weight_group()
@@ -155,7 +157,10 @@ class PPORun:
         return args, [getattr(actor, method).remote(*a) for actor, a in zip(group.actors, args)]
 
     def _split_gather(self, group: ActorGroup, method: str, submitted: tuple[list, list]) -> list:
-        """Results of `_split_submit`; a replica that died is replaced and its rows scored again."""
+        """Results of `_split_submit`; a replica that died is replaced and its rows scored again (unless it holds a
+        shard of a sharded model: then the group cannot go on, as a learner group cannot)."""
+        if group.role in self.sharded_roles:
+            return group.gather(submitted[1], method)
         return resilient_gather(group, method, submitted[0], submitted[1], self.restarts)
 
     # ---- one iteration ------------------------------------------------------------------------------------

@@ -3,12 +3,9 @@ checkpoints and parameter gathers are collectives, and calling a subset of ranks
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import shutil
-import socket
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -19,13 +16,13 @@ import torch
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
-from rlhf_ray.learners.engine import apply_lora, build_engine, init_process_group, listen
+from rlhf_ray.learners.engine import RendezvousHost, apply_lora, build_engine, init_process_group
 from rlhf_ray.models.weight_buckets import group_by_size
 
 log = logging.getLogger(__name__)
 
 
-class LearnerRank:
+class LearnerRank(RendezvousHost):
     """Holds the DeepSpeed engine of one rank. Subclasses say which model to build and how a step's loss is made."""
 
     def __init__(self, *, rank: int, world_size: int, model: dict, optim: dict, deepspeed: dict,
@@ -37,27 +34,16 @@ class LearnerRank:
         self.micro_batch_size = micro_batch_size
         self.engine = None
         self._grad_norm: float | None = None  # see optimizer_step
-        self._listeners: dict[int, socket.socket] = {}  # rendezvous_address's sockets, by port
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     # ---- setup -------------------------------------------------------------------------------------------
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This rank's node address and a free port, for a process group it hosts (rank 0: DeepSpeed's group, and
-        the weight-sync group with the engines)."""
-        import ray
-
-        listener = listen(ray.util.get_node_ip_address())
-        host, port = listener.getsockname()[:2]
-        self._listeners[port] = listener  # kept open until the group's store takes it over: no one else gets it
-        return host, port
-
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
     def setup(self, master_addr: str, master_port: int, total_steps: int, collective_timeout_s: float = 1800.0) -> dict:
         """Join the group's process group (its collectives fail after `collective_timeout_s`: a rank that stops
         answering ends the step instead of blocking the others forever) and build this rank's DeepSpeed engine."""
-        init_process_group(self.rank, self.world_size, master_addr, master_port, self._listeners.pop(master_port, None),
+        init_process_group(self.rank, self.world_size, master_addr, master_port, self.take_listener(master_port),
                            collective_timeout_s)
         self._seed_everything(self.seed)
         ds_config = self.ds_spec.to_ds_config(self.model_spec.dtype, self.micro_batch_size, self.world_size)

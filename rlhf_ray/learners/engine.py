@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from collections.abc import Callable
 
 import torch
 
@@ -25,6 +26,28 @@ def listen(host: str) -> socket.socket:
     sock.bind((host, 0))
     sock.listen(128)
     return sock
+
+
+class RendezvousHost:
+    """A member of a process group that may host its rendezvous (rank 0 of a learner group or of a sharded
+    inference group): it hands out its node address and a port it keeps listening on until the group's store
+    takes the socket over, so no other process can take the port meanwhile."""
+
+    _listeners: dict[int, socket.socket]
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This rank's node address and a free port, for a process group it hosts."""
+        import ray
+
+        listener = listen(ray.util.get_node_ip_address())
+        host, port = listener.getsockname()[:2]
+        if not hasattr(self, "_listeners"):
+            self._listeners = {}
+        self._listeners[port] = listener
+        return host, port
+
+    def take_listener(self, port: int) -> socket.socket | None:
+        return getattr(self, "_listeners", {}).pop(port, None)
 
 
 def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta,
@@ -57,6 +80,24 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     backend = "nccl" if on_gpu() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts the group above
+
+
+def build_inference_engine(load: Callable[[], torch.nn.Module], spec: ModelSpec, micro_batch_size: int,
+                           world_size: int, ds: DeepSpeedSpec | None = None):
+    """ZeRO-3 inference (no optimizer): the model's weights are partitioned over the group's ranks as they load
+    (transformers builds them under zero.Init while the returned HfDeepSpeedConfig is alive: keep it) and gathered
+    layer by layer during each forward. Returns (engine, that config)."""
+    import deepspeed
+    from transformers.integrations import HfDeepSpeedConfig
+
+    ds = ds or DeepSpeedSpec(zero_stage=3)
+    config = ds.model_copy(update={"zero_stage": 3}).to_ds_config(spec.dtype, micro_batch_size, world_size)
+    hf_config = HfDeepSpeedConfig(config)
+    model = load()
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+    engine.eval()
+    return engine, hf_config
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -118,4 +159,8 @@ def build_engine(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, 
     config = ds.to_ds_config(spec.dtype, micro_batch_size, world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
                                       dist_init_required=False)
+    if world_size == 1 and ds.zero_stage == 0:
+        # one rank has nothing to average: DeepSpeed would still copy every gradient into flat buckets, "all-reduce"
+        # them over a group of one, divide by one and copy them back, after each accumulation boundary
+        engine.enable_backward_allreduce = False
     return engine, scheduler

@@ -50,8 +50,9 @@ class PolicyLearner(PPOLearnerRank):
     def _logprobs(self, batch: Batch, with_entropy: bool = False):
         """Answer-token log-probs at the sampling temperature (and the sampling distribution's entropy there)."""
         answer_len = batch["action_mask"].shape[1]
+        sharded = self.engine.zero_optimization_stage() == 3 and self.world_size > 1
         logits = forward_answer_logits(self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
-                                       answer_len)
+                                       answer_len, share_prompts=not sharded)
         logits.div_(self.temperature)  # in place: no second vocabulary-sized tensor (the LM head's backward
         # needs its input, not its output)
         logp = token_logprobs(logits, batch["sequences"][:, -answer_len:]) * batch["action_mask"]
@@ -142,7 +143,7 @@ class PolicyLearner(PPOLearnerRank):
         if self.rank == 0:
             from rlhf_ray.models.weight_transport import WeightSyncGroup
 
-            self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s, self._listeners.pop(port, None))
+            self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s, self.take_listener(port))
         return self.rank == 0
 
     def broadcast_weights(self, bucket_bytes: int) -> dict | None:

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from rlhf_ray.algorithms.experience import pad_answer_columns, row_slices, trim_pad_columns
 from rlhf_ray.learners.base import LearnerRank
 
 Batch = dict[str, torch.Tensor]
@@ -27,19 +28,20 @@ class PPOLearnerRank(LearnerRank):
         per = n // self.world_size
         return slice(self.rank * per, (self.rank + 1) * per)
 
-    def micro_slices(self, n: int) -> list[slice]:
-        return [slice(i, min(i + self.micro_batch_size, n)) for i in range(0, n, self.micro_batch_size)]
-
     @torch.no_grad()
     def over_my_rows(self, batch: Batch, forward: Callable[[Batch], torch.Tensor]) -> torch.Tensor:
-        """`forward` over this rank's slice of the batch (rank order), micro-batch by micro-batch, in eval mode."""
+        """`forward` (per-token results of a micro-batch) over this rank's slice of the batch (rank order),
+        micro-batch by micro-batch, in eval mode: [rows, A]."""
         self.engine.eval()
         rows = torch.arange(batch["sequences"].shape[0])[self.rank_slice(batch["sequences"].shape[0])]
-        return torch.cat([forward(self.to_device(batch, rows[s])).cpu() for s in self.micro_slices(len(rows))])
+        answer_len = batch["action_mask"].shape[1]
+        return torch.cat([pad_answer_columns(forward(self.micro_batch(batch, rows[s])).cpu(), answer_len)
+                          for s in row_slices(len(rows), self.micro_batch_size)])
 
-    def to_device(self, batch: Batch, rows) -> Batch:
-        return {k: v[rows].to(self.engine.device) for k, v in batch.items()
-                if isinstance(v, torch.Tensor) and v.dim() > 0}
+    def micro_batch(self, batch: Batch, rows) -> Batch:
+        """Rows of the batch on this rank's device, without the pad columns all of them share."""
+        part = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        return {k: v.to(self.engine.device) for k, v in trim_pad_columns(part).items()}
 
     def fetch(self, plan) -> Batch:
         """The experience a TrainingPlan points to, from the object store."""
@@ -67,12 +69,12 @@ class PPOLearnerRank(LearnerRank):
             # (models/shared_prompt.py); a mini-batch's gradient is the same sum whatever its rows' order
             rows = np.sort(np.asarray(minibatch))
             mine = rows[self.rank_slice(len(rows))]
-            micro = [mine[s] for s in self.micro_slices(len(mine))]
+            micro = [mine[s] for s in row_slices(len(mine), self.micro_batch_size)]
             (tokens,) = self.all_reduce_sum([float(batch["action_mask"][mine].sum())])
             tokens = max(tokens, 1.0)
             extras = self.auxiliary_losses(plan, step, len(micro)) or [None] * len(micro)
             for part, extra in zip(micro, extras):
-                loss_sum, stats = token_loss(self.to_device(batch, torch.as_tensor(part)))
+                loss_sum, stats = token_loss(self.micro_batch(batch, torch.as_tensor(part)))
                 loss = loss_sum / tokens
                 stats = {"loss": loss_sum.item() / tokens, **{k: v / tokens for k, v in stats.items()}}
                 if extra is not None:

@@ -44,29 +44,40 @@ def _shape(spec, derived: dict[str, ModelShape]) -> tuple[ModelShape | None, str
     return (derived.get(name) or shape_of(name)), name
 
 
+def learner_memory(shape: ModelShape, spec, deepspeed, replicas: int, micro: int, seq: int, positions: int, gpu: bool,
+                   scalar: bool) -> RoleBytes:
+    """One learner rank's bytes from its ModelSpec and DeepSpeedSpec (what `validate` and the calibration
+    benchmark both compute)."""
+    return learner_bytes(shape, dtype=spec.dtype, zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
+                         seq_len=seq, logit_positions=positions, offload_optimizer=deepspeed.offload_optimizer,
+                         offload_params=deepspeed.offload_params, gradient_checkpointing=spec.gradient_checkpointing,
+                         attention_scores=not gpu, scalar_head=scalar)
+
+
 def _learner(name: str, spec, deepspeed, replicas: int, micro: int, seq: int, positions: int, gpu: bool,
              scalar: bool, derived: dict[str, ModelShape]) -> RoleMemory:
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like to a hub id "
                                              "of the same architecture")
-    got = learner_bytes(shape, dtype=spec.dtype, zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
-                        seq_len=seq, logit_positions=positions, offload_optimizer=deepspeed.offload_optimizer,
-                        offload_params=deepspeed.offload_params, gradient_checkpointing=spec.gradient_checkpointing,
-                        attention_scores=not gpu, scalar_head=scalar)
+    got = learner_memory(shape, spec, deepspeed, replicas, micro, seq, positions, gpu, scalar)
     how = (f"{shape.params / 1e9:.2f}B {spec.dtype}, ZeRO-{deepspeed.zero_stage} over {replicas}, "
            f"micro-batch {micro} x {seq} tokens{', checkpointed' if spec.gradient_checkpointing else ''}")
     return RoleMemory(name, model, got, how)
 
 
-def _scorer(name: str, spec, micro: int, seq: int, positions: int, scalar: bool, gpu: bool,
-            derived: dict[str, ModelShape]) -> RoleMemory:
+def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: dict[str, ModelShape]
+            ) -> RoleMemory:
+    spec, micro = role.model, role.micro_batch_size
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like")
+    shards = role.placement.replicas if role.sharded else 1
     got = inference_bytes(shape, dtype=spec.dtype, micro_batch=micro, seq_len=seq, logit_positions=positions,
-                          scalar_head=scalar, attention_scores=not gpu)
-    return RoleMemory(name, model, got, f"{shape.params / 1e9:.2f}B {spec.dtype}, forward of {micro} x {seq} tokens")
+                          scalar_head=scalar, shards=shards, attention_scores=role.placement.num_gpus == 0)
+    sharding = f", ZeRO-3 shard 1/{shards}" if shards > 1 else ""
+    return RoleMemory(name, model, got, f"{shape.params / 1e9:.2f}B {spec.dtype}{sharding}, forward of {micro} x "
+                                        f"{seq} tokens")
 
 
 def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape] | None = None
@@ -85,15 +96,13 @@ def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape
     policy = job.policy
     out = {"policy": _learner("policy", policy.model, policy.deepspeed, policy.placement.replicas,
                               policy.micro_batch_size, seq, answer + 1, policy.placement.num_gpus > 0, False, derived),
-           "reference": _scorer("reference", job.reference.model, job.reference.micro_batch_size, seq, answer + 1,
-                                False, job.reference.placement.num_gpus > 0, derived)}
+           "reference": _scorer("reference", job.reference, seq, answer + 1, False, derived)}
     if job.critic is not None:
         critic = job.critic
         out["critic"] = _learner("critic", critic.model, critic.deepspeed, critic.placement.replicas,
                                  critic.micro_batch_size, seq, 0, critic.placement.num_gpus > 0, True, derived)
     if job.reward.function is None:
-        out["reward"] = _scorer("reward", job.reward.model, job.reward.micro_batch_size, seq, 0, True,
-                                job.reward.placement.num_gpus > 0, derived)
+        out["reward"] = _scorer("reward", job.reward, seq, 0, True, derived)
     else:
         out["reward"] = RoleMemory("reward", job.reward.function, RoleBytes(), "a Python function")
     out["generation"] = _engine(job, gpu_bytes, derived, seq)
@@ -128,6 +137,34 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.1f}"
 
 
+@dataclass(frozen=True)
+class GroupMemory:
+    """One placement group's bundle: the roles on it, the bytes they need together, what it holds."""
+
+    group: str
+    roles: tuple[str, ...]
+    need: int
+    gpu_share: float
+    """GPUs per bundle (0: a CPU bundle, checked against host memory as a whole)."""
+    have: int | None
+    """Bytes of the bundle's share of one GPU (a bundle of several GPUs, a tensor-parallel engine's, has one
+    whole GPU per worker: `need` is then per GPU too); None for a CPU bundle or a GPU of unknown size."""
+    bundles: int
+    host: int
+    """Bytes its roles offload to host memory, per bundle."""
+
+
+def group_memory(roles: dict[str, RoleMemory], plan, gpu_bytes: int | None) -> list[GroupMemory]:
+    out = []
+    for group in plan.groups:
+        known = [roles[r] for r in group.roles if roles.get(r) and roles[r].bytes is not None]
+        share = group.bundles[0].get("GPU", 0.0)
+        out.append(GroupMemory(group.name, tuple(group.roles), sum((rm.bytes.device for rm in known), 0), share,
+                               int(min(share, 1.0) * gpu_bytes) if share > 0 and gpu_bytes else None, len(group.bundles),
+                               sum(rm.bytes.host for rm in known)))
+    return out
+
+
 def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
                  ) -> tuple[Table, list[str]]:
     """The memory table of one job's plan, and what does not fit (naming the group, its roles, the bytes over
@@ -147,22 +184,15 @@ def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, Mo
         table.add_row(name, _gib(b.weights), _gib(b.gradients), _gib(b.optimizer), _gib(b.activations),
                       _gib(b.logits), _gib(b.kv_cache), _gib(b.device), _gib(b.host), rm.how)
     problems, cpu_total, host_total = [], 0, 0
-    for group in plan.groups:
-        known = [roles[r] for r in group.roles if roles.get(r) and roles[r].bytes is not None]
-        need = sum((rm.bytes.device for rm in known), 0)
-        host_total += sum(rm.bytes.host for rm in known) * len(group.bundles)
-        share = group.bundles[0].get("GPU", 0.0)
-        members = " + ".join(group.roles)
-        if share > 0:
-            if gpu_bytes is None:
-                continue
-            have = int(share * gpu_bytes)
-            if need > have:
-                problems.append(f"group `{group.name}` ({members}) needs {_gib(need)} GiB per GPU bundle but holds "
-                                f"{share:g} of a {_gib(gpu_bytes)} GiB GPU = {_gib(have)} GiB: "
-                                f"{_gib(need - have)} GiB over; {_advice(group.roles)}")
-        else:
-            cpu_total += need * len(group.bundles)
+    for g in group_memory(roles, plan, gpu_bytes):
+        host_total += g.host * g.bundles
+        members = " + ".join(g.roles)
+        if g.gpu_share == 0:
+            cpu_total += g.need * g.bundles
+        elif g.have is not None and g.need > g.have:
+            problems.append(f"group `{g.group}` ({members}) needs {_gib(g.need)} GiB per GPU bundle but holds "
+                            f"{min(g.gpu_share, 1.0):g} of a {_gib(gpu_bytes)} GiB GPU = {_gib(g.have)} GiB: "
+                            f"{_gib(g.need - g.have)} GiB over; {_advice(g.roles)}")
     if host_bytes is not None and cpu_total + host_total > host_bytes * len(nodes):
         problems.append(f"CPU roles and offloaded state need {_gib(cpu_total + host_total)} GiB of host memory but "
                         f"the cluster has {_gib(host_bytes * len(nodes))} GiB; use fewer replicas, smaller "
@@ -170,11 +200,22 @@ def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, Mo
     return table, problems
 
 
+def recipe_table(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
+                 ) -> list[str]:
+    """Markdown rows `| group | roles | bundles | need GiB | holds GiB |` of one job's GPU bundles."""
+    gpu_bytes = max((int(n.get(GPU_MEMORY, 0)) for n in nodes), default=0) or None
+    rows = []
+    for g in group_memory(role_memory(job, gpu_bytes, derived), plan, gpu_bytes):
+        holds = _gib(g.have) if g.have is not None else ("host" if g.gpu_share == 0 else "?")
+        rows.append(f"| {job.kind} | `{g.group}` | {' + '.join(g.roles)} | {g.bundles} | {_gib(g.need)} | {holds} |")
+    return rows
+
+
 def _advice(roles: tuple[str, ...]) -> str:
     tips = []
     if any(r in roles for r in ("reference", "reward")):
-        tips.append("a smaller micro_batch_size for reference / reward (a model larger than one GPU cannot be a "
-                    "reference or reward model in this version: they are not sharded)")
+        tips.append("reference / reward: sharded: true over more replicas (ZeRO-3 inference), or a smaller "
+                    "micro_batch_size")
     if "generation" in roles:
         tips.append("generation.vllm.gpu_memory_utilization at most the bundle's num_gpus")
     if any(r in roles for r in ("policy", "critic", "learner")):

@@ -42,15 +42,16 @@ def _keeps_every_position(cache, prompt_len: int) -> bool:
 
 
 def forward_answer_logits(forward: Callable, model: torch.nn.Module, sequences: torch.Tensor,
-                  attention_mask: torch.Tensor, answer_len: int) -> torch.Tensor:
+                          attention_mask: torch.Tensor, answer_len: int, share_prompts: bool = True) -> torch.Tensor:
     """Logits [B, A, V] predicting the last `answer_len` tokens of `sequences` [B, P + A]: position i's logits
     predict token i + 1. `forward` is the callable that runs `model` (a DeepSpeed engine or the model itself).
     Prompts shared by several rows run once; a batch of distinct prompts, a model that trains with gradient
     checkpointing (it drops the cache), a sequence longer than the model's sliding window, or a cache that does not
-    keep every position (recurrent layers) runs whole."""
+    keep every position (recurrent layers) runs whole. `share_prompts=False` always runs whole: ranks whose weights
+    are sharded (ZeRO-3) must all run the same number of forwards, whatever rows each holds."""
     prompt_len, window = sequences.shape[1] - answer_len, _sliding_window(model)
     checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
-    if prompt_len > 0 and answer_len > 0 and not checkpointed and (window is None or sequences.shape[1] < window):
+    if share_prompts and prompt_len > 0 and answer_len > 0 and not checkpointed and (window is None or sequences.shape[1] < window):
         first, inverse = distinct_rows(torch.cat([sequences[:, :prompt_len], attention_mask[:, :prompt_len]], 1))
         if len(first) < len(sequences):
             head = forward(input_ids=sequences[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],

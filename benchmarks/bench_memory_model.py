@@ -1,0 +1,217 @@
+"""Calibrate the memory model (rlhf_ray/memory) against the peak memory learner ranks really reach.
+
+For each model size x ZeRO stage x rank count, a real SFT learner group (the job's own LearnerRank class, DeepSpeed
+engine and process group, on a local Ray) takes a few training steps on synthetic rows; each rank reports its peak
+resident memory (VmHWM) above what the process held before it built the model (the Python, torch and DeepSpeed
+runtime, which a GPU's allocator would not count either). The prediction is what `rlhf-ray validate` computes for
+the same rank: `learner_bytes(...).device + .host`. On CPU, host memory is the device.
+
+    python benchmarks/bench_memory_model.py --write docs/benchmarks.md
+    python benchmarks/bench_memory_model.py --models tiny,small --stages 0,3 --ranks 1   # a subset, printed only
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, today, versions, write_section  # noqa: E402
+
+from rlhf_ray.learners.group import start_learner_group  # noqa: E402
+from rlhf_ray.learners.sft import SFTLearner  # noqa: E402
+from rlhf_ray.memory.budget import learner_memory  # noqa: E402
+from rlhf_ray.memory.shapes import shape_of  # noqa: E402
+
+HEADING = "## Memory model: predicted against measured peak per learner rank"
+MiB = 2**20
+GOAL = 0.20
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class ProbedSFTLearner(SFTLearner):
+    """The SFT learner, noting its memory before the model exists and its peak from then on: resident memory on
+    CPU, the CUDA allocator's peak on a GPU."""
+
+    def setup(self, *args, **kwargs):
+        import deepspeed  # noqa: F401 - runtime imports belong to the baseline, not to the model
+        import transformers  # noqa: F401
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+            self._baseline = torch.cuda.memory_allocated()
+        else:
+            self._baseline = _status_kib("VmRSS") * 1024
+            Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM: the peak counts from here on
+        return super().setup(*args, **kwargs)
+
+    def memory(self) -> dict[str, int]:
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else _status_kib("VmHWM") * 1024
+        return {"baseline": self._baseline, "peak": peak - self._baseline}
+
+
+# ---- models -----------------------------------------------------------------------------------------------------
+def build_models(workdir: Path, names: list[str]) -> dict[str, Path]:
+    """Local HF folders: the tiny and small presets, SmolLM2-135M from the package's GGUF, a random ~400M Llama."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from rlhf_ray.models.sources import import_gguf, packaged_gguf
+    from rlhf_ray.models.tiny import build_tiny_model
+
+    out = {}
+    for name in names:
+        folder = workdir / name
+        if not (folder / "config.json").is_file():
+            if name in ("tiny", "small"):
+                build_tiny_model(folder, preset=name, seed=0)
+            elif name == "smollm2-135m":
+                import_gguf(packaged_gguf("smollm2"), folder)
+            elif name == "llama-400m":
+                torch.manual_seed(0)
+                config = LlamaConfig(hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
+                                     num_attention_heads=16, num_key_value_heads=16, vocab_size=32000,
+                                     tie_word_embeddings=False, max_position_embeddings=2048)
+                LlamaForCausalLM(config).save_pretrained(folder)
+                AutoTokenizer.from_pretrained(build_models(workdir, ["tiny"])["tiny"]).save_pretrained(folder)
+            else:
+                raise ValueError(f"unknown model {name!r}")
+        out[name] = folder
+    return out
+
+
+# ---- one case -----------------------------------------------------------------------------------------------------
+def synthetic_rows(n: int, seq_len: int, answer_len: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        ids = [rng.randrange(3, vocab) for _ in range(seq_len)]
+        rows.append({"input_ids": ids, "labels": [-100] * (seq_len - answer_len) + ids[-answer_len:]})
+    return rows
+
+
+def run_case(model_dir: Path, stage: int, ranks: int, micro_batch: int, seq_len: int, answer_len: int,
+             steps: int, gpu: bool, dtype: str) -> dict:
+    from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
+
+    shape = shape_of(str(model_dir))
+    cluster = ClusterSpec(startup_timeout_s=600, call_timeout_s=1800)
+    placement = PlacementSpec(replicas=ranks, num_cpus=1, num_gpus=1 if gpu else 0)
+    kwargs = dict(model={"path": str(model_dir), "dtype": dtype}, optim={"lr": 1e-5},
+                  deepspeed={"zero_stage": stage}, micro_batch_size=micro_batch, seed=0, pad_token_id=0,
+                  global_batch_size=micro_batch * ranks, eval_batch_size=micro_batch)
+    started = time.time()
+    group = start_learner_group(ProbedSFTLearner, f"calib-z{stage}-r{ranks}", placement, None, None, cluster,
+                                steps, **kwargs)
+    try:
+        rows = synthetic_rows(micro_batch * ranks * steps, seq_len, answer_len, shape.vocab, seed=stage)
+        group.call("set_data", ray.put(rows), ray.put([]))
+        for step in range(steps):
+            group.call("train_step", step)
+        measured = group.call("memory")
+    finally:
+        group.kill()
+    return {"model_dir": str(model_dir), "params": shape.params, "stage": stage, "ranks": ranks,
+            "micro_batch": micro_batch, "seq_len": seq_len, "answer_len": answer_len, "device": "gpu" if gpu else "cpu",
+            "dtype": dtype, "measured": max(m["peak"] for m in measured),
+            "baseline": max(m["baseline"] for m in measured), "seconds": round(time.time() - started, 1)}
+
+
+def predict(r: dict) -> int:
+    """What `rlhf-ray validate` computes for the case's rank (recomputed at report time: the model may change)."""
+    from rlhf_ray.config.deepspeed import DeepSpeedSpec
+    from rlhf_ray.config.model import ModelSpec
+
+    got = learner_memory(shape_of(r["model_dir"]), ModelSpec(path=r["model_dir"], dtype=r["dtype"]),
+                         DeepSpeedSpec(zero_stage=r["stage"]), r["ranks"], r["micro_batch"], r["seq_len"],
+                         r["answer_len"] + 1, r["device"] == "gpu", False)
+    return got.device + got.host
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+def report(results: dict[str, dict], command: str) -> str:
+    lines = [HEADING, "",
+             f"{today()}; {machine()}; {versions('torch', 'deepspeed', 'transformers', 'ray')}.",
+             f"Command: `{command}` (one SFT learner group per row, a few steps of synthetic rows; fp32 on CPU, bf16",
+             "on a GPU).",
+             "Measured: on CPU the rank's peak resident memory above what it held before building the model (the",
+             "runtime: Python, torch, DeepSpeed: the baseline column); on a GPU the CUDA allocator's peak. Predicted:",
+             "what `rlhf-ray validate` computes for that rank. Error ="
+             f"(predicted - measured) / measured; goal: within {GOAL:.0%}.", "",
+             "| model | device, dtype | params | ZeRO | ranks | micro-batch x tokens | predicted MiB | measured MiB | "
+             "error | baseline MiB |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
+    within = 0
+    for key, r in results.items():
+        r = {**r, "predicted": predict(r)}
+        err = (r["predicted"] - r["measured"]) / r["measured"]
+        within += abs(err) <= GOAL
+        lines.append(f"| {key.split('/')[0]} | {r['device']}, {r['dtype']} | {r['params'] / 1e6:.1f}M | "
+                     f"{r['stage']} | {r['ranks']} | "
+                     f"{r['micro_batch']} x {r['seq_len']} | {r['predicted'] / MiB:.0f} | {r['measured'] / MiB:.0f} | "
+                     f"{err:+.0%} | {r['baseline'] / MiB:.0f} |")
+    lines += ["", f"Within {GOAL:.0%}: {within} of {len(results)} rows."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,small,smollm2-135m,llama-400m")
+    parser.add_argument("--stages", default="0,2,3")
+    parser.add_argument("--ranks", default="1,2")
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--answer-len", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto",
+                        help="gpu: one GPU per rank, the CUDA allocator's peak, bf16 (ranks above the GPU count skipped)")
+    parser.add_argument("--workdir", default="/tmp/bench_memory_model")
+    parser.add_argument("--write", default=None, help="docs/benchmarks.md to update")
+    args = parser.parse_args()
+
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    kept = workdir / "results.json"
+    results = json.loads(kept.read_text()) if kept.is_file() else {}
+    models = build_models(workdir, [m for m in args.models.split(",") if m])
+    from rlhf_ray import cluster as rlhf_cluster
+    from rlhf_ray.config.placement import ClusterSpec
+
+    gpu = args.device == "gpu" or (args.device == "auto" and torch.cuda.is_available())
+    dtype = "bf16" if gpu else "fp32"
+    with rlhf_cluster.connect(ClusterSpec(dashboard=False)):
+        for name, folder in models.items():
+            for stage in (int(s) for s in args.stages.split(",")):
+                for ranks in (int(r) for r in args.ranks.split(",")):
+                    if gpu and ranks > torch.cuda.device_count():
+                        continue
+                    key = f"{name}/zero{stage}/ranks{ranks}/{'gpu' if gpu else 'cpu'}"
+                    print(f"== {key}", flush=True)
+                    results[key] = run_case(folder, stage, ranks, args.micro_batch, args.seq_len, args.answer_len,
+                                            args.steps, gpu, dtype)
+                    r = {**results[key], "predicted": predict(results[key])}
+                    print(f"   predicted {r['predicted'] / MiB:.0f} MiB, measured {r['measured'] / MiB:.0f} MiB "
+                          f"({(r['predicted'] - r['measured']) / r['measured']:+.0%}), {r['seconds']} s", flush=True)
+                    kept.write_text(json.dumps(results, indent=1))
+    text = report(results, "python benchmarks/bench_memory_model.py --write docs/benchmarks.md")
+    print(text)
+    if args.write:
+        write_section(ROOT / args.write if not Path(args.write).is_absolute() else Path(args.write), HEADING, text)
+
+
+if __name__ == "__main__":
+    main()
