@@ -130,3 +130,23 @@ def test_cpu_roles_must_fit_the_hosts_memory():
     _, problems = _check(recipe, "cluster.shape=[{cpus: 2, memory_gb: 8}]")
     assert len(problems) == 1 and problems[0].startswith("CPU roles and offloaded state need ")
     assert "the cluster has 8.0 GiB" in problems[0] and "micro_batch_size" in problems[0]
+
+
+def test_fp32_zero_stages_keep_deepspeeds_copies_and_the_gradient_bucket_counts():
+    """Calibrated against measured peaks (benchmarks/bench_memory_model.py): from ZeRO-1 on DeepSpeed clones the
+    rank's partition as an fp32 master and flattens each step's gradient partition, also in fp32 training; the
+    gradient bucket is reserved whole on a GPU and filled only as far as the gradients go on a CPU."""
+    from rlhf_ray.memory.estimate import gradient_bucket
+
+    p = 10**8
+    assert model_states(p, "fp32", 2, ranks=1).device == 24 * p  # 4 weights + 4 grads + 4 flattened + 4 master + 8 Adam
+    assert model_states(p, "fp32", 2, ranks=2).device == 14 * p  # 4 weights + (4 + 4 + 4 + 8) / 2
+    assert model_states(p, "fp32", 0, ranks=1).device == 16 * p  # ZeRO-0 in fp32: no copies
+    assert model_states(p, "fp32", 2, ranks=1, grad_bucket=p).gradients == 12 * p
+    bucket = 5 * 10**8
+    assert gradient_bucket(p, 2, 2, bucket, on_gpu=True, overlap_comm=False) == bucket
+    assert gradient_bucket(p, 2, 2, bucket, on_gpu=True, overlap_comm=True) == 2 * bucket
+    assert gradient_bucket(p, 3, 2, bucket, on_gpu=True, overlap_comm=True) == bucket  # stage 3: one buffer
+    assert gradient_bucket(p, 2, 2, bucket, on_gpu=False, overlap_comm=False) == p  # touched pages only
+    assert gradient_bucket(p, 0, 1, bucket, on_gpu=True, overlap_comm=False) == 0  # one rank reduces nothing
+    assert gradient_bucket(p, 0, 2, bucket, on_gpu=True, overlap_comm=False) == p  # all-reduce flattening

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from rlhf_ray.memory.estimate import (DTYPE_BYTES, GiB, RoleBytes, engine_bytes, inference_bytes, learner_bytes)
+from rlhf_ray.memory.estimate import (DTYPE_BYTES, GiB, RoleBytes, engine_bytes, gradient_bucket, inference_bytes,
+                                      learner_bytes)
 from rlhf_ray.memory.shapes import ModelShape, shape_of
 
 GPU_MEMORY = "gpu_memory"
@@ -48,10 +49,13 @@ def learner_memory(shape: ModelShape, spec, deepspeed, replicas: int, micro: int
                    scalar: bool) -> RoleBytes:
     """One learner rank's bytes from its ModelSpec and DeepSpeedSpec (what `validate` and the calibration
     benchmark both compute)."""
+    params = shape.backbone_params if scalar else shape.params
+    overlap = deepspeed.extra.get("zero_optimization", {}).get("overlap_comm", deepspeed.zero_stage == 3)
+    bucket = gradient_bucket(params, deepspeed.zero_stage, replicas, deepspeed.reduce_bucket_size, gpu, overlap)
     return learner_bytes(shape, dtype=spec.dtype, zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
                          seq_len=seq, logit_positions=positions, offload_optimizer=deepspeed.offload_optimizer,
                          offload_params=deepspeed.offload_params, gradient_checkpointing=spec.gradient_checkpointing,
-                         attention_scores=not gpu, scalar_head=scalar)
+                         attention_scores=not gpu, scalar_head=scalar, grad_bucket=bucket)
 
 
 def _learner(name: str, spec, deepspeed, replicas: int, micro: int, seq: int, positions: int, gpu: bool,

@@ -41,14 +41,18 @@ class RoleBytes:
 
 
 def model_states(params: int, dtype: str, zero_stage: int, ranks: int, offload_optimizer: bool = False,
-                 offload_params: bool = False, largest_module: int = 0, trainable: int | None = None) -> RoleBytes:
+                 offload_params: bool = False, largest_module: int = 0, trainable: int | None = None,
+                 grad_bucket: int = 0) -> RoleBytes:
     """Weights, gradients and Adam state of one data-parallel rank. `trainable`: parameters with gradients and
-    optimizer state (LoRA: the adapters), default all."""
+    optimizer state (LoRA: the adapters), default all. `grad_bucket`: gradient elements DeepSpeed stages for
+    reduction besides the gradients themselves (see gradient_bucket)."""
     d = DTYPE_BYTES[dtype]
     trainable = params if trainable is None else trainable
-    mixed = d < 4
-    grad_bytes = d + (4 if mixed else 0)  # 16-bit gradients are reduced into an fp32 copy
-    optim_bytes = 8 + (4 if mixed else 0)  # Adam's two moments (+ the fp32 master weights)
+    # Mixed precision keeps an fp32 master copy and fp32 gradients for Adam; so does every ZeRO stage >= 1 even in
+    # fp32 (DeepSpeed clones the rank's partition as its master and flattens each step's gradient partition).
+    fp32_copies = d < 4 or zero_stage >= 1
+    grad_bytes = d + (4 if fp32_copies else 0)
+    optim_bytes = 8 + (4 if fp32_copies else 0)  # Adam's two moments (+ the fp32 master weights)
     weights = d * params
     if zero_stage == 3:
         weights = d * params // ranks + d * largest_module
@@ -61,7 +65,21 @@ def model_states(params: int, dtype: str, zero_stage: int, ranks: int, offload_o
     if offload_params:
         host += d * params // ranks
         weights = d * largest_module
-    return RoleBytes(weights=weights, gradients=gradients + fp32_grads, optimizer=optimizer, host=host)
+    return RoleBytes(weights=weights, gradients=gradients + fp32_grads + d * grad_bucket, optimizer=optimizer,
+                     host=host)
+
+
+def gradient_bucket(trainable: int, zero_stage: int, ranks: int, reduce_bucket_size: int, on_gpu: bool,
+                    overlap_comm: bool) -> int:
+    """Elements of DeepSpeed's gradient staging buffers, in the gradients' dtype. ZeRO 1-3 copy gradients into a
+    contiguous bucket of `reduce_bucket_size` elements (two with overlap_comm at stage 1-2) as they are produced:
+    a GPU reserves it whole, a CPU process touches only what the gradients fill. ZeRO-0 over several ranks
+    flattens the gradients into all-reduce buffers of up to 5e8 elements; one rank reduces nothing (our engine
+    skips that pass)."""
+    if zero_stage == 0:
+        return min(trainable, 500_000_000) if ranks > 1 else 0
+    size = reduce_bucket_size if on_gpu else min(reduce_bucket_size, trainable)
+    return size * (2 if overlap_comm and zero_stage < 3 else 1)
 
 
 def activation_bytes(shape: ModelShape, dtype: str, micro_batch: int, seq_len: int, gradient_checkpointing: bool,
@@ -93,11 +111,11 @@ def logits_bytes(shape: ModelShape, micro_batch: int, positions: int, training: 
 def learner_bytes(shape: ModelShape, *, dtype: str, zero_stage: int, ranks: int, micro_batch: int, seq_len: int,
                   logit_positions: int, offload_optimizer: bool = False, offload_params: bool = False,
                   gradient_checkpointing: bool = False, attention_scores: bool = True, scalar_head: bool = False,
-                  trainable: int | None = None) -> RoleBytes:
+                  trainable: int | None = None, grad_bucket: int = 0) -> RoleBytes:
     """A training rank: model states + activations of one micro-batch + (causal LM) its logits."""
     params = shape.backbone_params if scalar_head else shape.params
     states = model_states(params, dtype, zero_stage, ranks, offload_optimizer, offload_params,
-                          shape.largest_module_params, trainable)
+                          shape.largest_module_params, trainable, grad_bucket)
     acts = activation_bytes(shape, dtype, micro_batch, seq_len, gradient_checkpointing, attention_scores)
     logits = 0 if scalar_head else logits_bytes(shape, micro_batch, logit_positions, training=True)
     return states + RoleBytes(activations=acts, logits=logits)
