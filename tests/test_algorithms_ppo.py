@@ -265,3 +265,18 @@ def test_trim_pad_columns_drops_only_the_columns_no_row_uses():
     assert pad_answer_columns(one["advantages"], 2).tolist() == [[4.0, 0.0]]
     full = {k: v[:2] for k, v in batch.items() if k != "prompt_width"}  # nothing to drop: the same tensors
     assert trim_pad_columns(full)["sequences"] is full["sequences"]
+
+
+def test_projected_logprobs_equal_the_logits_path_with_exact_gradients():
+    from rlhf_ray.algorithms.logprobs import projected_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 50, (3, 5))
+    logp, ent = projected_logprobs(hidden, weight, tokens, 0.7, chunk=4)  # 15 positions: chunks of 4, 4, 4, 3
+    logits = hidden @ weight.T
+    torch.testing.assert_close(logp, token_logprobs(logits, tokens, 0.7).double(), rtol=0, atol=1e-5)  # fp32 path
+    torch.testing.assert_close(ent, entropy(logits, 0.7).double(), rtol=0, atol=1e-5)  # entropy() is fp32
+    assert not ent.requires_grad
+    assert torch.autograd.gradcheck(lambda h, w: projected_logprobs(h, w, tokens, 0.7, 4)[0], (hidden, weight))

@@ -69,6 +69,28 @@ def test_trimmed_prompts_keep_their_bos(family_models):
     assert len(sft["input_ids"]) == 16 and sft["input_ids"][0] == tokens.prefix_ids[0]
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_disable_dropout_makes_training_forwards_deterministic(family_models, name):
+    """DeepSpeed-Chat's --disable_dropout: PPO's log-probs must be a function of the weights. OPT's layers copy
+    their dropout rate at construction, so zeroing the config alone left them dropping (fails without the fix)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_ray.models.loading import disable_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(family_models[name], dtype=torch.float32)
+    for module in model.modules():  # every rate the family has, set high so that any dropout left shows
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.5
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            if type(getattr(module, key, None)) is float:
+                setattr(module, key, 0.5)
+    disable_dropout(model)
+    model.train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 9))
+    torch.testing.assert_close(model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
 def test_stop_set_cuts_at_the_first_stop_id():
     tokens = TokenConventions(name="t", eos_id=4, stop_ids=(4, 1, 5), pad_id=4, prefix_ids=(0,))
     assert tokens.cut([7, 8, 5, 9, 4]) == ([7, 8, 5], True)  # a non-eos stop id ends the answer

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlhf_ray.actors.scoring import ReferenceWorker
@@ -10,7 +11,15 @@ from rlhf_ray.algorithms.experience import pack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs
 
 
-def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_model):
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked projection", "logits_to_keep"])
+def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_model, monkeypatch, chunked):
+    """Either way only the last A + 1 positions reach the LM head (`logits_to_keep`). By default the head is then
+    applied a chunk of positions at a time outside the forward, which returns hidden states; a model whose head
+    cannot be split (soft-capped logits) gets those positions' logits from the forward."""
+    import rlhf_ray.models.shared_prompt as shared_prompt
+
+    if not chunked:
+        monkeypatch.setattr(shared_prompt, "projection_head", lambda model: None)
     worker = ReferenceWorker(rank=0, world_size=1, model={"path": str(tiny_model), "dtype": "fp32"},
                              micro_batch_size=2, temperature=0.7)
     batch = pack_rollouts([[5, 6, 7, 8, 9, 10], [11, 12]], [[13, 14], [15, 16, 17]], pad_id=0)
@@ -19,13 +28,15 @@ def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(ti
 
     def recording(*args, **kwargs):
         out = forward(*args, **kwargs)
-        seen.append((kwargs.get("logits_to_keep"), out.logits.shape[1]))
+        seen.append((kwargs.get("logits_to_keep"), *out.logits.shape[1:]))
         return out
 
     worker.model.forward = recording
     unwrapped = ReferenceWorker.logprobs.__wrapped__  # without by_reference's ray.put
     kept = unwrapped(worker, batch, 0, 2)
-    assert seen == [(4, 4)]  # answer width 3: its 3 tokens are predicted by the last 4 positions' logits
+    # answer width 3: its 3 tokens are predicted by the last 4 positions
+    width = worker.model.config.hidden_size if chunked else worker.model.config.vocab_size
+    assert seen == [(4, 4, width)]
 
     with torch.no_grad():
         logits = forward(input_ids=batch["sequences"], attention_mask=batch["attention_mask"]).logits

@@ -106,3 +106,57 @@ def test_a_sequence_longer_than_the_sliding_window_runs_whole(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(shared_logprobs(forward, model, b), full_logprobs(model, b), rtol=0, atol=1e-4)
     assert shapes == [tuple(b["sequences"].shape)]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_gets_the_same_log_probs_entropy_and_gradients_from_the_chunked_projection(family, tmp_path):
+    """The LM head applied a chunk of positions at a time (never [B, A, V] logits) against the whole logits;
+    Gemma 2 soft-caps its logits, so it keeps the logits path."""
+    from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy, projection_head
+
+    from rlhf_ray.models.loading import disable_dropout
+
+    model = AutoModelForCausalLM.from_pretrained(build_family_model(family, tmp_path / family), dtype=torch.float32)
+    disable_dropout(model)
+    model.train()
+    b, answer_len = batch(), 4
+    results = {}
+    for chunked in (True, False):
+        model.zero_grad()
+        logp, ent = answer_logprobs_and_entropy(model, model, b["sequences"], b["attention_mask"], answer_len, 0.7,
+                                                chunked=chunked)
+        (logp * b["action_mask"]).sum().backward()
+        results[chunked] = (logp * b["action_mask"], ent * b["action_mask"],
+                            [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert (projection_head(model) is None) == (family == "gemma2")
+    (lp1, ent1, grads1), (lp0, ent0, grads0) = results[True], results[False]
+    torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ent1, ent0, rtol=0, atol=1e-4)
+    assert len(grads1) == len(grads0)
+    for g1, g0 in zip(grads1, grads0):
+        torch.testing.assert_close(g1, g0, rtol=1e-4, atol=1e-5)
+
+
+def test_the_chunked_projection_never_holds_more_than_a_chunk_of_logits():
+    from rlhf_ray.algorithms.logprobs import projected_logprobs
+
+    hidden = torch.randn(2, 6, 8, requires_grad=True)
+    weight = torch.randn(50, 8, requires_grad=True)
+    tokens = torch.randint(0, 50, (2, 6))
+    seen = []
+
+    original = torch.Tensor.__matmul__  # record every matmul's output shape, forward and backward
+
+    def matmul(a, b):
+        out = original(a, b)
+        seen.append(tuple(out.shape))
+        return out
+
+    torch.Tensor.__matmul__ = matmul
+    try:
+        logp, _ = projected_logprobs(hidden, weight, tokens, chunk=5)
+        logp.sum().backward()
+    finally:
+        torch.Tensor.__matmul__ = original
+    logits_shapes = [s for s in seen if s[-1] == 50]
+    assert logits_shapes and all(s[0] <= 5 for s in logits_shapes), seen  # 12 positions, at most 5 at a time

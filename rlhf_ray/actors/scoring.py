@@ -12,11 +12,10 @@ import torch
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.actors.sharding import ForwardRole, device
 from rlhf_ray.algorithms.experience import pad_answer_columns, trim_pad_columns, unpack_rollouts
-from rlhf_ray.algorithms.logprobs import token_logprobs
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
-from rlhf_ray.models.shared_prompt import forward_answer_logits
+from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
 
 
 class ReferenceWorker(ForwardRole):
@@ -38,12 +37,11 @@ class ReferenceWorker(ForwardRole):
             micro = trim_pad_columns({k: batch[k][part or slice(0, 1)]
                                       for k in ("sequences", "attention_mask", "action_mask")})
             seq, mask, action = (micro[k].to(device()) for k in ("sequences", "attention_mask", "action_mask"))
-            logits = forward_answer_logits(self.forward, self.model, seq, mask, action.shape[1],
-                                           share_prompts=not self.sharded)
-            logits.div_(self.temperature)  # in place: no second vocabulary-sized tensor
+            logp, _ = answer_logprobs_and_entropy(self.forward, self.model, seq, mask, action.shape[1],
+                                                  self.temperature, share_prompts=not self.sharded,
+                                                  chunked=not self.sharded, with_entropy=False)
             if part is not None:
-                parts.append(pad_answer_columns((token_logprobs(logits, seq[:, -action.shape[1]:]) * action).cpu(),
-                                                answer_len))
+                parts.append(pad_answer_columns((logp * action).cpu(), answer_len))
         return torch.cat(parts) if parts else torch.zeros(0, answer_len)
 
 

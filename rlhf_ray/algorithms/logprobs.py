@@ -39,3 +39,62 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         logp = F.log_softmax(row.float() / temperature, dim=-1)
         out.append(-(logp.exp() * logp).sum(-1))
     return torch.stack(out)
+
+
+class _ProjectedLogProbs(torch.autograd.Function):
+    """log softmax(h W^T / T)[token] and the entropy there, a chunk of positions at a time: [N, V] logits never
+    exist, only [chunk, V]; the backward pass projects each chunk again (softmax from the saved logsumexp)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, temperature, chunk):
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # at least fp32, as token_logprobs computes
+        logp = torch.empty(hidden.shape[0], dtype=acc, device=hidden.device)
+        ent, lse = torch.empty_like(logp), torch.empty_like(logp)
+        for s in range(0, hidden.shape[0], chunk):
+            logits = (hidden[s: s + chunk] @ weight.T).to(acc) / temperature
+            lse[s: s + chunk] = torch.logsumexp(logits, dim=-1)
+            logp[s: s + chunk] = logits.gather(-1, tokens[s: s + chunk, None])[:, 0] - lse[s: s + chunk]
+            probs = torch.exp(logits - lse[s: s + chunk, None])
+            ent[s: s + chunk] = lse[s: s + chunk] - (probs * logits).sum(-1)
+        ctx.save_for_backward(hidden, weight, tokens, lse)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_logp, _grad_ent):
+        hidden, weight, tokens, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = lse.dtype
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # the weight's dtype: no fp32
+        # [V, H] copy (each chunk's product accumulates in fp32 inside the matmul)
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s: s + ctx.chunk]
+            logits = (h @ weight.T).to(acc) / ctx.temperature
+            g = grad_logp[s: s + ctx.chunk].to(acc)
+            # d logp[token] / d logits = onehot(token) - softmax; times the incoming gradient, over T
+            grad_logits = torch.exp(logits - lse[s: s + ctx.chunk, None]).mul_(-g[:, None])
+            grad_logits.scatter_add_(-1, tokens[s: s + ctx.chunk, None], g[:, None])
+            grad_logits = grad_logits.div_(ctx.temperature).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s: s + ctx.chunk] = grad_logits @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_logits.T, h)
+        return grad_hidden, grad_weight, None, None, None
+
+
+CHUNK_BYTES = 2**28
+"""fp32 logits of one chunk of positions (256 MiB: ~1365 positions of a 49k vocabulary, 512 of Llama 3's 128k)."""
+
+
+def projected_logprobs(hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                       chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs [B, A], entropy [B, A] without gradient) of `tokens` [B, A] under softmax(hidden W^T / T), for
+    final hidden states [B, A, H] and an LM head's weight [V, H]: the same numbers as token_logprobs and entropy on
+    the projected logits, without ever holding [B, A, V] (at most `chunk` positions' logits at a time, default
+    CHUNK_BYTES of them, in the forward and again in the backward pass)."""
+    b, a = tokens.shape
+    chunk = chunk or max(16, CHUNK_BYTES // (4 * weight.shape[0]))
+    logp, ent = _ProjectedLogProbs.apply(hidden.reshape(b * a, -1), weight, tokens.reshape(-1), float(temperature),
+                                         int(chunk))
+    return logp.view(b, a), ent.view(b, a)

@@ -12,13 +12,12 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import logprob_gap
-from rlhf_ray.algorithms.logprobs import entropy, token_logprobs
 from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
 from rlhf_ray.models.loading import load_causal_lm
-from rlhf_ray.models.shared_prompt import forward_answer_logits
+from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
 from rlhf_ray.models.weight_buckets import pack
 
 EMA_FILE = "ema.pt"
@@ -49,16 +48,14 @@ class PolicyLearner(PPOLearnerRank):
 
     def _logprobs(self, batch: Batch, with_entropy: bool = False):
         """Answer-token log-probs at the sampling temperature (and the sampling distribution's entropy there)."""
-        answer_len = batch["action_mask"].shape[1]
-        sharded = self.engine.zero_optimization_stage() == 3 and self.world_size > 1
-        logits = forward_answer_logits(self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
-                                       answer_len, share_prompts=not sharded)
-        logits.div_(self.temperature)  # in place: no second vocabulary-sized tensor (the LM head's backward
-        # needs its input, not its output)
-        logp = token_logprobs(logits, batch["sequences"][:, -answer_len:]) * batch["action_mask"]
+        zero3 = self.engine.zero_optimization_stage() == 3
+        logp, ent = answer_logprobs_and_entropy(
+            self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
+            batch["action_mask"].shape[1], self.temperature, share_prompts=not (zero3 and self.world_size > 1),
+            chunked=not zero3, with_entropy=with_entropy)
         if not with_entropy:
-            return logp
-        return logp, entropy(logits) * batch["action_mask"]
+            return logp * batch["action_mask"]
+        return logp * batch["action_mask"], ent * batch["action_mask"]
 
     @by_reference
     def logprobs(self, batch: Batch) -> torch.Tensor:

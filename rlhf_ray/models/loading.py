@@ -38,10 +38,15 @@ def _common(spec: ModelSpec) -> dict:
 
 def disable_dropout(model: torch.nn.Module) -> None:
     """Log-probs and values must be deterministic functions of the weights (DeepSpeed-Chat's --disable_dropout)."""
+    rates = ("dropout", "attention_dropout", "activation_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+             "attn_pdrop", "layerdrop")
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    for key in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"):
+        for key in rates:  # layers that copied a rate at construction and call F.dropout with it (OPT's layers)
+            if type(getattr(module, key, None)) is float:
+                setattr(module, key, 0.0)
+    for key in rates:
         if hasattr(model.config, key):
             setattr(model.config, key, 0.0)
 

@@ -10,10 +10,13 @@ followed by right-padded answers (the layout `pack_rollouts` writes), so a promp
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Callable
 
 import torch
 
+from rlhf_ray.algorithms.logprobs import entropy, projected_logprobs, token_logprobs
 from rlhf_ray.models.loading import last_logits_only
 
 
@@ -51,7 +54,8 @@ def forward_answer_logits(forward: Callable, model: torch.nn.Module, sequences: 
     are sharded (ZeRO-3) must all run the same number of forwards, whatever rows each holds."""
     prompt_len, window = sequences.shape[1] - answer_len, _sliding_window(model)
     checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
-    if share_prompts and prompt_len > 0 and answer_len > 0 and not checkpointed and (window is None or sequences.shape[1] < window):
+    if (share_prompts and prompt_len > 0 and answer_len > 0 and not checkpointed
+            and (window is None or sequences.shape[1] < window)):
         first, inverse = distinct_rows(torch.cat([sequences[:, :prompt_len], attention_mask[:, :prompt_len]], 1))
         if len(first) < len(sequences):
             head = forward(input_ids=sequences[first, :prompt_len], attention_mask=attention_mask[first, :prompt_len],
@@ -65,3 +69,48 @@ def forward_answer_logits(forward: Callable, model: torch.nn.Module, sequences: 
     logits = forward(input_ids=sequences, attention_mask=attention_mask,
                      **last_logits_only(model, answer_len + 1)).logits
     return logits[:, -answer_len - 1: -1]
+
+
+@contextlib.contextmanager
+def head_as_identity(head: torch.nn.Module) -> Iterator[None]:
+    """Within: the LM head passes its input through, so a forward's `logits` are the final hidden states of the
+    positions it would have projected. The forward still runs through the caller's callable (a DeepSpeed engine
+    registers its backward bookkeeping on the outputs)."""
+    head.forward = lambda hidden_states: hidden_states
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def projection_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The LM head when a model's logits are exactly `hidden @ head.weight^T` (no bias, no soft-capping or logit
+    scaling, as in Gemma 2 / 3, Cohere or Granite): then log-probs can be projected a chunk at a time."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    config = getattr(model, "config", None)
+    scaled = any(getattr(config, key, None) not in (None, 1, 1.0)
+                 for key in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"))
+    if type(head) is not torch.nn.Linear or head.bias is not None or scaled:
+        return None
+    return head
+
+
+def answer_logprobs_and_entropy(forward: Callable, model: torch.nn.Module, sequences: torch.Tensor,
+                                attention_mask: torch.Tensor, answer_len: int, temperature: float,
+                                share_prompts: bool = True, chunked: bool = True, with_entropy: bool = True
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, A] of the answer tokens at the sampling temperature, and (with_entropy) the sampling
+    distribution's entropy there [B, A] without gradient. Chunked (the default, where `projection_head` allows):
+    the backbone's hidden states go through the LM head a chunk of positions at a time
+    (algorithms/logprobs.projected_logprobs), so no [B, A, V] logits are held. It reads the head's weight outside the
+    head's forward, so a ZeRO-3 engine (whose hooks gather that weight) passes chunked=False."""
+    tokens = sequences[:, -answer_len:]
+    head = projection_head(model) if chunked else None
+    if head is not None:
+        with head_as_identity(head):
+            hidden_states = forward_answer_logits(forward, model, sequences, attention_mask, answer_len, share_prompts)
+        logp, ent = projected_logprobs(hidden_states, head.weight, tokens, temperature)
+        return logp, ent if with_entropy else None
+    logits = forward_answer_logits(forward, model, sequences, attention_mask, answer_len, share_prompts)
+    logits.div_(temperature)  # in place: no second vocabulary-sized tensor (the head's backward needs its input)
+    return token_logprobs(logits, tokens), entropy(logits) if with_entropy else None
