@@ -18,14 +18,13 @@ pytestmark = pytest.mark.system
 
 
 def _sharded_group(cls, **kwargs):
-    from rlhf_ray.actors.group import ActorGroup, gather
+    from rlhf_ray.actors.group import ActorGroup
     from rlhf_ray.config.placement import PlacementSpec
-    from rlhf_ray.learners.group import actor_env
+    from rlhf_ray.learners.group import actor_env, rendezvous
 
     group = ActorGroup(cls, cls.__name__.lower(), 2, num_cpus=0.5, kwargs={**kwargs, "sharded": True},
                        env_vars=actor_env(PlacementSpec(num_cpus=0.5)), call_timeout_s=300)
-    (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1], 120, "rendezvous_address")
-    return group, group.call("setup", *address, 300.0, timeout=300)
+    return group, group.call("setup", *rendezvous(group, 120), 300.0, timeout=300)
 
 
 def _whole(cls, **kwargs) -> int:

@@ -14,7 +14,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_ray.actors.experience import ExperienceWorker
-from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, resilient_gather
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
@@ -26,7 +26,7 @@ from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.learners.critic import CriticLearner
-from rlhf_ray.learners.group import actor_env, setup_learner_group, spawn_learner_group
+from rlhf_ray.learners.group import actor_env, rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.plan import ResourcePlan
@@ -122,9 +122,8 @@ class PPORun:
             group.wait_ready(cluster.startup_timeout_s)
         for role in self.sharded_roles:  # ZeRO-3 inference groups: one process group each, shards loaded together
             group = getattr(self, role)
-            (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1],
-                                cluster.startup_timeout_s, "rendezvous_address")
-            group.call("setup", *address, cluster.call_timeout_s, timeout=cluster.startup_timeout_s)
+            group.call("setup", *rendezvous(group, cluster.startup_timeout_s), cluster.call_timeout_s,
+                       timeout=cluster.startup_timeout_s)
         self.transport = weight_transport(job)
         if self.transport == "collective":
             self._form_weight_group()
@@ -236,8 +235,7 @@ class PPORun:
     def _form_weight_group(self) -> None:
         """Policy rank 0 and every engine join a fresh weight-sync group (again after an engine is replaced)."""
         timeout = self.job.cluster.call_timeout_s
-        (address,) = gather([self.policy.actors[0].rendezvous_address.remote()], self.policy.names[:1], timeout,
-                            "rendezvous_address")
+        address = rendezvous(self.policy, timeout)
         world = len(self.pool.group) + 1
         learner = self.policy.submit("join_weight_sync", *address, world, timeout)
         engines = [actor.join_weight_sync.remote(*address, rank + 1, world, timeout)

@@ -39,7 +39,13 @@ def spawn_learner_group(cls: type, role: str, placement: PlacementSpec, placemen
 def setup_learner_group(group: ActorGroup, cluster: ClusterSpec, total_steps: int) -> ActorGroup:
     """Wait for the spawned ranks, rendezvous at rank 0, and build every DeepSpeed engine in one collective call."""
     group.wait_ready(cluster.startup_timeout_s)
-    (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1],
-                        cluster.startup_timeout_s, "rendezvous_address")
-    group.call("setup", address[0], address[1], total_steps, cluster.call_timeout_s, timeout=cluster.startup_timeout_s)
+    host, port = rendezvous(group, cluster.startup_timeout_s)
+    group.call("setup", host, port, total_steps, cluster.call_timeout_s, timeout=cluster.startup_timeout_s)
     return group
+
+
+def rendezvous(group: ActorGroup, timeout_s: float) -> tuple[str, int]:
+    """The address and port rank 0 of `group` hosts a process group on (it keeps the port until the group forms)."""
+    (address,) = gather([group.actors[0].rendezvous_address.remote()], group.names[:1], timeout_s,
+                        "rendezvous_address")
+    return address[0], address[1]
