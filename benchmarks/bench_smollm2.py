@@ -6,6 +6,10 @@ log-prob gap (metrics.jsonl), plotted against iterations.
 
     .venv/bin/python benchmarks/bench_smollm2.py [--write docs/benchmarks.md] [--runs grpo] [--seeds 1,2,3]
         [--iterations N] [--set key=value ...]
+
+Each run's result (summary, metrics rows, minutes, peak) is kept in benchmarks/results/smollm2/<recipe>-<seed>.json,
+committed with the docs, so a later invocation on another machine still reports it; the job's own output folder
+stays in --workdir.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ HEADING = "## A real model on a verifiable task: SmolLM2-135M-Instruct"
 RECIPES = {"grpo": ("ppo", "configs/recipes/smollm2-grpo.yaml"),
            "ppo": ("ppo", "configs/recipes/smollm2-ppo.yaml"),
            "pipeline": ("pipeline", "configs/recipes/smollm2-pipeline.yaml")}
+RESULTS = ROOT / "benchmarks" / "results" / "smollm2"
 
 
 def recipe_hash(config: str) -> str:
@@ -33,8 +38,7 @@ def recipe_hash(config: str) -> str:
 
 def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeout: float) -> dict:
     """One job in a fresh process; its summary, metrics rows, wall seconds and peak PSS of the process tree.
-    The result is kept as `<out>.json` (with the recipe's hash), so later runs of other seeds or recipes report
-    it too."""
+    The result is kept in RESULTS (with the recipe's hash), so later runs of other seeds or recipes report it too."""
     command = [sys.executable, "-m", "rlhf_ray.cli", kind, "--config", str(ROOT / config)]
     for item in ["cluster.dashboard=false", "logging.progress=false", f"output_dir={out}", *overrides]:
         command += ["--set", item]
@@ -46,16 +50,19 @@ def run_measured(kind: str, config: str, overrides: list[str], out: Path, timeou
     seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     result = {"summary": summary.get("ppo", summary), "stages": summary if kind == "pipeline" else None,
               "metrics": metrics, "seconds": seconds, "peak_gib": peak, "recipe": recipe_hash(config),
-              "overrides": overrides, "date": today()}
-    out.with_suffix(".json").write_text(json.dumps(result))
+              "overrides": overrides, "date": today(), "machine": machine()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{out.name}.json").write_text(json.dumps(result) + "\n")
     return result
 
 
-def kept_results(workdir: Path) -> dict:
-    """Every kept result in `workdir` whose recipe file is unchanged since it ran, by (recipe, seed)."""
+def kept_results() -> dict:
+    """Every kept result whose recipe file is unchanged since it ran, by (recipe, seed). A result marked
+    `restored` was rebuilt from the docs' table after its run's files were lost: it has the table's numbers but no
+    per-iteration metrics."""
     found = {}
     for name, (_, config) in RECIPES.items():
-        for file in sorted(workdir.glob(f"{name}-*.json")):
+        for file in sorted(RESULTS.glob(f"{name}-*.json")):
             r = json.loads(file.read_text())
             if r.get("recipe") == recipe_hash(config):
                 found[(name, int(file.stem.rsplit("-", 1)[1]))] = r
@@ -70,6 +77,8 @@ def fmt(x, digits=3) -> str:
 
 def training_minutes(r: dict) -> float:
     """The PPO iterations' wall time, plus the pipeline's SFT and reward-model stages (they train too)."""
+    if "restored" in r:
+        return r["restored"]["training_min"]
     iterations = sum(row["time/iteration"] for row in r["metrics"] if "time/iteration" in row)
     return (iterations + sum(r["stages"][k]["seconds"] for k in ("sft", "rm") if r.get("stages"))) / 60
 
@@ -82,6 +91,8 @@ def table(results: dict) -> str:
         s, m = r["summary"], [row for row in r["metrics"] if "time/iteration" in row]
         train_min = training_minutes(r)
         gaps = [row["generate/logprob_gap"] for row in m if "generate/logprob_gap" in row]
+        if "restored" in r and r["restored"].get("logprob_gap_mean") is not None:
+            gaps = [r["restored"]["logprob_gap_mean"]]
         rows.append(f"| {name} | {seed} | {fmt(s.get('task_accuracy_before'))} | {fmt(s.get('task_accuracy_after'))} | "
                     f"{fmt(s.get('sampled_task_accuracy_before'))} | {fmt(s.get('sampled_task_accuracy_after'))} | "
                     f"{s['iterations']} | {train_min:.1f} | {r['seconds'] / 60:.1f} | {r['peak_gib']:.1f} | "
@@ -126,11 +137,24 @@ def verdicts(results: dict) -> str:
     return "\n".join(lines)
 
 
+def machines(results: dict) -> str:
+    """Which machine each run ran on: one sentence if they all ran on one, else a list (minutes compare only
+    within one machine)."""
+    by_machine: dict[str, list[str]] = {}
+    for (name, seed), r in results.items():
+        by_machine.setdefault(r.get("machine", "unknown"), []).append(f"{name} seed {seed}")
+    if len(by_machine) == 1:
+        return f"Measured on {next(iter(by_machine))}."
+    return "Measured on several machines of the same size (minutes compare within one machine only): " + "; ".join(
+        f"{', '.join(runs)} on {where}" for where, runs in by_machine.items()) + "."
+
+
 def plot(results: dict, doc: Path) -> str:
     plt = pyplot()
     if plt is None:
         return "(matplotlib missing: no plot)"
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
+    lost = [f"{name} seed {seed}" for (name, seed), r in results.items() if "restored" in r]
     for (name, seed), r in results.items():
         rows = [row for row in r["metrics"] if "reward/mean" in row]
         steps = [row["step"] for row in rows]
@@ -143,7 +167,11 @@ def plot(results: dict, doc: Path) -> str:
         ax.set_title(title)
         ax.set_xlabel("iteration")
     axes[0].legend(fontsize=7)
-    return save_figure(fig, doc, "smollm2_rl.png")
+    figure = save_figure(fig, doc, "smollm2_rl.png")
+    if lost:
+        figure += ("\n\nNot in the plot (their per-iteration metrics were lost with an earlier machine's work "
+                   "folder; their rows come from this table as it was): " + ", ".join(lost) + ".")
+    return figure
 
 
 def main() -> int:
@@ -171,16 +199,16 @@ def main() -> int:
             results[(name, seed)] = r = run_measured(kind, config, overrides, tmp / f"{name}-{seed}", args.timeout)
             print(json.dumps({k: v for k, v in r["summary"].items() if k != "data_report"}), flush=True)
             print(f"   {r['seconds']:.0f} s, peak {r['peak_gib']:.1f} GiB", flush=True)
-    results = {**kept_results(tmp), **results}
+    results = {**kept_results(), **results}
     text = table(results)
     print(text)
     if args.write:
         commands = "; ".join(f"{name} seed {seed}: `{command(name, seed, r)}` ({r['date']})"
                              for (name, seed), r in results.items())
-        section = (f"{HEADING}\n\nMeasured on {machine()}; "
+        section = (f"{HEADING}\n\n{machines(results)} Versions: "
                    f"{versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. Each row is one run of "
-                   f"`benchmarks/bench_smollm2.py`, kept in its work folder and reported by every later invocation "
-                   f"while its recipe file is unchanged: {commands}.\n\n"
+                   f"`benchmarks/bench_smollm2.py`, kept in benchmarks/results/smollm2/ and reported by every later "
+                   f"invocation while its recipe file is unchanged: {commands}.\n\n"
                    "The recipes as shipped (configs/recipes/smollm2-*.yaml), one process tree per run. Greedy "
                    "and sampled accuracy: the correctness rule on `ppo.eval_prompts` held-out problems (greedy; "
                    "`ppo.eval_samples` sampled answers each at the training temperature), before and after PPO. "

@@ -142,7 +142,8 @@ def test_killed_learner_rank_restarts_the_job_by_itself_from_its_checkpoint(tmp_
 
 
 def test_killed_learner_rank_stops_the_job_naming_it_and_a_rerun_resumes(tmp_path, sft_model, rm_model):
-    from rlhf_ray.jobs.ppo import LearnerRankDied, run_ppo
+    from rlhf_ray.jobs.ppo import run_ppo
+    from rlhf_ray.jobs.restarts import LearnerRankDied
 
     job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "cluster.learner_restarts=0")
     out = Path(job.output_dir)

@@ -88,3 +88,30 @@ def test_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, tiny_model):
     a, b = weights(tmp_path / "a" / "sft" / "model"), weights(tmp_path / "b" / "sft" / "model")
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_killed_rank_restarts_the_job_by_itself_and_ends_as_an_undisturbed_run(tmp_path, tiny_model):
+    """cluster.learner_restarts for SFT: a rank killed after the first checkpoint ends the attempt; the job places
+    its ranks again, resumes from the newest checkpoint, logs each step once, counts the restart, and exports the
+    weights an undisturbed run exports."""
+    import threading
+
+    from tests.test_fault_tolerance import kill_after_first_checkpoint
+
+    common = ["train.max_steps=12", "checkpoint.every_steps=1", "checkpoint.keep_last=20"]
+    run_supervised(job("sft", tmp_path / "a", tiny_model, *common))
+    disturbed = job("sft", tmp_path / "b", tiny_model, *common)
+    out = tmp_path / "b" / "sft"
+    killer = threading.Thread(target=kill_after_first_checkpoint,
+                              args=(out, "sft-learner-1", disturbed.cluster.namespace), daemon=True)
+    killer.start()
+    summary = run_supervised(disturbed)
+    killer.join()
+    assert summary["steps"] == 12
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "train/loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))  # redone steps logged once
+    assert steps[0]["actors/learner_restarts"] == 0 and steps[-1]["actors/learner_restarts"] == 1
+    a, b = weights(tmp_path / "a" / "sft" / "model"), weights(out / "model")
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)

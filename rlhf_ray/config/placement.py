@@ -76,6 +76,7 @@ class ClusterSpec(StrictModel):
     """Stateless actors (generation engines, reference, reward) that die or hang are replaced on their bundle and
     their work re-issued, this many times per job; then the job fails."""
     learner_restarts: int = Field(2, ge=0)
-    """PPO: when a learner rank dies (its node lost, say), a ZeRO group cannot continue without it, so the job
-    removes all its actors and starts them again from the last checkpoint, by itself, up to this many times
-    (counted in metrics as `actors/learner_restarts`); 0 stops the job instead (run it again to resume)."""
+    """When a learner rank dies or hangs (its node lost, say; PPO, SFT and RM jobs), a ZeRO group cannot continue
+    without it, so the job removes all its actors and starts them again from the last checkpoint, by itself, up
+    to this many times (counted in metrics as `actors/learner_restarts`); 0 stops the job instead (run it again
+    to resume)."""

@@ -19,7 +19,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from rlhf_ray import cluster
-from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
 from rlhf_ray.compare import load_function
@@ -29,7 +28,8 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
-from rlhf_ray.jobs.ppo_run import PPORun
+from rlhf_ray.jobs.ppo_run import PPORun, sharded_roles
+from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
 from rlhf_ray.jobs.threads import with_turn_threads
 from rlhf_ray.learners.schedule import micro_batches
 from rlhf_ray.models.loading import load_tokenizer
@@ -69,24 +69,25 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     with cluster.connect(job.cluster) as handle, contextlib.closing(metrics):
         job = with_turn_threads(job, min(int(node.get("CPU", 1)) for node in handle.nodes()))
         plan = ResourcePlan.from_roles(job.placement_roles())
-        for attempt in range(job.cluster.learner_restarts + 1):
+
+        def attempt(restarts: int) -> dict:
             groups, run = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s), None
             try:
                 run = PPORun(job, plan, groups, tokenizer, tokens)
-                run.learner_restarts = attempt
-                with learner_deaths_explained(checkpoints, run.sharded_roles):
+                run.learner_restarts = restarts
+                with learner_deaths_explained(checkpoints, learner_groups(job)):
                     return _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out)
-            except LearnerRankDied as err:
-                if attempt == job.cluster.learner_restarts:
-                    raise
-                log.warning("%s\nrestarting every role from %s (automatic restart %d of %d, "
-                            "cluster.learner_restarts)", str(err).splitlines()[0], checkpoints.latest() or "the start",
-                            attempt + 1, job.cluster.learner_restarts)
             finally:
                 if run is not None:
                     run.kill()
                 cluster.remove(groups)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+
+        return with_learner_restarts(job.cluster.learner_restarts, checkpoints, attempt)
+
+
+def learner_groups(job: PPOJob) -> tuple[str, ...]:
+    """The roles whose ranks form a ZeRO group (a dead rank ends the attempt): the learners and sharded roles."""
+    return ("policy", "critic", *sharded_roles(job))
 
 
 def accuracy_rule(job: PPOJob, rows: list[dict]):
@@ -102,30 +103,6 @@ def accuracy_rule(job: PPOJob, rows: list[dict]):
             raise ValueError(f"ppo.accuracy_function: {exc}") from None
         return rule
     return task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
-
-
-class LearnerRankDied(RuntimeError):
-    """A DeepSpeed rank is gone: its ZeRO group cannot go on without it, so the job stops (resubmit to resume)."""
-
-
-@contextlib.contextmanager
-def learner_deaths_explained(checkpoints: Checkpoints, sharded_roles: tuple[str, ...] = ()):
-    """A dead or hung rank of a ZeRO group (policy, critic, a sharded reference or reward) ends the attempt with
-    LearnerRankDied, naming it and where a rerun resumes."""
-    prefixes = tuple(f"{role}-" for role in ("policy", "critic", *sharded_roles))
-    try:
-        yield
-    except (ActorDiedError, ActorCallTimeout) as err:
-        learners = [n for n in ([err.actor] if isinstance(err, ActorDiedError) else [n for n, _ in err.pending])
-                    if n.startswith(prefixes)]
-        if not learners:
-            raise
-        what = "died" if isinstance(err, ActorDiedError) else "hangs (no answer within cluster.call_timeout_s)"
-        latest = checkpoints.latest()
-        resume = (f"run the job again with the same output_dir to resume from {latest}" if latest else
-                  "no checkpoint was written yet (set checkpoint.every_steps), so a new run starts over")
-        raise LearnerRankDied(f"learner rank {learners[0]} {what}; a ZeRO group cannot continue without one of its "
-                              f"ranks, so the job stops: {resume}.\nCause: {err}") from err
 
 
 def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out) -> dict:

@@ -51,6 +51,12 @@ def weight_transport(job: PPOJob) -> str:
     return chosen
 
 
+def sharded_roles(job: PPOJob) -> tuple[str, ...]:
+    """Forward-only roles whose replicas hold shards of one model (ZeRO-3 inference): a dead replica ends the
+    attempt, as a dead learner rank does."""
+    return tuple(role for role in ("reference", "reward") if getattr(job, role).sharded)
+
+
 class PPORun:
     def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer, tokens: TokenConventions | None = None):
         self.job, self.tokenizer = job, tokenizer
@@ -62,7 +68,7 @@ class PPORun:
             name, bundles = plan.role_slots(role)
             return groups[name], bundles
 
-        self.sharded_roles = tuple(r for r in ("reference", "reward") if getattr(job, r).sharded)
+        self.sharded_roles = sharded_roles(job)
         """Forward-only roles whose replicas hold shards of one model: called together, never replaced alone."""
         # every role's processes start at once (imports and model loads overlap); then each is waited for
         ppo = job.ppo

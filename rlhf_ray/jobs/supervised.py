@@ -5,6 +5,7 @@
     resume from the newest complete checkpoint, if any
     for step: group.train_step(step)                 # every rank, every step: ZeRO steps are collectives
     evaluate, export the HF model, write summary.json
+    a rank that dies: everything starts again from the newest checkpoint (cluster.learner_restarts times)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
+from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
 from rlhf_ray.learners.group import start_learner_group
 from rlhf_ray.learners.reward import RewardLearner
 from rlhf_ray.learners.schedule import steps_per_epoch
@@ -73,50 +75,68 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
 
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
-        try:
-            group_name, bundles = plan.role_slots("learner")
-            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
-                                           bundles, job.cluster, steps, **_learner_kwargs(job, tokens.pad_id))
-            learners.call("set_data", ray.put(data.train), ray.put(data.eval))
-            start, first_eval = _resume(job, checkpoints, learners)
-            metrics.rewind(start if first_eval is not None else -1)  # steps to be redone (or a previous run's)
-            if first_eval is None:
-                first_eval = learners.call("evaluate")[0]
-                metrics.log(0, first_eval)
-            last_eval = first_eval
-            end = min(steps, stop_after) if stop_after is not None else steps
-            bar = tqdm(range(start, end), desc=f"{phase} train", initial=start, total=steps,
-                       disable=not job.logging.progress)
-            for step in bar:
-                result = learners.call("train_step", step)[0]
-                bar.set_postfix(loss=f"{result['loss']:.4f}")
-                if (step + 1) % job.logging.log_every_steps == 0:
-                    metrics.log(step + 1, result, prefix="train/")
-                if job.train.eval_every_steps and (step + 1) % job.train.eval_every_steps == 0:
-                    last_eval = learners.call("evaluate")[0]
-                    metrics.log(step + 1, last_eval)
-                if job.checkpoint.every_steps and (step + 1) % job.checkpoint.every_steps == 0:
-                    _save(checkpoints, learners, step + 1, first_eval)
-            if end < steps:
-                if not (job.checkpoint.every_steps and end % job.checkpoint.every_steps == 0):
-                    _save(checkpoints, learners, end, first_eval)
-                learners.kill()
-                return {"phase": phase, "stopped_at_step": end, "steps": steps}
-            if not (job.train.eval_every_steps and steps % job.train.eval_every_steps == 0 and steps > start):
-                last_eval = learners.call("evaluate")[0]
-                metrics.log(steps, last_eval)
-            if job.checkpoint.every_steps == 0 or steps % job.checkpoint.every_steps:
-                _save(checkpoints, learners, steps, first_eval)
-            learners.call("export_hf", str(out / FINAL_MODEL_DIR))
-            learners.kill()
-        finally:
-            cluster.remove(groups)
-            metrics.close()
 
-    summary = _summary(phase, first_eval, last_eval, steps, len(data.train), time.time() - started, data.report)
+        def attempt(restarts: int) -> dict:
+            groups, learners = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s), None
+            try:
+                group_name, bundles = plan.role_slots("learner")
+                learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
+                                               bundles, job.cluster, steps, **_learner_kwargs(job, tokens.pad_id))
+                learners.call("set_data", ray.put(data.train), ray.put(data.eval))
+                with learner_deaths_explained(checkpoints, (f"{phase}-learner",)):
+                    return _train(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
+            finally:
+                if learners is not None:
+                    learners.kill()
+                cluster.remove(groups)
+
+        try:
+            result = with_learner_restarts(job.cluster.learner_restarts, checkpoints, attempt)
+        finally:
+            metrics.close()
+    if "stopped_at_step" in result:
+        return result
+    summary = _summary(phase, result["first_eval"], result["last_eval"], steps, len(data.train),
+                       time.time() - started, data.report)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _train(job: SFTJob | RMJob, phase: str, learners, checkpoints: Checkpoints, metrics: MetricsLogger, steps: int,
+           stop_after: int | None, restarts: int, out: Path) -> dict:
+    """The steps from the newest checkpoint (or the start) to the end or `stop_after`; the first and last
+    evaluations, or where it stopped."""
+    start, first_eval = _resume(job, checkpoints, learners)
+    metrics.rewind(start if first_eval is not None else -1)  # steps to be redone (or a previous run's)
+    if first_eval is None:
+        first_eval = learners.call("evaluate")[0]
+        metrics.log(0, first_eval)
+    last_eval = first_eval
+    end = min(steps, stop_after) if stop_after is not None else steps
+    bar = tqdm(range(start, end), desc=f"{phase} train", initial=start, total=steps,
+               disable=not job.logging.progress)
+    for step in bar:
+        result = learners.call("train_step", step)[0]
+        bar.set_postfix(loss=f"{result['loss']:.4f}")
+        if (step + 1) % job.logging.log_every_steps == 0:
+            metrics.log(step + 1, {**{f"train/{k}": v for k, v in result.items()},
+                                   "actors/learner_restarts": restarts})
+        if job.train.eval_every_steps and (step + 1) % job.train.eval_every_steps == 0:
+            last_eval = learners.call("evaluate")[0]
+            metrics.log(step + 1, last_eval)
+        if job.checkpoint.every_steps and (step + 1) % job.checkpoint.every_steps == 0:
+            _save(checkpoints, learners, step + 1, first_eval)
+    if end < steps:
+        if not (job.checkpoint.every_steps and end % job.checkpoint.every_steps == 0):
+            _save(checkpoints, learners, end, first_eval)
+        return {"phase": phase, "stopped_at_step": end, "steps": steps}
+    if not (job.train.eval_every_steps and steps % job.train.eval_every_steps == 0 and steps > start):
+        last_eval = learners.call("evaluate")[0]
+        metrics.log(steps, last_eval)
+    if job.checkpoint.every_steps == 0 or steps % job.checkpoint.every_steps:
+        _save(checkpoints, learners, steps, first_eval)
+    learners.call("export_hf", str(out / FINAL_MODEL_DIR))
+    return {"first_eval": first_eval, "last_eval": last_eval}
 
 
 def _resume(job: SFTJob | RMJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:

@@ -1,0 +1,54 @@
+"""Learner ranks that die or hang. A ZeRO group cannot go on without one of its ranks, so the attempt ends naming
+the rank; the job then starts every actor again from its newest complete checkpoint, by itself, up to
+`cluster.learner_restarts` times (PPO, SFT and RM jobs alike); past that it stops with the resume advice."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Callable, TypeVar
+
+from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError
+from rlhf_ray.jobs.checkpoints import Checkpoints
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LearnerRankDied(RuntimeError):
+    """A DeepSpeed rank is gone: its ZeRO group cannot go on without it, so the job stops (resubmit to resume)."""
+
+
+@contextlib.contextmanager
+def learner_deaths_explained(checkpoints: Checkpoints, groups: tuple[str, ...]):
+    """A dead or hung rank of one of `groups` (actor names `<group>-<rank>`) ends the attempt with LearnerRankDied,
+    naming it and where a rerun resumes. Other actors' errors pass through unchanged."""
+    prefixes = tuple(f"{group}-" for group in groups)
+    try:
+        yield
+    except (ActorDiedError, ActorCallTimeout) as err:
+        ranks = [n for n in ([err.actor] if isinstance(err, ActorDiedError) else [n for n, _ in err.pending])
+                 if n.startswith(prefixes)]
+        if not ranks:
+            raise
+        what = "died" if isinstance(err, ActorDiedError) else "hangs (no answer within cluster.call_timeout_s)"
+        latest = checkpoints.latest()
+        resume = (f"run the job again with the same output_dir to resume from {latest}" if latest else
+                  "no checkpoint was written yet (set checkpoint.every_steps), so a new run starts over")
+        raise LearnerRankDied(f"learner rank {ranks[0]} {what}; a ZeRO group cannot continue without one of its "
+                              f"ranks, so the job stops: {resume}.\nCause: {err}") from err
+
+
+def with_learner_restarts(limit: int, checkpoints: Checkpoints, attempt: Callable[[int], T]) -> T:
+    """`attempt(restarts_so_far)` until it returns; when it ends with LearnerRankDied (raised by
+    learner_deaths_explained around its training, so a rank that fails to start is not retried) it runs again,
+    placing its actors anew and resuming from `checkpoints`, at most `limit` more times; then the error goes up."""
+    for restarts in range(limit + 1):
+        try:
+            return attempt(restarts)
+        except LearnerRankDied as err:
+            if restarts == limit:
+                raise
+            log.warning("%s\nrestarting every actor from %s (automatic restart %d of %d, cluster.learner_restarts)",
+                        str(err).splitlines()[0], checkpoints.latest() or "the start", restarts + 1, limit)
+    raise AssertionError("unreachable: the last attempt returns or raises")
