@@ -198,6 +198,10 @@ class _SFTOnly(Adapter):
     prompt_path: ClassVar[str]
     answer_path: ClassVar[str]
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.fields = (cls.prompt_path, cls.answer_path)
+
     def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
         prompt = field(row, self.prompt_path, nullable=True)
         if prompt is None:
@@ -209,14 +213,12 @@ class Wangrui6ZhihuKOL(_SFTOnly):
     name = "wangrui6/Zhihu-KOL"
     eval_split = None
     prompt_path, answer_path = "INSTRUCTION", "RESPONSE"
-    fields = (prompt_path, answer_path)
 
 
 class HelloSimpleAIHC3Chinese(_SFTOnly):
     name = "Hello-SimpleAI/HC3-Chinese"
     eval_split = None
     prompt_path, answer_path = "question", "human_answers.0"
-    fields = (prompt_path, answer_path)
 
 
 class MkqaChinese(_SFTOnly):
@@ -224,27 +226,23 @@ class MkqaChinese(_SFTOnly):
     hub_name = "mkqa"
     eval_split = None
     prompt_path, answer_path = "queries.zh_cn", "answers.zh_cn.0.text"
-    fields = (prompt_path, answer_path)
 
 
 class MkqaJapanese(MkqaChinese):
     name = "mkqa-Japanese"
     prompt_path, answer_path = "queries.ja", "answers.ja.0.text"
-    fields = (prompt_path, answer_path)
 
 
 class LmqgQgJaquad(_SFTOnly):
     name = "lmqg/qg_jaquad"
     eval_split = "validation"
     prompt_path, answer_path = "question", "sentence"
-    fields = (prompt_path, answer_path)
 
 
 class LmqgQagJaquad(_SFTOnly):
     name = "lmqg/qag_jaquad"
     eval_split = "validation"
     prompt_path, answer_path = "questions.0", "paragraph"
-    fields = (prompt_path, answer_path)
 
 
 class CohereMiraclZh(Adapter):
