@@ -163,6 +163,20 @@ def test_make_experience_grpo_kl_in_reward_or_in_loss():
         make_experience(scores, None, ref, None, mask, ended, PPOSpec(advantage_estimator="grpo"), 3)
 
 
+def test_eos_penalty_reaches_critic_free_advantages():
+    # one prompt, two answers with equal scores: the first ended with end-of-text, the second was cut off
+    scores, mask, ended, ref = T([1.0, 1.0]), T([[1.0], [1.0]]), T([True, False]), T([[0.0], [0.0]])
+    for estimator, want in (("grpo", [1 / math.sqrt(2), -1 / math.sqrt(2)]), ("rloo", [1.0, -1.0])):
+        # sequence rewards [1, 1 - 1] = [1, 0]: GRPO mean 0.5, unbiased std sqrt(0.5); RLOO 1 - 0 and 0 - 1
+        options = {"whiten_advantages": False} if estimator == "rloo" else {}
+        spec = PPOSpec(advantage_estimator=estimator, kl_in_loss=True, eos_penalty=-1.0, **options)
+        out = make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)
+        close(out["advantages"], [[w] for w in want], 1e-4)
+        # without the penalty the two answers are indistinguishable
+        spec = PPOSpec(advantage_estimator=estimator, kl_in_loss=True, **options)
+        close(make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)["advantages"], [[0.0], [0.0]])
+
+
 def test_make_experience_gae_shapes_rewards_before_the_critic():
     spec = PPOSpec(kl_coef=0.1, whiten_advantages=False, lam=1.0)
     logp, ref, values = T([[-1.0, -2.0, -3.0]]), T([[-1.5, -1.0, -3.0]]), T([[0.2, 0.4, 7.0]])

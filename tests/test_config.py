@@ -139,6 +139,21 @@ def test_critic_free_estimators_refuse_a_critic_and_need_groups(write_yaml):
     assert "critic" not in job.placement_roles()
 
 
+def test_an_option_the_advantage_estimator_does_not_read_is_refused_at_its_line(write_yaml):
+    path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "").replace(
+        "ppo:\n", "ppo:\n  advantage_estimator: reinforce_pp\n  whiten_advantages: false\n"))
+    (problem,) = problems_of(path)
+    assert "ppo.whiten_advantages" in problem and "reinforce_pp does not use whiten_advantages" in problem
+    assert "job.yaml:9:" in problem  # the line the user wrote it on
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2"])
+    assert "grpo does not use whiten_advantages" in problem
+    # read by rloo: accepted; lam is GAE's only
+    load_job(path, ["ppo.advantage_estimator=rloo", "generation.sampling.n_samples_per_prompt=2"])
+    (problem,) = problems_of(write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "")),
+                             ["ppo.advantage_estimator=rloo", "generation.sampling.n_samples_per_prompt=2", "ppo.lam=1.0"])
+    assert "ppo.lam" in problem and "rloo does not use lam" in problem
+
+
 def test_ppo_batch_checks(write_yaml):
     (problem,) = problems_of(write_yaml(PPO), ["generation.placement.replicas=16"])
     assert "ppo.rollout_batch_size" in problem and "cannot keep 16 engines busy" in problem

@@ -6,7 +6,7 @@ import torch
 
 from rlhf_ray.algorithms.advantages import broadcast_to_tokens, gae, group_normalized, leave_one_out, reinforce_pp
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
-from rlhf_ray.algorithms.rewards import kl_estimate, shaped_rewards
+from rlhf_ray.algorithms.rewards import kl_estimate, sequence_scores, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -106,7 +106,7 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
         advantages = reinforce_pp(rewards, action_mask, spec.gamma)
     else:
         # GRPO / RLOO: the sequence score (with the KL as a per-token penalty folded in as its sum)
-        seq_reward = scores.float().clamp(-spec.clip_reward, spec.clip_reward)
+        seq_reward = sequence_scores(scores, spec.clip_reward, ended, spec.eos_penalty)
         if reward_kl_coef:
             seq_reward = seq_reward - reward_kl_coef * kl.sum(-1)
         norm = group_normalized if spec.advantage_estimator == "grpo" else leave_one_out

@@ -34,14 +34,22 @@ def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
     return (action_mask.sum(-1) - 1).clamp(min=0).long()
 
 
+def sequence_scores(scores: torch.Tensor, clip_reward: float, ended: torch.Tensor | None = None,
+                    eos_penalty: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """clip(score_b, +-clip_reward), plus `eos_penalty` for an answer that never produced end-of-text (cut at
+    max_new_tokens): what every estimator rewards an answer with, before any KL term."""
+    score = scores.to(dtype).clamp(-clip_reward, clip_reward)
+    if eos_penalty is not None and ended is not None:
+        score = score + eos_penalty * (~ended.bool()).to(dtype)
+    return score
+
+
 def shaped_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor,
                    kl_coef: float, clip_reward: float, estimator: KLEstimator = "k1",
                    ended: torch.Tensor | None = None, eos_penalty: float | None = None) -> torch.Tensor:
     """rewards[b, t] = -kl_coef * KL_t on answer tokens, plus clip(score_b, +-clip_reward) (and `eos_penalty`
     for an answer that never produced end-of-text) on the answer's last token; 0 on padding."""
     rewards = -kl_coef * kl_estimate(logp, ref_logp, estimator, action_mask) * action_mask
-    score = scores.to(rewards.dtype).clamp(-clip_reward, clip_reward)
-    if eos_penalty is not None and ended is not None:
-        score = score + eos_penalty * (~ended.bool()).to(rewards.dtype)
+    score = sequence_scores(scores, clip_reward, ended, eos_penalty, rewards.dtype)
     last = last_action_index(action_mask)
     return rewards.scatter_add(1, last.unsqueeze(1), score.unsqueeze(1) * (action_mask.sum(-1, keepdim=True) > 0))

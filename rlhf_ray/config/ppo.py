@@ -4,12 +4,20 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from rlhf_ray.config.base import StrictModel
+from rlhf_ray.config.base import FieldProblem, StrictModel
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp"})
+USED_BY: dict[str, tuple[frozenset[str], str]] = {
+    "whiten_advantages": (frozenset({"gae", "rloo"}), "grpo normalises within each prompt's group and reinforce_pp "
+                                                      "always whitens over the batch"),
+    "lam": (frozenset({"gae"}), "lambda weighs the critic's temporal differences"),
+    "gamma": (frozenset({"gae", "reinforce_pp"}), "grpo and rloo score whole answers, with nothing to discount"),
+    "clip_value": (frozenset({"gae"}), "it clips the critic's value loss"),
+}
+"""Options that only some advantage estimators read: setting one for another estimator is refused, not ignored."""
 
 
 class EmaSpec(StrictModel):
@@ -50,15 +58,17 @@ class PPOSpec(StrictModel):
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; off when unset."""
     clip_value: float = Field(0.2, gt=0)
-    """Value-function clip around the old values."""
+    """Value-function clip around the old values (gae only: setting it for another estimator is refused)."""
     gamma: float = Field(1.0, gt=0, le=1)
-    """GAE discount."""
+    """Discount (gae and reinforce_pp; refused for grpo and rloo, which score whole answers)."""
     lam: float = Field(0.95, ge=0, le=1)
-    """GAE lambda."""
+    """GAE lambda (gae only)."""
     whiten_advantages: bool = True
-    """Normalise advantages to zero mean and unit variance over the batch."""
+    """Normalise advantages to zero mean and unit variance over the batch (gae and rloo; grpo normalises within
+    each prompt's group and reinforce_pp always whitens, so setting it for them is refused)."""
     eos_penalty: float | None = None
-    """Score added (use a negative value) to answers that end without the end-of-text token."""
+    """Score added (use a negative value) to answers that end without the end-of-text token (cut off at
+    max_new_tokens), before any estimator sees the score (gae, grpo, rloo and reinforce_pp alike)."""
     ptx_coef: float = Field(27.8, ge=0)
     """Weight of the pretraining-mix loss (InstructGPT's gamma), used when `pretrain_data` is set."""
     pretrain_data: list[str] = Field(default_factory=list)
@@ -71,6 +81,15 @@ class PPOSpec(StrictModel):
     mode trains on batches one version old, so it needs at least 1)."""
     buffer_capacity: int = Field(4, ge=1)
     """Experience batches the replay buffer holds; when full, the oldest is dropped (and counted)."""
+    @model_validator(mode="after")
+    def _options_the_estimator_reads(self) -> "PPOSpec":
+        for name in sorted(self.model_fields_set & USED_BY.keys()):
+            readers, why = USED_BY[name]
+            if self.advantage_estimator not in readers:
+                raise FieldProblem(name, f"advantage_estimator {self.advantage_estimator} does not use {name} ({why}; "
+                                         f"used by {', '.join(sorted(readers))}): remove it")
+        return self
+
     eval_prompts: int = Field(64, ge=0)
     """Held-out prompts scored before and after training (summary.json's reward_before / reward_after; 0 skips
     both evaluations and leaves them null)."""
