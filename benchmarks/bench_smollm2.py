@@ -156,6 +156,8 @@ def plot(results: dict, doc: Path) -> str:
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.6))
     lost = [f"{name} seed {seed}" for (name, seed), r in results.items() if "restored" in r]
     for (name, seed), r in results.items():
+        if "restored" in r:
+            continue
         rows = [row for row in r["metrics"] if "reward/mean" in row]
         steps = [row["step"] for row in rows]
         axes[0].plot(steps, [row["reward/mean"] for row in rows], label=f"{name} seed {seed}")
