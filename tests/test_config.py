@@ -148,7 +148,10 @@ def test_an_option_the_advantage_estimator_does_not_read_is_refused_at_its_line(
     (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2"])
     assert "grpo does not use whiten_advantages" in problem
     # read by rloo: accepted; lam is GAE's only
-    load_job(path, ["ppo.advantage_estimator=rloo", "generation.sampling.n_samples_per_prompt=2"])
+    job = load_job(path, ["ppo.advantage_estimator=rloo", "generation.sampling.n_samples_per_prompt=2"])
+    # actors get the spec as a dict with every field: defaults there are not options the user set
+    for spec in (job.ppo, job.ppo.model_copy(update={"advantage_estimator": "grpo", "whiten_advantages": True})):
+        assert type(spec).model_validate(spec.model_dump()) == spec
     (problem,) = problems_of(write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "")),
                              ["ppo.advantage_estimator=rloo", "generation.sampling.n_samples_per_prompt=2", "ppo.lam=1.0"])
     assert "ppo.lam" in problem and "rloo does not use lam" in problem

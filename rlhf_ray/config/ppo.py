@@ -17,7 +17,8 @@ USED_BY: dict[str, tuple[frozenset[str], str]] = {
     "gamma": (frozenset({"gae", "reinforce_pp"}), "grpo and rloo score whole answers, with nothing to discount"),
     "clip_value": (frozenset({"gae"}), "it clips the critic's value loss"),
 }
-"""Options that only some advantage estimators read: setting one for another estimator is refused, not ignored."""
+"""Options that only some advantage estimators read: a value other than the default for another estimator is
+refused, not ignored."""
 
 
 class EmaSpec(StrictModel):
@@ -83,7 +84,8 @@ class PPOSpec(StrictModel):
     """Experience batches the replay buffer holds; when full, the oldest is dropped (and counted)."""
     @model_validator(mode="after")
     def _options_the_estimator_reads(self) -> "PPOSpec":
-        for name in sorted(self.model_fields_set & USED_BY.keys()):
+        # a value other than the default (a dumped and re-validated spec carries every field, set or not)
+        for name in sorted(n for n in USED_BY if getattr(self, n) != type(self).model_fields[n].default):
             readers, why = USED_BY[name]
             if self.advantage_estimator not in readers:
                 raise FieldProblem(name, f"advantage_estimator {self.advantage_estimator} does not use {name} ({why}; "
