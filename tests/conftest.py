@@ -13,6 +13,21 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def shared_gguf_imports(tmp_path_factory):
+    """Jobs that name a GGUF model (package:smollm2) import it once per session, not once per output_dir
+    (RLHF_RAY_MODELS_DIR; the test of the default location unsets it)."""
+    from rlhf_ray.models.sources import MODELS_DIR_ENV
+
+    old = os.environ.get(MODELS_DIR_ENV)
+    os.environ[MODELS_DIR_ENV] = str(tmp_path_factory.mktemp("imported-models"))
+    yield
+    if old is None:
+        os.environ.pop(MODELS_DIR_ENV, None)
+    else:
+        os.environ[MODELS_DIR_ENV] = old
+
+
 @pytest.fixture
 def write_yaml(tmp_path: Path):
     """Write a YAML text to a file in tmp_path and return its path."""

@@ -164,39 +164,51 @@ def _check_greedy(run, prompts, learner, tokens, max_new_tokens) -> None:
         assert s["answer_ids"] == want and s["finished"] == finished
 
 
-@pytest.mark.system
-@pytest.mark.parametrize("name", NAMES)
-def test_sft_step_ppo_on_both_engines_and_export(family_models, tmp_path, name):
-    """In one local Ray: SFT steps; a GRPO iteration scored by the family's own model as a reward model, sampled
-    by the hf engine; the pool swapped for a vLLM engine, a second iteration; after each weight sync engine greedy
-    == learner greedy; the exported model reloads in plain transformers with the family's stop ids."""
+@pytest.fixture(scope="class")
+def local_ray():
+    """One embedded Ray for every family's end-to-end test (as each job would start it; stopped after them)."""
     from rlhf_ray import cluster
-    from rlhf_ray.actors.pool import GenerationPool
-    from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.ppo_run import PPORun
-    from rlhf_ray.plan import ResourcePlan
 
-    path = family_models[name]
-    common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
-    sft_job = load_job(ROOT / "configs/quickstart/sft.yaml",
-                       [f"model.path={path}", f"output_dir={tmp_path / 'sft'}", "placement.replicas=1",
-                        "train.global_batch_size=8", "optim.warmup_steps=0", *common])
-    ppo_job = load_job(ROOT / "configs/quickstart/ppo.yaml",
-                       [f"policy.model.path={path}", f"reward.model.path={path}", f"output_dir={tmp_path / 'ppo'}",
-                        "critic=null", "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
-                        "generation.sampling.n_samples_per_prompt=2", "generation.engine=hf",
-                        "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=8", "policy.micro_batch_size=16",
-                        "policy.optim.lr=0.01", *common])
-    vllm_job = ppo_job.model_copy(update={"generation": ppo_job.generation.model_copy(update={"engine": "vllm"})})
-    tokenizer, tokens = conventions(path)
-    data = build_phase_data(ppo_job.data, tokenizer, "ppo", ppo_job.seed, tmp_path / "cache", tokens=tokens)
-    probe = [r["prompt_ids"] for r in data.eval[:4]]
-    learner = AutoModelForCausalLM.from_pretrained(path).eval()
-    start = {n: p.clone() for n, p in learner.named_parameters()}
-    max_new = ppo_job.generation.sampling.max_new_tokens
-    with cluster.connect(ppo_job.cluster) as handle:
+    spec = load_job(ROOT / "configs/quickstart/ppo.yaml", ["cluster.dashboard=false"]).cluster
+    with cluster.connect(spec) as handle:
+        yield handle
+
+
+@pytest.mark.system
+class TestEndToEnd:
+    """Every family through real actors, on one embedded Ray (local_ray) started once for all of them."""
+
+    @pytest.mark.parametrize("name", NAMES)
+    def test_sft_step_ppo_on_both_engines_and_export(self, family_models, local_ray, tmp_path, name):
+        """SFT steps; a GRPO iteration scored by the family's own model as a reward model, sampled by the hf
+        engine; the pool swapped for a vLLM engine, a second iteration; after each weight sync engine greedy ==
+        learner greedy; the exported model reloads in plain transformers with the family's stop ids."""
+        from rlhf_ray import cluster
+        from rlhf_ray.actors.pool import GenerationPool
+        from rlhf_ray.data.build import build_phase_data
+        from rlhf_ray.jobs.ppo_run import PPORun
+        from rlhf_ray.plan import ResourcePlan
+
+        path = family_models[name]
+        common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
+        sft_job = load_job(ROOT / "configs/quickstart/sft.yaml",
+                           [f"model.path={path}", f"output_dir={tmp_path / 'sft'}", "placement.replicas=1",
+                            "train.global_batch_size=8", "optim.warmup_steps=0", *common])
+        ppo_job = load_job(ROOT / "configs/quickstart/ppo.yaml",
+                           [f"policy.model.path={path}", f"reward.model.path={path}", f"output_dir={tmp_path / 'ppo'}",
+                            "critic=null", "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
+                            "generation.sampling.n_samples_per_prompt=2", "generation.engine=hf",
+                            "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=8", "policy.micro_batch_size=16",
+                            "policy.optim.lr=0.01", *common])
+        vllm_job = ppo_job.model_copy(update={"generation": ppo_job.generation.model_copy(update={"engine": "vllm"})})
+        tokenizer, tokens = conventions(path)
+        data = build_phase_data(ppo_job.data, tokenizer, "ppo", ppo_job.seed, tmp_path / "cache", tokens=tokens)
+        probe = [r["prompt_ids"] for r in data.eval[:4]]
+        learner = AutoModelForCausalLM.from_pretrained(path).eval()
+        start = {n: p.clone() for n, p in learner.named_parameters()}
+        max_new = ppo_job.generation.sampling.max_new_tokens
         sft_plan = ResourcePlan.from_roles(sft_job.placement_roles())
-        sft_groups = cluster.place(sft_plan, handle.nodes(), 120)
+        sft_groups = cluster.place(sft_plan, local_ray.nodes(), 120)
         try:
             sft = _sft_steps(sft_job, (sft_plan, sft_groups), tokenizer, tokens, tmp_path)
         finally:
@@ -205,7 +217,8 @@ def test_sft_step_ppo_on_both_engines_and_export(family_models, tmp_path, name):
         assert sft["last"]["eval_loss"] < sft["first"]["eval_loss"]
 
         plan = ResourcePlan.from_roles(ppo_job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
+        groups = cluster.place(plan, local_ray.nodes(), 120)
+        run = None
         try:
             run = PPORun(ppo_job, plan, groups, tokenizer, tokens)
             for iteration, engine in enumerate(["hf", "vllm"]):
@@ -222,15 +235,17 @@ def test_sft_step_ppo_on_both_engines_and_export(family_models, tmp_path, name):
                 _check_greedy(run, probe, learner, tokens, max_new)
             run.policy.call("export_hf", str(tmp_path / "export"))
         finally:
+            if run is not None:  # named actors go before their groups, so the next family can take the names
+                run.kill()
             cluster.remove(groups)
-    assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())  # it trained
-    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    assert type(exported).__name__ == FAMILIES[name].architecture
-    trained = dict(learner.named_parameters())
-    for n, p in exported.named_parameters():
-        torch.testing.assert_close(p, trained[n], rtol=0, atol=0)
-    again = TokenConventions.from_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "export"), tmp_path / "export")
-    assert replace(again, name="") == replace(tokens, name="")
+        assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())  # it trained
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+        assert type(exported).__name__ == FAMILIES[name].architecture
+        trained = dict(learner.named_parameters())
+        for n, p in exported.named_parameters():
+            torch.testing.assert_close(p, trained[n], rtol=0, atol=0)
+        again = TokenConventions.from_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "export"), tmp_path / "export")
+        assert replace(again, name="") == replace(tokens, name="")
 
 
 def _slots(plan, groups):

