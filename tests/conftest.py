@@ -19,13 +19,9 @@ def shared_gguf_imports(tmp_path_factory):
     (RLHF_RAY_MODELS_DIR; the test of the default location unsets it)."""
     from rlhf_ray.models.sources import MODELS_DIR_ENV
 
-    old = os.environ.get(MODELS_DIR_ENV)
-    os.environ[MODELS_DIR_ENV] = str(tmp_path_factory.mktemp("imported-models"))
-    yield
-    if old is None:
-        os.environ.pop(MODELS_DIR_ENV, None)
-    else:
-        os.environ[MODELS_DIR_ENV] = old
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(MODELS_DIR_ENV, str(tmp_path_factory.mktemp("imported-models")))
+        yield
 
 
 @pytest.fixture
