@@ -4,8 +4,10 @@ attempt, how many attempts run, what the final error says."""
 from __future__ import annotations
 
 import pytest
+import ray
 
-from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError
+from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError, results_lost
+from rlhf_ray.jobs.ppo import _step_redoing_lost_results
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
 
@@ -44,3 +46,63 @@ def test_restarts_are_bounded_and_counted(tmp_path):
     with pytest.raises(ValueError):  # any other error ends the job at once
         with_learner_restarts(2, checkpoints, lambda restarts: seen.append(restarts) or int("x"))
     assert seen == [0]
+
+
+def lost_with_node() -> RemoteCallError:
+    """What a call reading an object owned by an actor of a dead node raises (RemoteCallError from gather)."""
+    return RemoteCallError("experience-0 raised in `experience`: OwnerDiedError", "experience-0",
+                           ray.exceptions.OwnerDiedError("00" * 28, b"", ""))
+
+
+class StepsUntilResultsSurvive:
+    """A PPORun stand-in whose step fails `losses` times because a node took results with it."""
+
+    def __init__(self, losses: int):
+        self.losses, self.rollouts = losses, []
+
+    def step(self, iteration, rollout, prompt_ids):
+        self.rollouts.append(rollout)
+        if len(self.rollouts) <= self.losses:
+            raise lost_with_node()
+        return {"reward/mean": 1.0}
+
+
+def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_again():
+    assert results_lost(lost_with_node())
+    assert not results_lost(RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError()))
+    run, fresh = StepsUntilResultsSurvive(losses=2), iter(["rollout-b", "rollout-c"])
+    metrics, trained_on = _step_redoing_lost_results(run, 4, "rollout-a", [1, 2], lambda: next(fresh), limit=3)
+    assert metrics == {"reward/mean": 1.0} and trained_on == "rollout-c"
+    assert run.rollouts == ["rollout-a", "rollout-b", "rollout-c"]
+    with pytest.raises(RemoteCallError, match="OwnerDiedError"):  # bounded: a node that keeps taking results
+        _step_redoing_lost_results(StepsUntilResultsSurvive(losses=5), 4, "a", [1], lambda: "again", limit=2)
+
+    class RewardFails:
+        def step(self, iteration, rollout, prompt_ids):
+            raise RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError())
+
+    with pytest.raises(RemoteCallError, match="ValueError"):  # any other failure is the job's, not retried
+        _step_redoing_lost_results(RewardFails(), 4, "a", [1], lambda: pytest.fail("regenerated"), limit=2)
+
+
+NODE_DIED = ("The actor died because its node has died. Node Id: 300bbe81\n\tthe actor's node was terminated "
+             "unexpectedly: health check failed due to missing too many heartbeats")  # Ray 2.60's words
+
+
+def test_actors_started_on_a_dying_node_are_placed_again_without_spending_a_restart(tmp_path):
+    checkpoints, seen = Checkpoints(tmp_path, keep_last=2), []
+
+    def placed_on_the_lost_node_twice(restarts: int) -> str:
+        seen.append(restarts)
+        if len(seen) <= 2:
+            raise ActorDiedError(f"policy-0 died during `PolicyLearner.__init__`: {NODE_DIED}", "policy-0",
+                                 "PolicyLearner.__init__")
+        return "done"
+
+    assert with_learner_restarts(0, checkpoints, placed_on_the_lost_node_twice) == "done" and seen == [0, 0, 0]
+    for during, message in (("train", NODE_DIED), ("PolicyLearner.__init__", "CUDA out of memory")):
+        def dies(restarts: int, during=during, message=message) -> str:
+            raise ActorDiedError(message, "policy-0", during)
+
+        with pytest.raises(ActorDiedError):  # a death in training, or at start for another reason, is not retried
+            with_learner_restarts(2, checkpoints, dies)

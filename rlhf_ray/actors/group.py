@@ -27,11 +27,13 @@ class ActorCallTimeout(RuntimeError):
 
 
 class ActorDiedError(RuntimeError):
-    """An actor process is gone (killed, OOM, crashed, failed in __init__); the message carries Ray's cause."""
+    """An actor process is gone (killed, OOM, crashed, failed in __init__); the message carries Ray's cause.
+    `during` is the call it died in (`PolicyLearner.__init__` for an actor that never started)."""
 
-    def __init__(self, message: str, actor: str):
+    def __init__(self, message: str, actor: str, during: str = ""):
         super().__init__(message)
         self.actor = actor
+        self.during = during
 
 
 class RemoteCallError(RuntimeError):
@@ -48,7 +50,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 def _raise_for(name: str, what: str, err: Exception) -> None:
     if isinstance(err, ray.exceptions.RayActorError):
-        raise ActorDiedError(f"{name} died during `{what}`: {_ANSI.sub('', str(err))}", name) from err
+        raise ActorDiedError(f"{name} died during `{what}`: {_ANSI.sub('', str(err))}", name, what) from err
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = getattr(err, "cause", None)
         raise RemoteCallError(f"{name} raised in `{what}`:\n{_ANSI.sub('', str(err))}", name, cause) from err
@@ -160,7 +162,7 @@ class ActorGroup:
             except ActorDiedError as e:
                 # Until Ray has marked a lost node dead (missed heartbeats: seconds), the bundle stays on it and a
                 # replacement lands there and dies with it; once marked, the bundle moves to a live node.
-                if not _node_lost(e) or time.monotonic() > deadline:
+                if not node_lost(e) or time.monotonic() > deadline:
                     raise
                 log.warning("%s: the replacement started on the lost node too; starting it again", self.names[rank])
                 self._kill(rank)  # releases its name (Ray keeps the name of an actor lost with its node)
@@ -219,8 +221,16 @@ class ActorGroup:
                 pass
 
 
-def _node_lost(error: Exception) -> bool:
-    """An actor death caused by its node's death (Ray's message; checked against 2.60)."""
+def results_lost(error: BaseException) -> bool:
+    """A call failed because an input it read is gone: the object lived on a node that died, or its owner (the
+    actor that `ray.put` it: an engine's rollout, a reference replica's log-probs) died with its node. Replacing the
+    dead actor is not enough: the lost results must be computed again."""
+    return isinstance(error, RemoteCallError) and isinstance(error.cause, ray.exceptions.ObjectLostError)
+
+
+def node_lost(error: Exception) -> bool:
+    """An actor death caused by its node's death (Ray's message; checked against 2.60 with Ray's multi-node
+    harness, tests/test_multinode.py)."""
     text = str(error)
     return "node has died" in text or "node was terminated" in text
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Callable, TypeVar
 
-from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError
+from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, node_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
 
 log = logging.getLogger(__name__)
@@ -39,16 +40,33 @@ def learner_deaths_explained(checkpoints: Checkpoints, groups: tuple[str, ...]):
                               f"ranks, so the job stops: {resume}.\nCause: {err}") from err
 
 
+PLACEMENTS_ON_LOST_NODES = 3
+"""How many times in a row an attempt may start actors on a node that is dying. After a node is lost, Ray takes a
+few seconds of missed heartbeats to mark it dead; until then it still places bundles there, and the actors started
+on them die with it before they run."""
+
+
 def with_learner_restarts(limit: int, checkpoints: Checkpoints, attempt: Callable[[int], T]) -> T:
     """`attempt(restarts_so_far)` until it returns; when it ends with LearnerRankDied (raised by
     learner_deaths_explained around its training, so a rank that fails to start is not retried) it runs again,
-    placing its actors anew and resuming from `checkpoints`, at most `limit` more times; then the error goes up."""
-    for restarts in range(limit + 1):
+    placing its actors anew and resuming from `checkpoints`, at most `limit` more times; then the error goes up.
+    An attempt whose actors died at start because their node died is placed again without counting as a restart
+    (at most PLACEMENTS_ON_LOST_NODES times in a row)."""
+    restarts, lost_placements = 0, 0
+    while True:
         try:
             return attempt(restarts)
         except LearnerRankDied as err:
             if restarts == limit:
                 raise
+            restarts, lost_placements = restarts + 1, 0
             log.warning("%s\nrestarting every actor from %s (automatic restart %d of %d, cluster.learner_restarts)",
-                        str(err).splitlines()[0], checkpoints.latest() or "the start", restarts + 1, limit)
-    raise AssertionError("unreachable: the last attempt returns or raises")
+                        str(err).splitlines()[0], checkpoints.latest() or "the start", restarts, limit)
+        except ActorDiedError as err:
+            at_start = err.during.endswith("__init__")
+            if not (at_start and node_lost(err)) or lost_placements == PLACEMENTS_ON_LOST_NODES:
+                raise
+            lost_placements += 1
+            log.warning("%s was placed on a node that died before it started; placing every actor again",
+                        err.actor)
+            time.sleep(1.0)
