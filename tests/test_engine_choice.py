@@ -98,3 +98,23 @@ def test_weight_chunks_keep_whole_layers_together():
             if other is not chunk:
                 assert not layers & {layer_of(name) for name, _ in other}
     assert [len(c) for c in chunks] == [4, 3, 3, 1]  # embedding + layer 0 (2 MiB reached inside it), 1, 2, norm
+
+
+def test_weight_sync_over_nccl_only_where_every_member_has_a_gpu_of_its_own():
+    """One GPU shared by fractional bundles (configs/recipes/opt-1.3b-single-gpu.yaml: policy 0.35, engine 0.35)
+    cannot host an NCCL group: `auto` takes the object store there, an explicit `collective` is refused by name."""
+    from rlhf_ray.jobs.ppo_run import collective_or_object_store
+    from rlhf_ray.models.weight_transport import gpus_shared
+
+    one_gpu = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [0])}
+    own_gpus = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [1]), "generation-1": ("node-b", [0])}
+    tensor_parallel = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [1, 2]),
+                       "generation-1": ("node-a", [2, 3])}
+    cpu = {"policy-0": ("node-a", []), "generation-0": ("node-a", [])}  # gloo: sharing a CPU is fine
+    assert gpus_shared(one_gpu) == ["policy-0 and generation-0 share GPU 0 of node node-a"]
+    assert gpus_shared(own_gpus) == [] and gpus_shared(cpu) == []
+    assert gpus_shared(tensor_parallel) == ["generation-0 and generation-1 share GPU 2 of node node-a"]
+    assert collective_or_object_store("auto", gpus_shared(one_gpu)) == "object_store"
+    assert collective_or_object_store("auto", gpus_shared(own_gpus)) == "collective"
+    with pytest.raises(ValueError, match=r"weight_sync.transport: collective .*policy-0 and generation-0 share GPU 0"):
+        collective_or_object_store("collective", gpus_shared(one_gpu))

@@ -76,10 +76,18 @@ def sockets_off_loopback() -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("engine,zero_stage,transport", [("hf", 2, "object_store"), ("vllm", 3, "object_store"),
-                                                          ("hf", 3, "collective")])
-def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
-                                                                transport):
+SYNC_CHECK = ["generation.placement.replicas=2", "generation.placement.num_cpus=0.25", "generation.vllm.dtype=fp32",
+              "generation.vllm.max_model_len=128", "generation.weight_sync.bucket_mb=0.0625",
+              "policy.placement.replicas=2", "policy.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
+              "policy.micro_batch_size=16", "policy.optim.lr=0.001"]
+"""Two policy ranks, two engines and 64 KiB buckets: under ZeRO-3 every bucket is a separate gather of parameter
+groups."""
+
+
+def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
+    """Two PPO iterations (SYNC_CHECK, then `overrides`); after each weight sync every engine is at the new policy
+    version, the bytes sent are the learner's whole state, and the engines' greedy answers equal those of the
+    learner's own weights loaded into a local copy. Also used by the GPU checks (tests/gpu)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -88,14 +96,7 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
     from rlhf_ray.jobs.ppo import PPORun
     from rlhf_ray.plan import ResourcePlan
 
-    sft, rm = stage_models
-    # two policy ranks and 64 KiB buckets: under ZeRO-3 every bucket is a separate gather of parameter groups
-    job = ppo_job(tmp_path, sft, rm, "generation.placement.replicas=2", "generation.placement.num_cpus=0.25",
-                  f"generation.engine={engine}", "generation.vllm.dtype=fp32", "generation.vllm.max_model_len=128",
-                  "generation.weight_sync.bucket_mb=0.0625", f"generation.weight_sync.transport={transport}",
-                  f"policy.deepspeed.zero_stage={zero_stage}",
-                  "policy.placement.replicas=2", "policy.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
-                  "policy.micro_batch_size=16", "policy.optim.lr=0.001")
+    job = ppo_job(tmp_path, sft, rm, *SYNC_CHECK, *overrides)
     tokenizer = AutoTokenizer.from_pretrained(sft)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     probe = data.eval[:6]
@@ -105,14 +106,14 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
         groups = cluster.place(plan, handle.nodes(), 120)
         try:
             run = PPORun(job, plan, groups, tokenizer)
-            if transport == "collective":  # every store is up: DeepSpeed's (2 policy ranks) and the weight-sync one
+            if run.transport == "collective":  # every store is up: DeepSpeed's and the weight-sync one
                 assert not sockets_off_loopback(), sockets_off_loopback()
             for iteration in range(2):
                 rows = data.train[iteration * 32:(iteration + 1) * 32]
                 rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
                 result = run.step(iteration, rollout, list(range(32)))
-                assert run.pool.versions() == [iteration + 1, iteration + 1]
-                state = run.policy.call("gathered_state_dict")[0]
+                assert run.pool.versions() == [iteration + 1] * len(run.pool.group)
+                state = {k: v.cpu() for k, v in run.policy.call("gathered_state_dict")[0].items()}
                 assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
                 learner_copy.load_state_dict(state, strict=False)
                 samples = run.pool.generate([r["prompt_ids"] for r in probe], seed=0, greedy=True)
@@ -124,8 +125,20 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
                     if tokenizer.eos_token_id in want:
                         want = want[: want.index(tokenizer.eos_token_id) + 1]
                     assert s["answer_ids"] == want
+            return {"transport": run.transport}
         finally:
             cluster.remove(groups)
+
+
+@pytest.mark.parametrize("engine,zero_stage,transport", [("hf", 2, "object_store"), ("vllm", 3, "object_store"),
+                                                          ("hf", 3, "collective")])
+def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
+                                                                transport):
+    sft, rm = stage_models
+    run = engines_decode_like_the_learner(tmp_path, sft, rm, f"generation.engine={engine}",
+                                          f"generation.weight_sync.transport={transport}",
+                                          f"policy.deepspeed.zero_stage={zero_stage}")
+    assert run["transport"] == transport
 
 
 def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_models):

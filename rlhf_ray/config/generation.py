@@ -73,7 +73,9 @@ class WeightSyncSpec(StrictModel):
     transport: Literal["auto", "object_store", "collective"] = "auto"
     """object_store: rank 0 puts buckets in Ray's object store and every engine reads them. collective: rank 0
     broadcasts buckets over a process group of its own with the engines (NCCL between GPUs, gloo on CPU), no host
-    round trip. auto: collective when the policy and the engines have GPUs, else object_store."""
+    round trip. auto: collective when the policy and the engines have GPUs, each a GPU of its own (NCCL cannot
+    put two ranks on one device: on one GPU shared by fractional bundles the job logs it and uses object_store),
+    else object_store."""
     bucket_mb: float = Field(256, gt=0)
     """Weights travel in flat buckets of about this size; under ZeRO-3 a bucket's parameters are gathered together,
     so it also bounds the extra memory a learner rank holds during a sync."""

@@ -14,7 +14,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_ray.actors.experience import ExperienceWorker
-from rlhf_ray.actors.group import ActorGroup, RestartBudget, resilient_gather
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
@@ -29,6 +29,7 @@ from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.group import actor_env, rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.models.weight_transport import gpus_shared
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,25 @@ def weight_transport(job: PPOJob) -> str:
         gpus = job.policy.placement.num_gpus > 0 and job.generation.placement.num_gpus > 0
         chosen = "collective" if gpus else "object_store"
     return chosen
+
+
+def collective_or_object_store(requested: str, shared: list[str]) -> str:
+    """The transport once the weight-sync group's GPUs are known: NCCL cannot put two ranks on one device, so
+    where members share a GPU (`shared`, from gpus_shared) `auto` falls back to the object store and an explicit
+    `collective` is refused naming them."""
+    if not shared:
+        return "collective"
+    if requested == "collective":
+        raise ValueError(f"generation.weight_sync.transport: collective needs policy rank 0 and every engine on a "
+                         f"GPU of its own (NCCL cannot put two ranks on one device), but {'; '.join(shared)}. Use "
+                         "transport: auto (the object store here) or whole GPUs (placement.num_gpus: 1)")
+    log.info("weight sync: object store (%s; NCCL needs a GPU per member)", "; ".join(shared))
+    return "object_store"
+
+
+def _node_and_gpus(_actor) -> tuple[str, list]:
+    """Run in an actor (`__ray_call__`): its node id and the GPU ids Ray assigned it."""
+    return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
 
 
 def sharded_roles(job: PPOJob) -> tuple[str, ...]:
@@ -131,6 +151,8 @@ class PPORun:
             group.call("setup", *rendezvous(group, cluster.startup_timeout_s), cluster.call_timeout_s,
                        timeout=cluster.startup_timeout_s)
         self.transport = weight_transport(job)
+        if self.transport == "collective":
+            self.transport = collective_or_object_store(job.generation.weight_sync.transport, self._gpus_shared())
         if self.transport == "collective":
             self._form_weight_group()
             self.pool.on_replaced = self._rejoin
@@ -248,6 +270,14 @@ class PPORun:
                    for rank, actor in enumerate(self.pool.group.actors)]
         self.policy.gather(learner, "join_weight_sync")
         self.pool.group.gather(engines, "join_weight_sync")
+
+    def _gpus_shared(self) -> list[str]:
+        """Members of the weight-sync group (policy rank 0, every engine) on the same GPU as another."""
+        members = [(self.policy.names[0], self.policy.actors[0])] + list(zip(self.pool.group.names,
+                                                                               self.pool.group.actors))
+        found = gather([actor.__ray_call__.remote(_node_and_gpus) for _, actor in members], [n for n, _ in members],
+                       self.job.cluster.call_timeout_s, "GPU ids")
+        return gpus_shared(dict(zip([n for n, _ in members], found)))
 
     def _rejoin(self, rank: int) -> None:
         """Collective transport: a replacement engine joins a new group with everyone, then all get the weights."""

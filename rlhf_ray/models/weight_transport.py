@@ -16,6 +16,20 @@ import torch
 from rlhf_ray.models.weight_buckets import Named, dtype_runs, flatten, split_flat
 
 
+def gpus_shared(devices: dict[str, tuple[str, list]]) -> list[str]:
+    """Members of a would-be NCCL group that sit on the same GPU as another: NCCL refuses two ranks on one device,
+    which is where fractional bundles put a policy and its engine on a one-GPU machine. `devices`: member name ->
+    (node id, the GPU ids Ray gave it)."""
+    first: dict[tuple[str, str], str] = {}
+    shared = []
+    for name, (node, gpus) in devices.items():
+        for gpu in gpus:
+            other = first.setdefault((node, str(gpu)), name)
+            if other != name:
+                shared.append(f"{other} and {name} share GPU {gpu} of node {node[:8]}")
+    return shared
+
+
 class WeightSyncGroup:
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, listener=None):
         """Rank 0 (the learner) serves the group's store on `listener`, a socket bound to `host` only."""

@@ -1,0 +1,60 @@
+"""GPU checks (issue #19, item 7): what CPU tests cannot show, ready for any machine with CUDA GPUs. CI has none
+and skips them all; run them whenever a GPU is lent, and write the results in docs/benchmarks.md ("GPU checks"):
+
+    pytest tests/gpu -q -rs                                  # one GPU: the first and the last check run
+    python benchmarks/bench_memory_model.py --device gpu     # memory model: predicted against the CUDA allocator
+
+- PPO with every role on one GPU (fractional bundles) and vLLM engines: after each weight sync the engines decode
+  exactly like the learner; the weights travel through the object store, since NCCL cannot join two processes on
+  one GPU (the transport `auto` picks that by itself).
+- NCCL weight sync between a policy and engines on GPUs of their own (two GPUs or more).
+- A tensor-parallel engine (tensor_parallel_size 2) receiving updates (two GPUs or more).
+- vLLM sleep / wake (`vllm.sleep_when_idle`): engines free their GPU memory while the learners train on the same
+  GPU and wake with the new weights.
+
+Each check is the CPU weight-sync test (tests/test_ppo_job.py) with GPU placements: same models, same assertion
+(greedy decoding of the engines equals the learner's own copy after every sync).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_ppo_job import engines_decode_like_the_learner
+
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+pytestmark = [pytest.mark.system, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU (CI has none)")]
+
+ONE_GPU = ["policy.placement.num_gpus=0.2", "critic.placement.num_gpus=0.2", "generation.placement.num_gpus=0.3",
+           "generation.engine=vllm", "generation.vllm.gpu_memory_utilization=0.25", "generation.vllm.dtype=fp32",
+           "policy.placement.replicas=1", "generation.placement.replicas=1", "cluster.num_gpus=1"]
+"""Every role on one GPU: one policy rank (two DeepSpeed ranks on one GPU would be two NCCL ranks on one device)."""
+
+
+def test_every_role_on_one_gpu_engines_decode_like_the_learner(tmp_path, sft_model, rm_model):
+    run = engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *ONE_GPU,
+                                          "generation.weight_sync.transport=auto")
+    assert run["transport"] == "object_store"  # auto saw the policy and the engine share the GPU
+
+
+@pytest.mark.skipif(GPUS < 2, reason="NCCL needs the policy and the engine on GPUs of their own: two GPUs")
+def test_nccl_weight_sync_between_gpus(tmp_path, sft_model, rm_model):
+    run = engines_decode_like_the_learner(
+        tmp_path, sft_model, rm_model, *ONE_GPU, "policy.placement.num_gpus=1", "generation.placement.num_gpus=1",
+        "critic.placement.num_gpus=0", f"cluster.num_gpus={GPUS}", "generation.weight_sync.transport=collective",
+        "generation.weight_sync.bucket_mb=0.0625")
+    assert run["transport"] == "collective"
+
+
+@pytest.mark.skipif(GPUS < 2, reason="a tensor-parallel engine over two GPUs")
+def test_tensor_parallel_engine_receives_updates(tmp_path, sft_model, rm_model):
+    engines_decode_like_the_learner(
+        tmp_path, sft_model, rm_model, *ONE_GPU, "policy.placement.num_gpus=0", "critic.placement.num_gpus=0",
+        "generation.placement.num_gpus=2", "generation.vllm.tensor_parallel_size=2", f"cluster.num_gpus={GPUS}",
+        "generation.weight_sync.transport=object_store", "generation.weight_sync.bucket_mb=0.0625")
+
+
+def test_engines_sleep_while_learners_train_and_wake_with_the_new_weights(tmp_path, sft_model, rm_model):
+    engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *ONE_GPU, "generation.vllm.sleep_when_idle=true",
+                                    "generation.weight_sync.transport=object_store")
