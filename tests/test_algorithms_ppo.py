@@ -9,9 +9,10 @@ from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_retu
                                             leave_one_out, reinforce_pp)
 from rlhf_ray.algorithms.experience import make_experience, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
-from rlhf_ray.algorithms.losses import first_predicting_column, kl_loss, lm_loss_sum, policy_loss, value_loss
+from rlhf_ray.algorithms.losses import (aggregate, aggregated_sum, first_predicting_column, lm_loss_sum, loss_units,
+                                       policy_loss, value_loss)
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
-from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, shaped_rewards
+from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, overlong_penalty, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
 
 T = torch.tensor
@@ -106,6 +107,34 @@ def test_policy_loss_clips_and_dual_clips():
     close(policy_loss(logp, old, adv, MASK, 0.2, dual_clip=3.0)[0], (3.0 - 1.0) / 2)
 
 
+def test_clip_higher_lets_a_positive_advantage_token_grow_further_than_it_may_shrink():
+    """DAPO's clip-higher: ratio 1.3 on A > 0 is cut at 1 + 0.2 symmetrically, at 1.3 with clip_ratio_high 0.28
+    only up to 1.28; the lower bound stays 1 - 0.2 (ratio 0.7 on A < 0 is cut at 0.8 either way)."""
+    old, adv = T([[0.0, 0.0, 0.0]]), T([[1.0, -1.0, 0.0]])
+    logp = T([[math.log(1.3), math.log(0.7), 0.0]])
+    close(policy_loss(logp, old, adv, MASK, 0.2)[0], (-1.2 + 0.8) / 2)
+    close(policy_loss(logp, old, adv, MASK, 0.2, clip_ratio_high=0.28)[0], (-1.28 + 0.8) / 2)
+    close(policy_loss(logp, old, adv, MASK, 0.2, clip_ratio_high=0.5)[0], (-1.3 + 0.8) / 2)  # inside: unclipped
+    assert policy_loss(logp, old, adv, MASK, 0.2, clip_ratio_high=0.5)[1]["clip_fraction"] == 0.5  # token 1 only
+
+
+def test_loss_aggregations_weigh_tokens_or_answers():
+    """Two answers of 1 and 3 tokens, per-token losses [4 | 1 1 1]: token_mean 7/4 (the long answer weighs 3x),
+    seq_mean_token_mean (4 + 1)/2 (each answer once), seq_mean_token_sum (4 + 3)/2. Split into micro-batches,
+    the sums add up to the whole batch's (the learner divides by the mini-batch's units)."""
+    per_token = T([[4.0, 9.0, 9.0], [1.0, 1.0, 1.0]])  # 9: padding, never counted
+    mask = T([[1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    close(aggregate(per_token, mask, "token_mean"), 7 / 4)
+    close(aggregate(per_token, mask, "seq_mean_token_mean"), (4 + 1) / 2)
+    close(aggregate(per_token, mask, "seq_mean_token_sum"), (4 + 3) / 2)
+    for mode in ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"):
+        parts = sum(aggregated_sum(per_token[i:i + 1], mask[i:i + 1], mode) for i in range(2))
+        units = sum(loss_units(mask[i:i + 1], mode) for i in range(2))
+        close(parts / units, aggregate(per_token, mask, mode))
+    assert loss_units(T([[0.0, 0.0]]), "seq_mean_token_mean") == 0  # an empty answer is no answer
+    close(aggregate(T([[1.0, 1.0]]), T([[0.0, 0.0]]), "seq_mean_token_mean"), 0.0)
+
+
 def test_value_loss_clips_around_the_old_values():
     values, old, returns = T([[1.0, 2.0, 9.0]]), T([[0.5, 2.0, 0.0]]), T([[2.0, 1.0, 0.0]])
     # token 0: clipped value 0.7 -> max(1, 1.69) = 1.69; token 1: 1; 0.5 * mean = 0.6725
@@ -121,9 +150,9 @@ def test_lm_loss_sums_next_token_cross_entropy_and_skips_ignored_labels():
     close(lm_loss_sum(logits, T([[7, -100, -100]])), 0.0)
 
 
-def test_kl_loss_is_the_token_mean_estimate_and_pulls_towards_the_reference():
+def test_kl_in_the_loss_is_the_token_mean_estimate_and_pulls_towards_the_reference():
     logp, ref = T([[0.5, -1.0, 4.0]], requires_grad=True), T([[0.0, 0.0, 0.0]])
-    loss = kl_loss(logp, ref, MASK, "k3")
+    loss = aggregate(kl_estimate(logp, ref, "k3", MASK), MASK)
     close(loss, ((math.exp(-0.5) - 1 + 0.5) + (math.exp(1.0) - 1 - 1)) / 2)  # padding token 2 carries nothing
     loss.backward()
     # d/dx (e^-x - 1 + x) / 2 = (1 - e^-x) / 2: a step against the gradient moves each log-prob towards ref
@@ -177,6 +206,26 @@ def test_eos_penalty_reaches_critic_free_advantages():
         close(make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)["advantages"], [[0.0], [0.0]])
 
 
+def test_overlong_penalty_is_soft_and_reaches_every_estimator():
+    """DAPO's soft overlong punishment with max 16 tokens and a buffer of 4: nothing up to 12 tokens, then -1/4
+    per token, -1 at 16; added after the score is clipped."""
+    close(overlong_penalty(T([3, 12, 13, 14, 16, 40]), 16, 4), [0.0, 0.0, -0.25, -0.5, -1.0, -1.0])
+    close(overlong_penalty(T([14]), 16, 4, penalty=0.5), [-0.25])
+    # two answers to one prompt, same score 9 (clipped to 5): 8 and 16 tokens
+    mask = torch.zeros(2, 16)
+    mask[0, :8], mask[1, :] = 1.0, 1.0
+    scores, ended, ref = T([9.0, 9.0]), T([True, True]), torch.zeros(2, 16)
+    spec = PPOSpec(advantage_estimator="grpo", kl_in_loss=True, overlong_buffer=4)
+    out = make_experience(scores, None, ref, None, mask, ended, spec, group_size=2, max_answer_tokens=16)
+    # sequence rewards [5, 5 - 1]: GRPO mean 4.5, unbiased std sqrt(0.5)
+    close(out["advantages"][:, 0], [0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], 1e-4)
+    gae_spec = PPOSpec(kl_coef=0.0, whiten_advantages=False, overlong_buffer=4)
+    out = make_experience(scores, torch.zeros(2, 16), ref, torch.zeros(2, 16), mask, ended, gae_spec, 1, 16)
+    close(out["rewards"].sum(-1), [5.0, 4.0])  # on each answer's last token
+    with pytest.raises(ValueError, match="overlong_buffer needs the answers' maximum length"):
+        make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)
+
+
 def test_make_experience_gae_shapes_rewards_before_the_critic():
     spec = PPOSpec(kl_coef=0.1, whiten_advantages=False, lam=1.0)
     logp, ref, values = T([[-1.0, -2.0, -3.0]]), T([[-1.5, -1.0, -3.0]]), T([[0.2, 0.4, 7.0]])
@@ -198,7 +247,7 @@ def test_garbage_on_padding_never_reaches_losses_or_rewards():
     close(stats["approx_kl"], (0.5 * math.log(1.5) ** 2 + 0.5 * math.log(0.5) ** 2) / 2)
     loss.backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0
-    close(kl_loss(logp.detach(), ref, MASK, "k3"), ((1 / 1.5 - 1 + math.log(1.5)) + (2 - 1 + math.log(0.5))) / 2)
+    close(aggregate(kl_estimate(logp.detach(), ref, "k3", MASK), MASK), ((1 / 1.5 - 1 + math.log(1.5)) + (2 - 1 + math.log(0.5))) / 2)
     rewards = shaped_rewards(T([1.0]), logp.detach(), ref, MASK, 0.1, 5.0, estimator="k3")
     assert torch.isfinite(rewards).all() and rewards[0, 2] == 0
     assert masked_mean(T([[1.0, 3.0, float("nan")]]), MASK) == 2.0

@@ -157,6 +157,18 @@ def test_an_option_the_advantage_estimator_does_not_read_is_refused_at_its_line(
     assert "ppo.lam" in problem and "rloo does not use lam" in problem
 
 
+def test_dapo_options_load_and_an_overlong_buffer_as_long_as_the_answers_is_refused(write_yaml):
+    path = write_yaml(PPO)
+    job = load_job(path, ["ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
+                          "ppo.overlong_buffer=4", "generation.sampling.max_new_tokens=16"])
+    assert (job.ppo.clip_ratio_high, job.ppo.loss_aggregation, job.ppo.overlong_buffer) == (
+        0.28, "seq_mean_token_mean", 4)
+    (problem,) = problems_of(path, ["ppo.overlong_buffer=16", "generation.sampling.max_new_tokens=16"])
+    assert "ppo.overlong_buffer" in problem and "max_new_tokens (16)" in problem
+    (problem,) = problems_of(path, ["ppo.loss_aggregation=seq_mean"])
+    assert "ppo.loss_aggregation" in problem and "seq_mean_token_mean" in problem
+
+
 def test_ppo_batch_checks(write_yaml):
     (problem,) = problems_of(write_yaml(PPO), ["generation.placement.replicas=16"])
     assert "ppo.rollout_batch_size" in problem and "cannot keep 16 engines busy" in problem

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rlhf_ray.config import load_job
@@ -59,6 +61,28 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert len(steps) == 3 and all("compute/policy_seconds" not in r for r in steps)  # no old-log-prob forward
     assert all(abs(r["policy/approx_kl"]) < 1e-12 and r["policy/clip_fraction"] == 0 for r in steps)  # ratio 1
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
+
+
+def test_dapo_options_run_end_to_end(tmp_path, stage_models):
+    """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
+    sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics."""
+    import json
+
+    sft, rm = stage_models
+    job = ppo_job(tmp_path, sft, rm, "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
+                  "ppo.rollout_batch_size=8", "ppo.iterations=2", "critic=null", "reward.model.path=null",
+                  "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
+                  "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
+                  "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8")
+    assert run_ppo(job)["iterations"] == 2
+    steps = [r for r in map(json.loads, (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines())
+             if "policy/loss" in r]
+    assert len(steps) == 2
+    for step in steps:  # answers of ~5 tokens pass the 4-token mark: each loses (length - 4) / 12
+        assert -1.0 <= step["answer/overlong_penalty"] < 0, step
+        # the mean of max(length - 4, 0) / 12 is at least what the mean length alone gives
+        assert step["answer/overlong_penalty"] <= min(0.0, -(step["answer/length"] - 4) / 12) + 1e-6, step
+        assert math.isfinite(step["policy/loss"])
 
 
 def sockets_off_loopback() -> list[str]:

@@ -12,13 +12,16 @@ import ray
 import torch
 
 from rlhf_ray.algorithms.experience import logprob_gap, make_experience, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.rewards import overlong_penalty
 from rlhf_ray.config.ppo import PPOSpec
 
 
 class ExperienceWorker:
-    def __init__(self, *, rank: int = 0, world_size: int = 1, ppo: dict, group_size: int, pad_token_id: int):
+    def __init__(self, *, rank: int = 0, world_size: int = 1, ppo: dict, group_size: int, pad_token_id: int,
+                 max_answer_tokens: int | None = None):
         torch.set_num_threads(1)
         self.spec, self.group_size, self.pad = PPOSpec.model_validate(ppo), group_size, pad_token_id
+        self.max_answer_tokens = max_answer_tokens
 
     def batch(self, sample_refs: list) -> dict[str, torch.Tensor]:
         """Engine outputs (one list of samples per engine, in engine order) -> the padded rollout batch."""
@@ -44,11 +47,15 @@ class ExperienceWorker:
 
         scores, old_logp, ref_logp, values = cat(score_refs), cat(old_logp_refs), cat(ref_logp_refs), cat(value_refs)
         experience = make_experience(scores, old_logp, ref_logp, values, batch["action_mask"], batch["ended"],
-                                     self.spec, self.group_size)
+                                     self.spec, self.group_size, self.max_answer_tokens)
         metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
                    "answer/length": batch["action_mask"].sum(-1).mean().item(),
                    "answer/ended": batch["ended"].float().mean().item(),
                    "compute/advantages_seconds": time.perf_counter() - start}
+        if self.spec.overlong_buffer:
+            metrics["answer/overlong_penalty"] = overlong_penalty(
+                batch["action_mask"].sum(-1), self.max_answer_tokens, self.spec.overlong_buffer,
+                self.spec.overlong_penalty).mean().item()
         if "kl" in experience:  # else the policy reports it from its training forward (policy/kl)
             metrics["kl/mean"] = experience["kl"].mean().item()
         if old_logp is not None:  # else the policy measures it in its training forward

@@ -6,7 +6,7 @@ import torch
 
 from rlhf_ray.algorithms.advantages import broadcast_to_tokens, gae, group_normalized, leave_one_out, reinforce_pp
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
-from rlhf_ray.algorithms.rewards import kl_estimate, sequence_scores, shaped_rewards
+from rlhf_ray.algorithms.rewards import kl_estimate, overlong_penalty, sequence_scores, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -88,15 +88,21 @@ def logprob_gap(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_ma
 
 def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,
                     values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
-                    group_size: int) -> dict[str, torch.Tensor]:
+                    group_size: int, max_answer_tokens: int | None = None) -> dict[str, torch.Tensor]:
     """Advantages and returns by the configured estimator, plus what the metrics report. `logp` (the policy's old
-    log-probs) may be None when the reward carries no KL term: the learner then uses its training forward's."""
+    log-probs) may be None when the reward carries no KL term: the learner then uses its training forward's.
+    `max_answer_tokens` (generation's max_new_tokens) is what `spec.overlong_buffer` counts back from."""
     reward_kl_coef = 0.0 if spec.kl_in_loss else spec.kl_coef
     if logp is None and reward_kl_coef:
         raise ValueError("the KL-shaped reward needs the policy's old log-probs")
     kl = None if logp is None else kl_estimate(logp, ref_logp, spec.kl_estimator, action_mask) * action_mask
+    bonus = None
+    if spec.overlong_buffer:
+        if max_answer_tokens is None:
+            raise ValueError("ppo.overlong_buffer needs the answers' maximum length (max_new_tokens)")
+        bonus = overlong_penalty(action_mask.sum(-1), max_answer_tokens, spec.overlong_buffer, spec.overlong_penalty)
     rewards = shaped_rewards(scores, ref_logp if logp is None else logp, ref_logp, action_mask, reward_kl_coef,
-                             spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty)
+                             spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty, bonus)
     out: dict[str, torch.Tensor] = {"ref_logp": ref_logp}
     if spec.advantage_estimator == "gae":
         assert values is not None, "gae needs critic values"
@@ -106,7 +112,7 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
         advantages = reinforce_pp(rewards, action_mask, spec.gamma)
     else:
         # GRPO / RLOO: the sequence score (with the KL as a per-token penalty folded in as its sum)
-        seq_reward = sequence_scores(scores, spec.clip_reward, ended, spec.eos_penalty)
+        seq_reward = sequence_scores(scores, spec.clip_reward, ended, spec.eos_penalty, bonus=bonus)
         if reward_kl_coef:
             seq_reward = seq_reward - reward_kl_coef * kl.sum(-1)
         norm = group_normalized if spec.advantage_estimator == "grpo" else leave_one_out

@@ -1,12 +1,12 @@
 """Training losses: next-token cross-entropy (SFT, PPO's pretraining mix) and the PPO losses, token-mean over the
-answer tokens of a batch."""
+answer tokens of a batch unless the policy loss is told another aggregation."""
 
 from __future__ import annotations
 
 import torch
 
+from rlhf_ray.config.ppo import LossAggregation
 from rlhf_ray.algorithms.masked import masked_mean, zero_masked
-from rlhf_ray.algorithms.rewards import KLEstimator, kl_estimate
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 
 
@@ -27,26 +27,60 @@ def first_predicting_column(labels: torch.Tensor) -> int:
     return int(carries[0]) if len(carries) else labels.shape[1] - 1
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
-                clip_ratio: float, dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate: max(-A r, -A clip(r, 1-eps, 1+eps)); with dual clip c, the loss of a token with A < 0
-    is also capped at -c A (a very large ratio on a bad token no longer dominates)."""
+def loss_units(action_mask: torch.Tensor, aggregation: LossAggregation = "token_mean") -> float:
+    """What a batch's loss is averaged over: its answer tokens (token_mean) or its answers (the sequence means)."""
+    if aggregation == "token_mean":
+        return float(action_mask.sum())
+    return float((action_mask.sum(-1) > 0).sum())
+
+
+def aggregated_sum(per_token: torch.Tensor, action_mask: torch.Tensor,
+                   aggregation: LossAggregation = "token_mean") -> torch.Tensor:
+    """The sum whose division by `loss_units` is the batch loss: token_mean, sum over every answer token (each
+    token weighs the same, so long answers weigh more: DeepSpeed-Chat, DAPO); seq_mean_token_mean, sum over answers
+    of each answer's token mean (each answer weighs the same: GRPO as published); seq_mean_token_sum, sum over
+    answers of each answer's token sum (Dr. GRPO's unbiased form up to a constant). Split over micro-batches and
+    ranks, the sums add up and the units are counted over the whole mini-batch."""
+    per_token = zero_masked(per_token, action_mask) * action_mask
+    if aggregation == "seq_mean_token_mean":
+        return (per_token.sum(-1) / action_mask.sum(-1).clamp(min=1)).sum()
+    if aggregation in ("token_mean", "seq_mean_token_sum"):
+        return per_token.sum()
+    raise ValueError(f"unknown loss aggregation {aggregation!r}")
+
+
+def aggregate(per_token: torch.Tensor, action_mask: torch.Tensor,
+              aggregation: LossAggregation = "token_mean") -> torch.Tensor:
+    """The batch loss under `aggregation` (0 for a batch without answer tokens)."""
+    return aggregated_sum(per_token, action_mask, aggregation) / max(loss_units(action_mask, aggregation), 1.0)
+
+
+def policy_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      action_mask: torch.Tensor, clip_ratio: float, dual_clip: float | None = None,
+                      clip_ratio_high: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token clipped surrogate max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), eps_low = clip_ratio and
+    eps_high = clip_ratio_high (DAPO's clip-higher: a larger upper bound lets unlikely tokens with A > 0 grow,
+    against entropy collapse) or clip_ratio; with dual clip c, the loss of a token with A < 0 is also capped at
+    -c A (a very large ratio on a bad token no longer dominates). 0 on padding."""
     log_ratio = zero_masked(logp - old_logp, action_mask)  # padding: ratio 1, never exp of garbage
     ratio = torch.exp(log_ratio)
+    high = clip_ratio if clip_ratio_high is None else clip_ratio_high
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + clip_ratio)
+    clipped = -advantages * ratio.clamp(1 - clip_ratio, 1 + high)
     loss = torch.max(unclipped, clipped)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
     stats = {"clip_fraction": masked_mean((clipped > unclipped).float(), action_mask),
              "approx_kl": masked_mean(0.5 * log_ratio**2, action_mask)}
-    return masked_mean(loss, action_mask), stats
+    return zero_masked(loss, action_mask), stats
 
 
-def kl_loss(logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor,
-            estimator: KLEstimator = "k3") -> torch.Tensor:
-    """Token-mean KL(policy || reference) estimate, differentiable in `logp` (the KL term of GRPO's loss)."""
-    return masked_mean(kl_estimate(logp, ref_logp, estimator, action_mask), action_mask)
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
+                clip_ratio: float, dual_clip: float | None = None, clip_ratio_high: float | None = None,
+                aggregation: LossAggregation = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The batch's policy loss: policy_token_loss aggregated by `aggregation`."""
+    loss, stats = policy_token_loss(logp, old_logp, advantages, action_mask, clip_ratio, dual_clip, clip_ratio_high)
+    return aggregate(loss, action_mask, aggregation), stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, action_mask: torch.Tensor,

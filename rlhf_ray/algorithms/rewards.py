@@ -34,22 +34,34 @@ def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
     return (action_mask.sum(-1) - 1).clamp(min=0).long()
 
 
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment per answer: 0 up to `max_length - buffer` tokens, then falling linearly to
+    -penalty at `max_length` (and staying there beyond it)."""
+    over = (lengths.float() - (max_length - buffer)).clamp(min=0)
+    return -penalty * (over / buffer).clamp(max=1.0)
+
+
 def sequence_scores(scores: torch.Tensor, clip_reward: float, ended: torch.Tensor | None = None,
-                    eos_penalty: float | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    eos_penalty: float | None = None, dtype: torch.dtype = torch.float32,
+                    bonus: torch.Tensor | None = None) -> torch.Tensor:
     """clip(score_b, +-clip_reward), plus `eos_penalty` for an answer that never produced end-of-text (cut at
-    max_new_tokens): what every estimator rewards an answer with, before any KL term."""
+    max_new_tokens), plus `bonus` (other per-answer terms, e.g. overlong_penalty): what every estimator rewards an
+    answer with, before any KL term. The penalties come after the clip, so a clipped score still feels them."""
     score = scores.to(dtype).clamp(-clip_reward, clip_reward)
     if eos_penalty is not None and ended is not None:
         score = score + eos_penalty * (~ended.bool()).to(dtype)
+    if bonus is not None:
+        score = score + bonus.to(dtype)
     return score
 
 
 def shaped_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor,
                    kl_coef: float, clip_reward: float, estimator: KLEstimator = "k1",
-                   ended: torch.Tensor | None = None, eos_penalty: float | None = None) -> torch.Tensor:
-    """rewards[b, t] = -kl_coef * KL_t on answer tokens, plus clip(score_b, +-clip_reward) (and `eos_penalty`
-    for an answer that never produced end-of-text) on the answer's last token; 0 on padding."""
+                   ended: torch.Tensor | None = None, eos_penalty: float | None = None,
+                   bonus: torch.Tensor | None = None) -> torch.Tensor:
+    """rewards[b, t] = -kl_coef * KL_t on answer tokens, plus the answer's sequence_scores (clipped score,
+    `eos_penalty` for an answer that never produced end-of-text, `bonus`) on its last token; 0 on padding."""
     rewards = -kl_coef * kl_estimate(logp, ref_logp, estimator, action_mask) * action_mask
-    score = sequence_scores(scores, clip_reward, ended, eos_penalty, rewards.dtype)
+    score = sequence_scores(scores, clip_reward, ended, eos_penalty, rewards.dtype, bonus)
     last = last_action_index(action_mask)
     return rewards.scatter_add(1, last.unsqueeze(1), score.unsqueeze(1) * (action_mask.sum(-1, keepdim=True) > 0))

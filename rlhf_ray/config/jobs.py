@@ -260,6 +260,10 @@ class PPOJob(JobBase):
                                    "the replicas: set replicas: 2 or more (or sharded: false)")
         if self.reward.sharded and self.reward.function is not None:
             raise FieldProblem("reward.sharded", "a reward function has no weights to shard; remove sharded")
+        longest = self.generation.sampling.max_new_tokens
+        if self.ppo.overlong_buffer is not None and self.ppo.overlong_buffer >= longest:
+            raise FieldProblem("ppo.overlong_buffer", f"the buffer counts back from generation.sampling."
+                               f"max_new_tokens ({longest}), so it must be smaller: every answer would be punished")
         n = self.generation.sampling.n_samples_per_prompt
         if estimator in {"grpo", "rloo"} and n < 2:
             raise FieldProblem("generation.sampling.n_samples_per_prompt",

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from rlhf_ray.config.base import FieldProblem, StrictModel
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp"})
 USED_BY: dict[str, tuple[frozenset[str], str]] = {
     "whiten_advantages": (frozenset({"gae", "rloo"}), "grpo normalises within each prompt's group and reinforce_pp "
@@ -55,7 +56,15 @@ class PPOSpec(StrictModel):
     clip_reward: float = Field(5.0, gt=0)
     """Reward-model scores are clipped to +-clip_reward before shaping."""
     clip_ratio: float = Field(0.2, gt=0)
-    """PPO epsilon for the policy ratio."""
+    """PPO epsilon for the policy ratio (its lower bound 1 - clip_ratio; the upper one too unless
+    clip_ratio_high is set)."""
+    clip_ratio_high: float | None = Field(None, gt=0)
+    """Upper clip epsilon, when it differs from clip_ratio: DAPO's clip-higher (0.28 with clip_ratio 0.2) lets
+    unlikely tokens with a positive advantage grow faster, against entropy collapse."""
+    loss_aggregation: LossAggregation = "token_mean"
+    """How the policy loss averages: token_mean over every answer token of the mini-batch (DeepSpeed-Chat, DAPO:
+    long answers weigh more), seq_mean_token_mean over answers of each one's token mean (GRPO as published),
+    seq_mean_token_sum over answers of each one's token sum (Dr. GRPO, up to a constant)."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant c (> 1) bounding the loss of negative-advantage tokens; off when unset."""
     clip_value: float = Field(0.2, gt=0)
@@ -67,6 +76,11 @@ class PPOSpec(StrictModel):
     whiten_advantages: bool = True
     """Normalise advantages to zero mean and unit variance over the batch (gae and rloo; grpo normalises within
     each prompt's group and reinforce_pp always whitens, so setting it for them is refused)."""
+    overlong_buffer: int | None = Field(None, ge=1)
+    """DAPO's soft overlong punishment: answers longer than generation.sampling.max_new_tokens - overlong_buffer
+    tokens lose up to `overlong_penalty`, linearly, reaching it at max_new_tokens; off when unset."""
+    overlong_penalty: float = Field(1.0, gt=0)
+    """The largest overlong punishment (subtracted from the clipped score), with overlong_buffer."""
     eos_penalty: float | None = None
     """Score added (use a negative value) to answers that end without the end-of-text token (cut off at
     max_new_tokens), before any estimator sees the score (gae, grpo, rloo and reinforce_pp alike)."""

@@ -94,6 +94,8 @@ class PPORun:
         ppo = job.ppo
         self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
                                           clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
+                                          clip_ratio_high=ppo.clip_ratio_high,
+                                          loss_aggregation=ppo.loss_aggregation,
                                           pad_token_id=pad, train_batch_size=job.train_batch_size,
                                           kl_loss_coef=ppo.kl_coef if ppo.kl_in_loss else 0.0,
                                           kl_estimator=ppo.kl_estimator,
@@ -136,7 +138,8 @@ class PPORun:
             ray.get_runtime_context().get_node_id(), soft=False)}
         self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
                                     kwargs={"ppo": job.ppo.model_dump(), "pad_token_id": pad,
-                                            "group_size": job.generation.sampling.n_samples_per_prompt},
+                                            "group_size": job.generation.sampling.n_samples_per_prompt,
+                                            "max_answer_tokens": job.generation.sampling.max_new_tokens},
                                     call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
         self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
                                  kwargs={"capacity": job.ppo.buffer_capacity, "max_staleness": job.ppo.max_staleness},

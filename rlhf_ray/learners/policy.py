@@ -12,7 +12,8 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import logprob_gap
-from rlhf_ray.algorithms.losses import kl_loss, lm_loss_sum, policy_loss
+from rlhf_ray.algorithms.losses import LossAggregation, aggregated_sum, lm_loss_sum, policy_token_loss
+from rlhf_ray.algorithms.rewards import kl_estimate
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
@@ -26,10 +27,12 @@ GATHER_BYTES = 2**28
 
 class PolicyLearner(PPOLearnerRank):
     def __init__(self, *, clip_ratio: float, dual_clip: float | None, pad_token_id: int, train_batch_size: int,
+                 clip_ratio_high: float | None = None, loss_aggregation: LossAggregation = "token_mean",
                  kl_loss_coef: float = 0.0, kl_estimator: str = "k3", ema_beta: float | None = None,
                  pretrain_data: list[str] | None = None, ptx_coef: float = 0.0, **kwargs):
         super().__init__(**kwargs)
-        self.clip_ratio, self.dual_clip = clip_ratio, dual_clip
+        self.clip_ratio, self.dual_clip, self.clip_ratio_high = clip_ratio, dual_clip, clip_ratio_high
+        self.loss_aggregation = loss_aggregation
         self.kl_loss_coef, self.kl_estimator = kl_loss_coef, kl_estimator
         self.ema_beta, self.ema = ema_beta, None
         self.ptx_coef = ptx_coef
@@ -68,17 +71,20 @@ class PolicyLearner(PPOLearnerRank):
             # without old log-probs in the experience this is the rollout's only update: they equal these
             old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
             mask = micro["action_mask"]
-            loss, stats = policy_loss(logp, old_logp, micro["advantages"], mask, self.clip_ratio, self.dual_clip)
+            loss, stats = policy_token_loss(logp, old_logp, micro["advantages"], mask, self.clip_ratio,
+                                            self.dual_clip, self.clip_ratio_high)
             # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept)
-            kl = kl_loss(logp if self.kl_loss_coef else logp.detach(), micro["ref_logp"], mask, self.kl_estimator)
+            kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro["ref_logp"], self.kl_estimator,
+                             mask) * mask
             if self.kl_loss_coef:
                 loss = loss + self.kl_loss_coef * kl
-            tokens = mask.sum()
+            tokens = mask.sum().item()
             extra = {}
             if "old_logp" not in micro and "engine_logp" in micro:  # the on-policy step: the pure engine gap
-                extra["engine_logprob_gap"] = logprob_gap(micro["engine_logp"], logp.detach(), mask) * tokens.item()
-            return loss * tokens, {**{k: v.item() * tokens.item() for k, v in stats.items()},
-                                   "kl": kl.item() * tokens.item(), "entropy": ent.sum().item(), **extra}
+                extra["engine_logprob_gap"] = logprob_gap(micro["engine_logp"], logp.detach(), mask) * tokens
+            return aggregated_sum(loss, mask, self.loss_aggregation), {
+                **{k: v.item() * tokens for k, v in stats.items()}, "kl": kl.detach().sum().item(),
+                "entropy": ent.sum().item(), **extra}
 
         metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
         if self.ema_beta is not None:

@@ -1,5 +1,5 @@
 """What the policy and critic learners share: each rank's slice of a batch, and PPO epochs of mini-batches
-whose loss is a token mean over the whole global mini-batch."""
+whose loss is a mean over the whole global mini-batch (of its answer tokens, or of its answers: `loss_aggregation`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from rlhf_ray.algorithms.experience import pad_answer_columns, row_slices, trim_pad_columns
+from rlhf_ray.algorithms.losses import LossAggregation, loss_units
 from rlhf_ray.learners.base import LearnerRank
 
 Batch = dict[str, torch.Tensor]
@@ -17,6 +18,9 @@ TokenLoss = Callable[[Batch], tuple[torch.Tensor, dict[str, float]]]
 
 
 class PPOLearnerRank(LearnerRank):
+    loss_aggregation: LossAggregation = "token_mean"
+    """What `token_loss`'s sum is averaged over (algorithms/losses.aggregated_sum): the critic's is token_mean."""
+
     def __init__(self, *, temperature: float, **kwargs):
         super().__init__(**kwargs)
         self.temperature = temperature
@@ -56,9 +60,10 @@ class PPOLearnerRank(LearnerRank):
         return []
 
     def run_epochs(self, batch: Batch, plan, token_loss: TokenLoss) -> dict[str, float]:
-        """`token_loss(micro_batch)` returns (sum of per-token losses, stats summed over tokens). Gradients equal
-        those of sum / (answer tokens of the global mini-batch), whatever the split over ranks and micro-batches;
-        reported numbers are token means per mini-batch, averaged over mini-batches. The mini-batches (rows of the
+        """`token_loss(micro_batch)` returns (its loss sum under `loss_aggregation`, stats summed over tokens).
+        Gradients equal those of sum / (units of the global mini-batch: answer tokens, or answers for the sequence
+        means), whatever the split over ranks and micro-batches; reported stats are token means per mini-batch
+        (the loss: the aggregated mean), averaged over mini-batches. The mini-batches (rows of the
         experience, epoch after epoch) come from the replay buffer's plan."""
         started = time.perf_counter()
         self.engine.train()
@@ -70,13 +75,14 @@ class PPOLearnerRank(LearnerRank):
             rows = np.sort(np.asarray(minibatch))
             mine = rows[self.rank_slice(len(rows))]
             micro = [mine[s] for s in row_slices(len(mine), self.micro_batch_size)]
-            (tokens,) = self.all_reduce_sum([float(batch["action_mask"][mine].sum())])
-            tokens = max(tokens, 1.0)
+            mask = batch["action_mask"][mine]
+            tokens, units = (max(n, 1.0) for n in self.all_reduce_sum(
+                [float(mask.sum()), loss_units(mask, self.loss_aggregation)]))
             extras = self.auxiliary_losses(plan, step, len(micro)) or [None] * len(micro)
             for part, extra in zip(micro, extras):
                 loss_sum, stats = token_loss(self.micro_batch(batch, torch.as_tensor(part)))
-                loss = loss_sum / tokens
-                stats = {"loss": loss_sum.item() / tokens, **{k: v / tokens for k, v in stats.items()}}
+                loss = loss_sum / units
+                stats = {"loss": loss_sum.item() / units, **{k: v / tokens for k, v in stats.items()}}
                 if extra is not None:
                     extra_loss, extra_stats = extra()
                     loss = loss + extra_loss
