@@ -8,6 +8,7 @@ import ray
 
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError, results_lost
 from rlhf_ray.jobs.ppo import _step_redoing_lost_results
+from rlhf_ray.jobs.ppo_run import ResultsLost
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
 
@@ -63,7 +64,7 @@ class StepsUntilResultsSurvive:
     def step(self, iteration, rollout, prompt_ids):
         self.rollouts.append(rollout)
         if len(self.rollouts) <= self.losses:
-            raise lost_with_node()
+            raise ResultsLost(str(lost_with_node()))
         return {"reward/mean": 1.0}
 
 
@@ -74,7 +75,7 @@ def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_aga
     metrics, trained_on = _step_redoing_lost_results(run, 4, "rollout-a", [1, 2], lambda: next(fresh), limit=3)
     assert metrics == {"reward/mean": 1.0} and trained_on == "rollout-c"
     assert run.rollouts == ["rollout-a", "rollout-b", "rollout-c"]
-    with pytest.raises(RemoteCallError, match="OwnerDiedError"):  # bounded: a node that keeps taking results
+    with pytest.raises(ResultsLost, match="OwnerDiedError"):  # bounded: a node that keeps taking results
         _step_redoing_lost_results(StepsUntilResultsSurvive(losses=5), 4, "a", [1], lambda: "again", limit=2)
 
     class RewardFails:

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from rlhf_ray import cluster
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
-from rlhf_ray.actors.group import RemoteCallError, results_lost
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
 from rlhf_ray.compare import load_function
 from rlhf_ray.data.build import build_phase_data
@@ -29,7 +28,7 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
-from rlhf_ray.jobs.ppo_run import PPORun, sharded_roles
+from rlhf_ray.jobs.ppo_run import PPORun, ResultsLost, sharded_roles
 from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
 from rlhf_ray.jobs.threads import with_turn_threads
 from rlhf_ray.learners.schedule import micro_batches
@@ -114,8 +113,8 @@ def _step_redoing_lost_results(run, iteration: int, rollout: dict, prompt_ids: l
     for redo in range(limit + 1):
         try:
             return run.step(iteration, rollout, prompt_ids), rollout
-        except RemoteCallError as err:
-            if not results_lost(err) or redo == limit:
+        except ResultsLost as err:
+            if redo == limit:
                 raise
             log.warning("iteration %d lost results with a node (%s); generating and scoring it again (%d of %d)",
                         iteration + 1, str(err).splitlines()[-1][:200], redo + 1, limit)

@@ -14,7 +14,7 @@ import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_ray.actors.experience import ExperienceWorker
-from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
+from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, gather, resilient_gather, results_lost
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
@@ -41,6 +41,11 @@ def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
     return dict(model=role.model.model_dump(), optim=role.optim.model_dump(), deepspeed=deepspeed.model_dump(),
                 micro_batch_size=role.micro_batch_size, seed=job.seed,
                 temperature=job.generation.sampling.temperature)
+
+
+class ResultsLost(RuntimeError):
+    """An iteration's rollout or scores died with a node before its experience was assembled (the step changed
+    nothing yet): generate and score it again."""
 
 
 def weight_transport(job: PPOJob) -> str:
@@ -226,7 +231,12 @@ class PPORun:
     def step(self, iteration: int, rollout: dict, prompt_ids: list[int]) -> dict[str, float]:
         """Experience -> replay buffer -> PPO epochs on policy and critic -> weights to the engines."""
         timer = [time.perf_counter()]
-        experience, metrics = self.experience(rollout)
+        try:
+            experience, metrics = self.experience(rollout)
+        except RemoteCallError as err:  # nothing has changed yet: the iteration can be redone as it is
+            if results_lost(err):
+                raise ResultsLost(f"iteration {iteration + 1}: {err}") from err
+            raise
         if self.job.generation.vllm.sleep_when_idle and self.job.ppo.mode == "sync":
             self.pool.sleep()  # engines are idle until the weight sync, which wakes them
         timer.append(time.perf_counter())
