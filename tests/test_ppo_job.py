@@ -63,9 +63,11 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
 
 
-def test_dapo_options_run_end_to_end(tmp_path, stage_models):
+def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
-    sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics."""
+    sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics.
+    The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
+    ppo.eval_every a held-out evaluation between the first and last (reward beside rule accuracy)."""
     import json
 
     sft, rm = stage_models
@@ -73,11 +75,16 @@ def test_dapo_options_run_end_to_end(tmp_path, stage_models):
                   "ppo.rollout_batch_size=8", "ppo.iterations=2", "critic=null", "reward.model.path=null",
                   "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
                   "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
-                  "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8")
+                  "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
+                  "ppo.eval_every=1")
     assert run_ppo(job)["iterations"] == 2
-    steps = [r for r in map(json.loads, (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines())
-             if "policy/loss" in r]
+    lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "policy/loss" in r]
     assert len(steps) == 2
+    evals = [r for r in lines if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2]  # before, every iteration, after
+    assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals[1:])
+    assert all(-1.0 <= r["reward/length_correlation"] <= 1.0 for r in steps)
     for step in steps:  # answers of ~5 tokens pass the 4-token mark: each loses (length - 4) / 12
         assert -1.0 <= step["answer/overlong_penalty"] < 0, step
         # the mean of max(length - 4, 0) / 12 is at least what the mean length alone gives

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from rlhf_ray.algorithms.experience import logprob_gap, make_experience, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.diagnostics import correlation
 from rlhf_ray.algorithms.rewards import overlong_penalty
 from rlhf_ray.config.ppo import PPOSpec
 
@@ -50,6 +51,7 @@ class ExperienceWorker:
                                      self.spec, self.group_size, self.max_answer_tokens)
         metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
                    "answer/length": batch["action_mask"].sum(-1).mean().item(),
+                   "reward/length_correlation": correlation(scores, batch["action_mask"].sum(-1)),
                    "answer/ended": batch["ended"].float().mean().item(),
                    "compute/advantages_seconds": time.perf_counter() - start}
         if self.spec.overlong_buffer:

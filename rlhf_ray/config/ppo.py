@@ -109,6 +109,13 @@ class PPOSpec(StrictModel):
     eval_prompts: int = Field(64, ge=0)
     """Held-out prompts scored before and after training (summary.json's reward_before / reward_after; 0 skips
     both evaluations and leaves them null)."""
+    eval_every: int = Field(0, ge=0)
+    """Also evaluate the held-out prompts every this many iterations (eval/* lines at those steps), so the reward's
+    score and the rule accuracy can be watched side by side while training (reward over-optimisation shows as
+    the first rising while the second falls: the job then warns); 0: only before and after training."""
+    entropy_warning_ratio: float = Field(0.1, ge=0, lt=1)
+    """Warn once when the policy's entropy falls below this fraction of the first iteration's (of this run or
+    resumed attempt): the policy has nearly stopped exploring (entropy collapse); 0 turns the warning off."""
     eval_samples: int = Field(4, ge=0)
     """Answers sampled per held-out prompt with `generation.sampling` (rounded up to a multiple of
     n_samples_per_prompt) for summary.json's sampled_reward_* and sampled_task_accuracy_*: the policy PPO

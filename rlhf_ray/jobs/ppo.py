@@ -26,6 +26,7 @@ from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.jobs.diagnostics import Diagnostics
 from rlhf_ray.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo_run import PPORun, ResultsLost, sharded_roles
@@ -146,6 +147,7 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         return run.pool.submit([r["prompt_ids"] for r in rows], run.rollout_seed(iteration),
                                [r["columns"] for r in rows])
 
+    watch = Diagnostics(before, job.ppo.entropy_warning_ratio)
     bar = tqdm(range(start, end), desc="ppo", initial=start, total=job.ppo.iterations,
                disable=not job.logging.progress)
     pending = submit(start) if start < end else None
@@ -174,13 +176,18 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
         if (iteration + 1) % job.logging.log_every_steps == 0:
             metrics.log(iteration + 1, result)
             write_samples(out / SAMPLES_FILE, iteration + 1, run.recent_samples, run.tokenizer)
+        watch.iteration(iteration + 1, result)
+        if job.ppo.eval_every and (iteration + 1) % job.ppo.eval_every == 0 and iteration + 1 < job.ppo.iterations:
+            now = run.evaluate(eval_rows, rule, job.ppo.eval_samples)
+            metrics.log(iteration + 1, {f"eval/{k}": v for k, v in now.items()} | watch.evaluation(iteration + 1, now))
         every = job.checkpoint.every_steps
         if (every and (iteration + 1) % every == 0) or last:
             run.save(checkpoints, iteration + 1, {"eval_before": before})
     if end < job.ppo.iterations:
         return {"stopped_at_iteration": end, "iterations": job.ppo.iterations}
     after = run.evaluate(eval_rows, rule, job.ppo.eval_samples)
-    metrics.log(job.ppo.iterations, {f"eval/{k}": v for k, v in after.items()})
+    metrics.log(job.ppo.iterations,
+                {f"eval/{k}": v for k, v in after.items()} | watch.evaluation(job.ppo.iterations, after))
     run.policy.call("export_hf", str(out / FINAL_MODEL_DIR))
     if job.ppo.ema.enabled:
         run.policy.call("export_ema", str(out / EMA_MODEL_DIR))
