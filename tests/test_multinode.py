@@ -50,7 +50,12 @@ def three_plus_nodes(monkeypatch):
                         lambda handler: set_handler(handler) if threading.current_thread() is threading.main_thread()
                         else None)
     with rcluster._loopback_mode():
-        harness = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+        # a lost node is marked dead after 3 missed 1-s health checks (Ray's default: 5 of 3 s), so each removal
+        # costs the job seconds of waiting, not 15
+        fast_death = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                      "health_check_failure_threshold": 3}
+        harness = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                "_system_config": fast_death})
         for _ in range(WORKERS):
             harness.add_node(num_cpus=1)
         harness.wait_for_nodes()
