@@ -7,10 +7,10 @@ import torch
 
 from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
-from rlhf_ray.algorithms.experience import make_experience, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.experience import make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
 from rlhf_ray.algorithms.losses import (aggregate, aggregated_sum, first_predicting_column, lm_loss_sum, loss_units,
-                                       policy_loss, value_loss)
+                                       policy_loss, truncated_is_weights, value_loss)
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
 from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, overlong_penalty, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
@@ -133,6 +133,24 @@ def test_loss_aggregations_weigh_tokens_or_answers():
         close(parts / units, aggregate(per_token, mask, mode))
     assert loss_units(T([[0.0, 0.0]]), "seq_mean_token_mean") == 0  # an empty answer is no answer
     close(aggregate(T([[1.0, 1.0]]), T([[0.0, 0.0]]), "seq_mean_token_mean"), 0.0)
+
+
+def test_truncated_importance_weights_correct_for_the_engine_and_stop_at_the_cap():
+    """pi_learner / pi_engine per token: 0.5 / 0.25 = 2 is capped at 1.5, 0.3 / 0.6 = 0.5 kept; padding 0 even
+    when its log-probs are garbage; no gradient through the weights."""
+    learner = T([[math.log(0.5), math.log(0.3), 1e4]], requires_grad=True)
+    engine = T([[math.log(0.25), math.log(0.6), -1e4]])
+    weights = truncated_is_weights(learner, engine, MASK, cap=1.5)
+    close(weights, [[1.5, 0.5, 0.0]])
+    assert not weights.requires_grad
+    close(truncated_is_weights(learner, engine, MASK, cap=3.0), [[2.0, 0.5, 0.0]])
+
+
+def test_mismatch_kl_is_zero_when_engine_and_learner_agree():
+    engine, learner = T([[math.log(0.5), math.log(0.2), 0.0]]), T([[math.log(0.25), math.log(0.2), 7.0]])
+    assert mismatch_kl(engine, engine, MASK) == 0.0
+    # token 0: r = 0.25 / 0.5 = 0.5 -> 0.5 - 1 - log 0.5; token 1: r = 1 -> 0; padding ignored
+    close(torch.tensor(mismatch_kl(engine, learner, MASK)), (0.5 - 1 - math.log(0.5)) / 2)
 
 
 def test_value_loss_clips_around_the_old_values():

@@ -205,7 +205,7 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.iterations=4", "ppo.rollout_batch_size=16",
                   "ppo.eval_prompts=8", "policy.micro_batch_size=8", "critic.micro_batch_size=8",
                   "ppo.ema.enabled=true", "ppo.ema.beta=0.5",
-                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5")
+                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5", "ppo.tis_cap=2.0")
     summary = run_ppo(job)
     assert summary["iterations"] == 4
     out = tmp_path / "ppo"
@@ -216,6 +216,12 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     assert [m["experience/staleness"] for m in steps] == [0, 1, 1, 1]
     assert all(m["buffer/refused_stale"] == 0 for m in steps)
     assert all(m["policy/ptx_loss"] > 0 for m in steps)
+    # off-policy correction: the first batch was sampled by the weights the learner has (engine and learner agree
+    # up to float noise); later ones by weights one update older, which the mismatch and the TIS weights show
+    # (measured: mismatch 2e-9 then 7e-4, 4e-3, 2e-4; mean weight 1 - 1e-9 then 0.998, 0.983, 0.999)
+    assert steps[0]["generate/mismatch_kl"] < 1e-6 and abs(steps[0]["policy/tis_weight"] - 1) < 1e-5
+    assert all(m["generate/mismatch_kl"] > 100 * steps[0]["generate/mismatch_kl"] for m in steps[1:])
+    assert all(abs(m["policy/tis_weight"] - 1) > 1e-4 for m in steps[1:])
     final, ema, start = (load_file(str(p / "model.safetensors")) for p in (out / "model", out / "model_ema", sft))
     key = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(ema[key], final[key]) and not torch.equal(ema[key], start[key])  # an average of both

@@ -11,7 +11,7 @@ import time
 import ray
 import torch
 
-from rlhf_ray.algorithms.experience import logprob_gap, make_experience, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.experience import logprob_gap, make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.diagnostics import correlation
 from rlhf_ray.algorithms.rewards import overlong_penalty
 from rlhf_ray.config.ppo import PPOSpec
@@ -62,6 +62,7 @@ class ExperienceWorker:
             metrics["kl/mean"] = experience["kl"].mean().item()
         if old_logp is not None:  # else the policy measures it in its training forward
             metrics["generate/logprob_gap"] = logprob_gap(batch["engine_logp"], old_logp, batch["action_mask"])
+            metrics["generate/mismatch_kl"] = mismatch_kl(batch["engine_logp"], old_logp, batch["action_mask"])
         return {"ref": ray.put({**batch, **experience}), "metrics": metrics,
                 "samples": sample_rows(batch, scores, keep_samples)}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_ray.algorithms.advantages import broadcast_to_tokens, gae, group_normalized, leave_one_out, reinforce_pp
-from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
+from rlhf_ray.algorithms.masked import masked_mean, masked_whiten, zero_masked
 from rlhf_ray.algorithms.rewards import kl_estimate, overlong_penalty, sequence_scores, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
 
@@ -84,6 +84,13 @@ def logprob_gap(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_ma
     """Mean |engine log-prob - learner log-prob| over answer tokens: how far the distribution that sampled the
     rollout (the generation engine, possibly in lower precision) is from the one PPO trains (0 when they agree)."""
     return masked_mean((engine_logp - learner_logp).abs(), action_mask).item()
+
+
+def mismatch_kl(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_mask: torch.Tensor) -> float:
+    """KL(engine || learner) per answer token, estimated on the engine's own samples (k3, non-negative): the
+    train/inference mismatch an off-policy correction (ppo.tis_cap) compensates; 0 when the two agree."""
+    log_ratio = zero_masked(learner_logp - engine_logp, action_mask)
+    return masked_mean(torch.exp(log_ratio) - 1 - log_ratio, action_mask).item()
 
 
 def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,

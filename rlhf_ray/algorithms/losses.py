@@ -75,6 +75,15 @@ def policy_token_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return zero_masked(loss, action_mask), stats
 
 
+def truncated_is_weights(learner_logp: torch.Tensor, engine_logp: torch.Tensor, action_mask: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Truncated importance sampling per token: min(pi_learner / pi_engine, cap), the correction for answers sampled
+    by an engine whose distribution differs from the learner's (lower precision, other kernels, stale weights in
+    async mode). No gradient flows through it; 0 on padding."""
+    ratio = torch.exp(zero_masked(learner_logp - engine_logp, action_mask)).clamp(max=cap)
+    return (ratio * action_mask).detach()
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, action_mask: torch.Tensor,
                 clip_ratio: float, dual_clip: float | None = None, clip_ratio_high: float | None = None,
                 aggregation: LossAggregation = "token_mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

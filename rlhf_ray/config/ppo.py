@@ -76,6 +76,11 @@ class PPOSpec(StrictModel):
     whiten_advantages: bool = True
     """Normalise advantages to zero mean and unit variance over the batch (gae and rloo; grpo normalises within
     each prompt's group and reinforce_pp always whitens, so setting it for them is refused)."""
+    tis_cap: float | None = Field(None, gt=0)
+    """Truncated importance sampling: each answer token's policy loss is weighted by min(pi_learner / pi_engine,
+    tis_cap), with pi_engine the probability the generation engine sampled it with and pi_learner the learner's
+    (its old log-prob): the correction for the train/inference mismatch (generate/mismatch_kl) of engines in
+    lower precision or, in async mode, with older weights. Off when unset; 2 is a common cap."""
     overlong_buffer: int | None = Field(None, ge=1)
     """DAPO's soft overlong punishment: answers longer than generation.sampling.max_new_tokens - overlong_buffer
     tokens lose up to `overlong_penalty`, linearly, reaching it at max_new_tokens; off when unset."""

@@ -100,7 +100,7 @@ class PPORun:
         self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
                                           clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
                                           clip_ratio_high=ppo.clip_ratio_high,
-                                          loss_aggregation=ppo.loss_aggregation,
+                                          loss_aggregation=ppo.loss_aggregation, tis_cap=ppo.tis_cap,
                                           pad_token_id=pad, train_batch_size=job.train_batch_size,
                                           kl_loss_coef=ppo.kl_coef if ppo.kl_in_loss else 0.0,
                                           kl_estimator=ppo.kl_estimator,
@@ -257,6 +257,7 @@ class PPORun:
         metrics.setdefault("kl/mean", metrics["policy/kl"])  # no old log-probs: the training forward's KL
         if "policy/engine_logprob_gap" in metrics:
             metrics.setdefault("generate/logprob_gap", metrics["policy/engine_logprob_gap"])
+            metrics.setdefault("generate/mismatch_kl", metrics["policy/engine_mismatch_kl"])
         timer.append(time.perf_counter())
         sync = self.sync_weights()
         timer.append(time.perf_counter())

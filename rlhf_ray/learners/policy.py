@@ -11,8 +11,10 @@ from pathlib import Path
 import torch
 
 from rlhf_ray.actors.payload import by_reference
-from rlhf_ray.algorithms.experience import logprob_gap
-from rlhf_ray.algorithms.losses import LossAggregation, aggregated_sum, lm_loss_sum, policy_token_loss
+from rlhf_ray.algorithms.experience import logprob_gap, mismatch_kl
+from rlhf_ray.algorithms.losses import (LossAggregation, aggregated_sum, lm_loss_sum, policy_token_loss,
+                                       truncated_is_weights)
+from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.algorithms.rewards import kl_estimate
 from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
@@ -28,11 +30,12 @@ GATHER_BYTES = 2**28
 class PolicyLearner(PPOLearnerRank):
     def __init__(self, *, clip_ratio: float, dual_clip: float | None, pad_token_id: int, train_batch_size: int,
                  clip_ratio_high: float | None = None, loss_aggregation: LossAggregation = "token_mean",
+                 tis_cap: float | None = None,
                  kl_loss_coef: float = 0.0, kl_estimator: str = "k3", ema_beta: float | None = None,
                  pretrain_data: list[str] | None = None, ptx_coef: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.clip_ratio, self.dual_clip, self.clip_ratio_high = clip_ratio, dual_clip, clip_ratio_high
-        self.loss_aggregation = loss_aggregation
+        self.loss_aggregation, self.tis_cap = loss_aggregation, tis_cap
         self.kl_loss_coef, self.kl_estimator = kl_loss_coef, kl_estimator
         self.ema_beta, self.ema = ema_beta, None
         self.ptx_coef = ptx_coef
@@ -73,6 +76,11 @@ class PolicyLearner(PPOLearnerRank):
             mask = micro["action_mask"]
             loss, stats = policy_token_loss(logp, old_logp, micro["advantages"], mask, self.clip_ratio,
                                             self.dual_clip, self.clip_ratio_high)
+            if self.tis_cap is not None:  # the samples came from the engine's distribution, not old_logp's
+                weights = truncated_is_weights(old_logp, micro["engine_logp"], mask, self.tis_cap)
+                loss = loss * weights
+                stats |= {"tis_weight": masked_mean(weights, mask),
+                          "tis_truncated": masked_mean((weights >= self.tis_cap).float(), mask)}
             # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept)
             kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro["ref_logp"], self.kl_estimator,
                              mask) * mask
@@ -82,6 +90,7 @@ class PolicyLearner(PPOLearnerRank):
             extra = {}
             if "old_logp" not in micro and "engine_logp" in micro:  # the on-policy step: the pure engine gap
                 extra["engine_logprob_gap"] = logprob_gap(micro["engine_logp"], logp.detach(), mask) * tokens
+                extra["engine_mismatch_kl"] = mismatch_kl(micro["engine_logp"], logp.detach(), mask) * tokens
             return aggregated_sum(loss, mask, self.loss_aggregation), {
                 **{k: v.item() * tokens for k, v in stats.items()}, "kl": kl.detach().sum().item(),
                 "entropy": ent.sum().item(), **extra}
