@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from rlhf_ray.actors.http_reward import RemoteRewardError
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import unpack_rollouts
 from rlhf_ray.compare import load_function
@@ -36,10 +37,17 @@ def column_arguments(function, columns: list[dict]) -> dict[str, list]:
 
 
 class RewardFunctionWorker:
-    def __init__(self, *, rank: int, world_size: int, function: str, tokenizer: str):
+    def __init__(self, *, rank: int, world_size: int, function: str | None, tokenizer: str, http: dict | None = None):
+        """`function`: an import path; or `http`: a HttpRewardSpec as a dict (a reward server, called alike)."""
         from transformers import AutoTokenizer
 
-        self.name, self.function = function, load_function(function)
+        if http is not None:
+            from rlhf_ray.actors.http_reward import HttpReward
+            from rlhf_ray.config.jobs import HttpRewardSpec
+
+            self.name, self.function = http["url"], HttpReward(HttpRewardSpec.model_validate(http))
+        else:
+            self.name, self.function = function, load_function(function)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
 
     def texts(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[list[str], list[str]]:
@@ -64,6 +72,8 @@ class RewardFunctionWorker:
             if not all(math.isfinite(v) for v in scores):
                 raise ValueError("returned a non-finite score")
             return torch.tensor(scores)
+        except RemoteRewardError:  # a server that failed after its retries: asking it row by row would not help
+            raise
         except Exception as batch_error:  # noqa: BLE001 - find and report the offending sample
             for i, (prompt, answer) in enumerate(zip(prompts, answers)):
                 try:

@@ -166,12 +166,39 @@ class InferenceRoleSpec(StrictModel):
     a replica that dies stops the group as a learner rank does (cluster.learner_restarts)."""
 
 
+class HttpRewardSpec(StrictModel):
+    """A reward served over HTTP: batches of decoded prompts, answers and dataset columns are POSTed as JSON, the
+    server replies with one score per answer (protocol: rlhf_ray/actors/http_reward.py; a reference server:
+    `python -m rlhf_ray.reward_server`)."""
+
+    url: str = Field(pattern=r"^https?://\S+$")
+    """Where to POST, e.g. http://127.0.0.1:8000/score."""
+    batch_size: int = Field(64, ge=1)
+    """Answers per request."""
+    timeout_s: float = Field(30.0, gt=0)
+    """Seconds to wait for one request's reply."""
+    retries: int = Field(3, ge=0)
+    """Tries after the first for a request that times out, cannot connect or gets a non-2xx reply (waiting 0.5 s,
+    1 s, 2 s ... between them); then the job fails naming the URL and the batch."""
+    concurrency: int = Field(4, ge=1)
+    """Requests in flight at once from each reward replica."""
+
+
 class RewardRoleSpec(InferenceRoleSpec):
-    """The reward: a reward model, or a Python function `package.module:function(prompts, answers) -> scores`."""
+    """The reward: a reward model, a Python function `package.module:function(prompts, answers) -> scores`, or a
+    server (`http`)."""
 
     function: str | None = None
     """Import path of a reward function, used instead of a reward model. It runs in the reward role's actors
     (placement as for a model; it needs little: e.g. num_cpus: 0.1, colocate_with: policy)."""
+    http: HttpRewardSpec | None = None
+    """A reward server, used instead of a reward model; called from the reward role's actors (placement as for
+    a function)."""
+
+    @property
+    def is_model(self) -> bool:
+        """A reward model (not a function, not a server)."""
+        return self.function is None and self.http is None
 
 
 class PPOJob(JobBase):
@@ -232,9 +259,12 @@ class PPOJob(JobBase):
     def _check_roles(self) -> None:
         if not self.policy.model.is_set:
             raise FieldProblem("policy.model.path", "no policy to train: set the SFT model (hub id or local path)")
-        if self.reward.function is None and not self.reward.model.is_set:
-            raise FieldProblem("reward.model.path",
-                               "no reward: set reward.model.path (a reward model) or reward.function (module:function)")
+        if self.reward.is_model and not self.reward.model.is_set:
+            raise FieldProblem("reward.model.path", "no reward: set reward.model.path (a reward model), "
+                                                    "reward.function (module:function) or reward.http (a server)")
+        if self.reward.function is not None and self.reward.http is not None:
+            raise FieldProblem("reward.http", "the reward is either a function or a server: remove reward.function "
+                                              "or reward.http")
         if self.reward.function is not None and ":" not in self.reward.function:
             raise FieldProblem("reward.function", f"expected 'package.module:function', got {self.reward.function!r}")
         if self.policy.model.lora.enabled:
@@ -258,8 +288,8 @@ class PPOJob(JobBase):
             if role.sharded and role.placement.replicas < 2:
                 raise FieldProblem(f"{name}.placement.replicas", f"{name}.sharded splits the model's weights over "
                                    "the replicas: set replicas: 2 or more (or sharded: false)")
-        if self.reward.sharded and self.reward.function is not None:
-            raise FieldProblem("reward.sharded", "a reward function has no weights to shard; remove sharded")
+        if self.reward.sharded and not self.reward.is_model:
+            raise FieldProblem("reward.sharded", "a reward function or server has no weights to shard; remove sharded")
         longest = self.generation.sampling.max_new_tokens
         if self.ppo.overlong_buffer is not None and self.ppo.overlong_buffer >= longest:
             raise FieldProblem("ppo.overlong_buffer", f"the buffer counts back from generation.sampling."

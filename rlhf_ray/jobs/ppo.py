@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from rlhf_ray import cluster
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
+from rlhf_ray.actors.http_reward import HttpReward
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
 from rlhf_ray.compare import load_function
 from rlhf_ray.data.build import build_phase_data
@@ -63,6 +64,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     eval_rows = data.eval[: job.ppo.eval_prompts]
     if job.reward.function:  # a function that needs a column the data lacks fails here, before Ray starts
         column_arguments(load_function(job.reward.function), [r["columns"] for r in data.train[:1]])
+    if job.reward.http:  # a server that is down or speaks another protocol fails here, before Ray starts
+        HttpReward(job.reward.http).check()
     rule = accuracy_rule(job, eval_rows[:1])
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)

@@ -117,9 +117,10 @@ class PPORun:
                                                micro_batch_size=job.reference.micro_batch_size,
                                                temperature=job.generation.sampling.temperature,
                                                sharded=job.reference.sharded)
-        if job.reward.function:
+        if not job.reward.is_model:
+            http = job.reward.http.model_dump() if job.reward.http else None
             self.reward = self._inference_group(RewardFunctionWorker, "reward", job.reward.placement, slots("reward"),
-                                                function=job.reward.function,
+                                                function=job.reward.function, http=http,
                                                 tokenizer=job.policy.model.tokenizer_path)
         else:
             rm_tokenizer = load_tokenizer(job.reward.model)
@@ -363,7 +364,7 @@ class PPORun:
         """In sync mode nothing else runs during the evaluation, so a CPU reward model, sized for the experience
         phase it shares with three other roles (often one thread), scores on the node's cores meanwhile."""
         placement = self.job.reward.placement
-        if self.job.reward.function or placement.num_gpus > 0 or self.job.ppo.mode != "sync":
+        if not self.job.reward.is_model or placement.num_gpus > 0 or self.job.ppo.mode != "sync":
             yield
             return
         cores = min(int(n["Resources"].get("CPU", 1)) for n in ray.nodes() if n.get("Alive"))

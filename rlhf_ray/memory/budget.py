@@ -105,8 +105,10 @@ def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape
         critic = job.critic
         out["critic"] = _learner("critic", critic.model, critic.deepspeed, critic.placement.replicas,
                                  critic.micro_batch_size, seq, 0, critic.placement.num_gpus > 0, True, derived)
-    if job.reward.function is None:
+    if job.reward.is_model:
         out["reward"] = _scorer("reward", job.reward, seq, 0, True, derived)
+    elif job.reward.http is not None:
+        out["reward"] = RoleMemory("reward", job.reward.http.url, RoleBytes(), "a reward server")
     else:
         out["reward"] = RoleMemory("reward", job.reward.function, RoleBytes(), "a Python function")
     out["generation"] = _engine(job, gpu_bytes, derived, seq)

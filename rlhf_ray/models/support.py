@@ -126,7 +126,7 @@ def model_problems(job) -> list[tuple[str, str]]:
         if (problem := engine_problem(engine, arch)) is not None:
             problems.append(("generation.engine", problem))
     rm = job.reward.model
-    if job.reward.function is None and local_architecture(rm.path) and local_architecture(job.policy.model.path):
+    if job.reward.is_model and local_architecture(rm.path) and local_architecture(job.policy.model.path):
         problem = tokenizer_bridge_problem(job.policy.model.tokenizer_path, rm.tokenizer_path)
         if problem is not None:
             problems.append(("reward.model.tokenizer", problem))

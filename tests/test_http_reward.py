@@ -1,0 +1,173 @@
+"""A reward served over HTTP (reward.http) against the reference server, on 127.0.0.1: the scores are the
+function's, batches are split and sent concurrently, failures are retried and then name the URL and the batch,
+and a PPO job trains with it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rlhf_ray.actors.http_reward import HttpReward, RemoteRewardError
+from rlhf_ray.actors.reward_function import RewardFunctionWorker
+from rlhf_ray.config.jobs import HttpRewardSpec
+from rlhf_ray.reward_server import make_server, serve_in_thread
+
+
+def length_score(prompts, answers, bonus=None):
+    """A reward function with a dataset column: len(answer) + bonus."""
+    return [len(a) + (b or 0) for a, b in zip(answers, bonus or [0] * len(answers))]
+
+
+@pytest.fixture
+def server():
+    srv = make_server(length_score)
+    url = serve_in_thread(srv)
+    yield url
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_scores_come_from_the_served_function_in_batches(server):
+    reward = HttpReward(HttpRewardSpec(url=server, batch_size=3, concurrency=2))
+    answers = [f"answer {'x' * i}" for i in range(8)]
+    scores = reward(["p"] * 8, answers, bonus=list(range(8)))
+    assert scores == [len(a) + i for i, a in enumerate(answers)]  # in order, each with its own column value
+    assert reward.requests == 3  # 8 answers in batches of 3
+
+
+class Flaky(BaseHTTPRequestHandler):
+    """Fails (HTTP 503) the first `failures` requests, or sleeps `delay` s, then answers 1.0 per answer."""
+
+    failures, delay, seen = 0, 0.0, 0
+
+    def do_POST(self):  # noqa: N802
+        answers = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["answers"]
+        type(self).seen += 1
+        time.sleep(self.delay)
+        if type(self).seen <= self.failures:
+            self.send_response(503)
+            self.end_headers()
+            self.wfile.write(b"busy")
+            return
+        body = json.dumps({"scores": [1.0] * len(answers)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def flaky_server(failures: int = 0, delay: float = 0.0) -> tuple[ThreadingHTTPServer, str]:
+    handler = type("Handler", (Flaky,), {"failures": failures, "delay": delay, "seen": 0})
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.server_address[1]}/score"
+
+
+def test_a_failing_server_is_retried_then_named_with_the_batch():
+    srv, url = flaky_server(failures=2)
+    try:
+        reward = HttpReward(HttpRewardSpec(url=url, retries=2))
+        assert reward(["p", "q"], ["a", "b"]) == [1.0, 1.0] and reward.requests == 3  # 2 failures, then served
+        srv.RequestHandlerClass.seen, srv.RequestHandlerClass.failures = 0, 99
+        with pytest.raises(RemoteRewardError, match=rf"POST {url} for answers 0-1 of 2 failed after 2 tries: HTTP 503"):
+            HttpReward(HttpRewardSpec(url=url, retries=1))(["p", "q"], ["a", "b"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_slow_or_absent_server_fails_after_its_timeout_never_with_a_zero():
+    srv, url = flaky_server(delay=2.0)
+    try:
+        with pytest.raises(RemoteRewardError, match=r"answers 0-0 of 1 failed after 1 tries: no reply within 0.3 s"):
+            HttpReward(HttpRewardSpec(url=url, timeout_s=0.3, retries=0))(["p"], ["a"])
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    with pytest.raises(RemoteRewardError, match=r"failed after 2 tries: .*(refused|connect)"):
+        HttpReward(HttpRewardSpec(url=url, timeout_s=1, retries=1))(["p"], ["a"])
+
+
+def test_a_reply_without_one_score_per_answer_fails_at_once():
+    def two_scores(prompts, answers):
+        return [1.0, 2.0]
+
+    srv = make_server(two_scores)
+    url = serve_in_thread(srv)
+    try:
+        reward = HttpReward(HttpRewardSpec(url=url, retries=3))
+        with pytest.raises(RemoteRewardError, match="the reply has 2 scores for 3 answers"):
+            reward(["p"] * 3, ["a", "b", "c"])
+        assert reward.requests == 1  # a wrong reply is not retried
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_the_reward_role_scores_through_the_server_and_reports_it_by_url(server, tiny_model):
+    worker = RewardFunctionWorker(rank=0, world_size=1, function=None, tokenizer=str(tiny_model),
+                                  http={"url": server, "batch_size": 2})
+    assert worker.score_texts(["p", "q"], ["abc", "de"], [{"bonus": 1}, {"bonus": 2}]).tolist() == [4.0, 4.0]
+    broken = RewardFunctionWorker(rank=0, world_size=1, function=None, tokenizer=str(tiny_model),
+                                  http={"url": "http://127.0.0.1:9/score", "retries": 0, "timeout_s": 1})
+    with pytest.raises(RemoteRewardError, match="reward.http: POST http://127.0.0.1:9/score for answers 0-1 of 2"):
+        broken.score_texts(["p", "q"], ["abc", "de"])
+
+
+def test_config_takes_a_server_or_a_function_not_both(tmp_path, sft_model, rm_model):
+    from rlhf_ray.config.loader import ConfigError
+    from tests.test_ppo_job import ppo_job
+
+    base = ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2", "critic=null",
+            "reward.model.path=null", "reward.placement.colocate_with=policy"]
+    job = ppo_job(tmp_path, sft_model, rm_model, *base, "reward.http.url=http://127.0.0.1:8000/score")
+    assert job.reward.http.url == "http://127.0.0.1:8000/score" and not job.reward.is_model
+    with pytest.raises(ConfigError, match="reward.http: the reward is either a function or a server"):
+        ppo_job(tmp_path, sft_model, rm_model, *base, "reward.http.url=http://127.0.0.1:8000/score",
+                "reward.function=rlhf_ray.data.demo_sort:score")
+    with pytest.raises(ConfigError, match="reward.http.url"):
+        ppo_job(tmp_path, sft_model, rm_model, *base, "reward.http.url=127.0.0.1:8000")
+
+
+@pytest.mark.system
+def test_grpo_trains_with_a_reward_server(tmp_path, sft_model, rm_model):
+    """demo/sort's rule served by the reference server; the reward actors call it for every rollout and the
+    held-out evaluation (the greedy reward is then the task accuracy, as with the function in process)."""
+    from rlhf_ray.data.demo_sort import score
+    from rlhf_ray.jobs.ppo import run_ppo
+    from tests.test_ppo_job import ppo_job
+
+    srv = make_server(score)
+    url = serve_in_thread(srv)
+    try:
+        job = ppo_job(tmp_path, sft_model, rm_model, "ppo.advantage_estimator=grpo",
+                      "generation.sampling.n_samples_per_prompt=4", "ppo.rollout_batch_size=8", "ppo.iterations=2",
+                      "critic=null", "reward.model.path=null", f"reward.http.url={url}", "reward.http.batch_size=8",
+                      "reward.placement.colocate_with=policy", "ppo.eval_prompts=8", "ppo.kl_in_loss=true")
+        summary = run_ppo(job)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert summary["iterations"] == 2
+    assert summary["reward_before"] == summary["task_accuracy_before"]
+    assert summary["sampled_reward_after"] == summary["sampled_task_accuracy_after"]
+
+
+def test_a_server_that_is_down_is_named_before_the_job_starts(tmp_path, sft_model, rm_model, server):
+    from rlhf_ray.jobs.ppo import run_ppo
+    from tests.test_ppo_job import ppo_job
+
+    HttpReward(HttpRewardSpec(url=server)).check()  # the reference server answers the empty batch
+    job = ppo_job(tmp_path, sft_model, rm_model, "ppo.advantage_estimator=grpo",
+                  "generation.sampling.n_samples_per_prompt=2", "critic=null", "reward.model.path=null",
+                  "reward.placement.colocate_with=policy", "reward.http.url=http://127.0.0.1:9/score",
+                  "reward.http.retries=0", "cluster.address=127.0.0.1:9")  # Ray is never reached
+    with pytest.raises(RemoteRewardError, match=r"reward.http.url: the check before the job .*127.0.0.1:9/score"):
+        run_ppo(job)
