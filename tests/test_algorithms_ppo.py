@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, discounted_returns, gae, group_normalized,
+from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, informative_groups_first, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
 from rlhf_ray.algorithms.experience import make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
@@ -151,6 +151,16 @@ def test_mismatch_kl_is_zero_when_engine_and_learner_agree():
     assert mismatch_kl(engine, engine, MASK) == 0.0
     # token 0: r = 0.25 / 0.5 = 0.5 -> 0.5 - 1 - log 0.5; token 1: r = 1 -> 0; padding ignored
     close(torch.tensor(mismatch_kl(engine, learner, MASK)), (0.5 - 1 - math.log(0.5)) / 2)
+
+
+def test_dynamic_sampling_keeps_groups_whose_scores_differ_first():
+    """Groups of 2: [1 1] equal, [0 1] differ, [0 0] equal, [1 0] differ. Two groups: both that differ; three:
+    the first equal one fills; one: the first that differs."""
+    scores = T([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    assert informative_groups_first(scores, 2, 2) == ([2, 3, 6, 7], 2)
+    assert informative_groups_first(scores, 2, 3) == ([0, 1, 2, 3, 6, 7], 2)
+    assert informative_groups_first(scores, 2, 1) == ([2, 3], 1)
+    assert informative_groups_first(T([1.0, 1.0, 0.0, 0.0]), 2, 1) == ([0, 1], 0)  # none differ: fill
 
 
 def test_value_loss_clips_around_the_old_values():

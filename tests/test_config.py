@@ -165,6 +165,8 @@ def test_dapo_options_load_and_an_overlong_buffer_as_long_as_the_answers_is_refu
         0.28, "seq_mean_token_mean", 4)
     (problem,) = problems_of(path, ["ppo.overlong_buffer=16", "generation.sampling.max_new_tokens=16"])
     assert "ppo.overlong_buffer" in problem and "max_new_tokens (16)" in problem
+    (problem,) = problems_of(path, ["ppo.dynamic_sampling.enabled=true"])  # gae: no groups to keep
+    assert "ppo.dynamic_sampling.enabled" in problem and "gae has no groups" in problem
     (problem,) = problems_of(path, ["ppo.loss_aggregation=seq_mean"])
     assert "ppo.loss_aggregation" in problem and "seq_mean_token_mean" in problem
 

@@ -66,7 +66,7 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
 def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
     sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics.
-    The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
+    Dynamic sampling trains on 8 of 16 sampled groups. The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
     ppo.eval_every a held-out evaluation between the first and last (reward beside rule accuracy)."""
     import json
 
@@ -76,7 +76,7 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
                   "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
                   "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
                   "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
-                  "ppo.eval_every=1")
+                  "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2")
     assert run_ppo(job)["iterations"] == 2
     lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "policy/loss" in r]
@@ -85,6 +85,9 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     assert [r["step"] for r in evals] == [0, 1, 2]  # before, every iteration, after
     assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals[1:])
     assert all(-1.0 <= r["reward/length_correlation"] <= 1.0 for r in steps)
+    # dynamic sampling: 16 prompts sampled, 8 groups (32 rows) trained on; the mini-batch plan indexes the kept rows
+    # only (planning the 64 sampled ones would index past the experience and fail the step)
+    assert all(r["dynamic/sampled_groups"] == 16 and 0 <= r["dynamic/informative_groups"] <= 1 for r in steps)
     for step in steps:  # answers of ~5 tokens pass the 4-token mark: each loses (length - 4) / 12
         assert -1.0 <= step["answer/overlong_penalty"] < 0, step
         # the mean of max(length - 4, 0) / 12 is at least what the mean length alone gives

@@ -56,3 +56,14 @@ def broadcast_to_tokens(per_sample: torch.Tensor, action_mask: torch.Tensor) -> 
 def reinforce_pp(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++: reward-to-go of the KL-shaped token rewards, whitened over the whole batch."""
     return masked_whiten(discounted_returns(rewards, action_mask, gamma), action_mask)
+
+
+def informative_groups_first(scores: torch.Tensor, group_size: int, groups: int) -> tuple[list[int], int]:
+    """Rows of `groups` groups (consecutive `group_size` rows answering one prompt) of a rollout: first the groups
+    whose scores differ (their advantages are not all zero), in order, then equal ones to fill. Returns (sorted row
+    indices, how many of the chosen groups differ)."""
+    by_group = scores.float().reshape(-1, group_size)
+    differ = (by_group.max(-1).values > by_group.min(-1).values).tolist()
+    informative = [g for g, d in enumerate(differ) if d]
+    chosen = sorted(informative[:groups] + [g for g, d in enumerate(differ) if not d][: max(0, groups - len(informative))])
+    return [g * group_size + i for g in chosen for i in range(group_size)], min(len(informative), groups)

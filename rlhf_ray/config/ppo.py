@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -29,6 +30,17 @@ class EmaSpec(StrictModel):
     """Keep an EMA copy of the policy."""
     beta: float = Field(0.992, gt=0, lt=1)
     """EMA decay per policy update."""
+
+
+class DynamicSamplingSpec(StrictModel):
+    """DAPO's dynamic sampling (grpo and rloo): a group whose answers all score the same has zero advantage and
+    teaches nothing, so each iteration samples `oversample` x rollout_batch_size prompts and trains on
+    rollout_batch_size groups, those with differing scores first; if too few differ, equal groups fill the rest
+    (dynamic/informative_groups shows how often)."""
+
+    enabled: bool = False
+    oversample: float = Field(2.0, ge=1)
+    """Prompts sampled per prompt trained on."""
 
 
 class PPOSpec(StrictModel):
@@ -94,6 +106,7 @@ class PPOSpec(StrictModel):
     pretrain_data: list[str] = Field(default_factory=list)
     """mmap corpus prefixes (PREFIX.bin/.idx) for the pretraining-mix loss; empty disables it."""
     ema: EmaSpec = Field(default_factory=EmaSpec)
+    dynamic_sampling: DynamicSamplingSpec = Field(default_factory=DynamicSamplingSpec)
     mode: Literal["sync", "async"] = "sync"
     """async overlaps generating batch k+1 with training on batch k."""
     max_staleness: int = Field(1, ge=0)
@@ -101,8 +114,19 @@ class PPOSpec(StrictModel):
     mode trains on batches one version old, so it needs at least 1)."""
     buffer_capacity: int = Field(4, ge=1)
     """Experience batches the replay buffer holds; when full, the oldest is dropped (and counted)."""
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Prompts sampled per iteration: rollout_batch_size, times dynamic_sampling.oversample when enabled."""
+        if not self.dynamic_sampling.enabled:
+            return self.rollout_batch_size
+        return math.ceil(self.rollout_batch_size * self.dynamic_sampling.oversample)
+
     @model_validator(mode="after")
     def _options_the_estimator_reads(self) -> "PPOSpec":
+        if self.dynamic_sampling.enabled and self.advantage_estimator not in ("grpo", "rloo"):
+            raise FieldProblem("dynamic_sampling.enabled", f"dynamic sampling keeps groups of answers to one prompt "
+                               f"whose scores differ; advantage_estimator {self.advantage_estimator} has no groups "
+                               "(use grpo or rloo)")
         # a value other than the default (a dumped and re-validated spec carries every field, set or not)
         for name in sorted(n for n in USED_BY if getattr(self, n) != type(self).model_fields[n].default):
             readers, why = USED_BY[name]

@@ -141,8 +141,8 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
     end = min(job.ppo.iterations, stop_after) if stop_after is not None else job.ppo.iterations
 
     def prompts(iteration: int) -> list[int]:
-        (indices,) = micro_batches(len(data.train), job.ppo.rollout_batch_size, job.ppo.rollout_batch_size,
-                                   1, 0, iteration, job.seed)
+        count = job.ppo.prompts_per_rollout  # rollout_batch_size, more with dynamic sampling
+        (indices,) = micro_batches(len(data.train), count, count, 1, 0, iteration, job.seed)
         return list(indices)
 
     def submit(iteration: int):

@@ -226,6 +226,7 @@ class PPORun:
                                                                     self.job.logging.samples_per_iteration)],
                                        "experience")
         experience, metrics, self.recent_samples = out["ref"], out["metrics"], out["samples"]
+        self.experience_rows = out["rows"]  # fewer than the rollout's samples with dynamic sampling
         seconds = {f"compute/{role}_seconds": max(r["seconds"] for r in out) for role, out in results.items()}
         return experience, metrics | seconds
 
@@ -241,7 +242,7 @@ class PPORun:
         if self.job.generation.vllm.sleep_when_idle and self.job.ppo.mode == "sync":
             self.pool.sleep()  # engines are idle until the weight sync, which wakes them
         timer.append(time.perf_counter())
-        meta = {"version": rollout["version"], "samples": rollout["samples"], "iteration": iteration,
+        meta = {"version": rollout["version"], "samples": self.experience_rows, "iteration": iteration,
                 "prompt_ids": prompt_ids}
         put = self.buffer.submit("put", [experience], meta, self.version)  # the actor runs calls in order
         ppo = self.job.ppo
