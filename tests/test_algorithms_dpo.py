@@ -1,0 +1,56 @@
+"""DPO losses (rlhf_ray/algorithms/dpo.py) against golden values.
+
+The sigmoid and IPO values were computed once (2026-11-25) with TRL 1.16's expressions from
+trl/trainer/dpo_trainer.py, DPOTrainer._compute_loss (loss_type "sigmoid": -F.logsigmoid(beta * delta_score);
+"ipo": (ipo_delta - 1 / (2 * beta)) ** 2 with per-token-averaged log-ratios; f_divergence_type reverse_kl, the mean
+over pairs), on the inputs below; scripts/golden_dpo_from_trl.py checks those lines are in TRL's source and
+evaluates them in float32. Conservative DPO (label smoothing) is the sigmoid loss of TRL's earlier versions and of Mitchell (2023)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlhf_ray.algorithms.dpo import dpo_loss
+
+T = torch.tensor
+CHOSEN, REJECTED = T([-5.0, -7.5, -3.0]), T([-6.0, -7.0, -9.0])
+REF_CHOSEN, REF_REJECTED = T([-5.5, -7.0, -4.0]), T([-5.0, -7.2, -8.0])
+CHOSEN_TOKENS, REJECTED_TOKENS = T([4.0, 6.0, 2.0]), T([5.0, 3.0, 8.0])
+
+
+def test_sigmoid_and_ipo_equal_trl():
+    loss, _ = dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1)
+    assert loss.item() == pytest.approx(0.6492851376533508, abs=1e-6)
+    loss, _ = dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1, loss_type="ipo",
+                       chosen_tokens=CHOSEN_TOKENS, rejected_tokens=REJECTED_TOKENS)
+    assert loss.item() == pytest.approx(22.506250381469727, abs=1e-5)
+    with pytest.raises(ValueError, match="token count"):
+        dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1, loss_type="ipo")
+
+
+def test_conservative_dpo_mixes_the_flipped_label():
+    # pair 0: h = (0.5) - (-1.0) = 1.5; with eps = 0.1: -(0.9) log s(0.15) - 0.1 log s(-0.15)
+    loss, _ = dpo_loss(CHOSEN[:1], REJECTED[:1], REF_CHOSEN[:1], REF_REJECTED[:1], beta=0.1, label_smoothing=0.1)
+
+    def log_sigmoid(x):
+        return -math.log1p(math.exp(-x))
+
+    assert loss.item() == pytest.approx(-0.9 * log_sigmoid(0.15) - 0.1 * log_sigmoid(-0.15), abs=1e-6)
+
+
+def test_implicit_rewards_margin_and_accuracy():
+    _, metrics = dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1)
+    # beta x log-ratios: chosen [0.05, -0.05, 0.1], rejected [-0.1, 0.02, -0.1]
+    assert metrics["rewards/chosen"].item() == pytest.approx(0.1 / 3, abs=1e-6)
+    assert metrics["rewards/rejected"].item() == pytest.approx(-0.18 / 3, abs=1e-6)
+    assert metrics["rewards/margin"].item() == pytest.approx((0.15 - 0.07 + 0.2) / 3, abs=1e-6)
+    assert metrics["rewards/accuracy"].item() == pytest.approx(2 / 3)
+
+
+def test_the_loss_pushes_chosen_up_and_rejected_down():
+    chosen, rejected = CHOSEN.clone().requires_grad_(), REJECTED.clone().requires_grad_()
+    dpo_loss(chosen, rejected, REF_CHOSEN, REF_REJECTED, beta=0.1)[0].backward()
+    assert (chosen.grad < 0).all() and (rejected.grad > 0).all()  # descent raises chosen, lowers rejected
