@@ -107,3 +107,16 @@ def test_actors_started_on_a_dying_node_are_placed_again_without_spending_a_rest
 
         with pytest.raises(ActorDiedError):  # a death in training, or at start for another reason, is not retried
             with_learner_restarts(2, checkpoints, dies)
+
+
+def test_a_restart_of_a_fresh_run_resumes_from_its_own_checkpoints_not_an_earlier_runs(tmp_path):
+    """checkpoint.resume: false with an earlier run's step-5 in the folder: the run starts afresh, and after an
+    automatic restart it goes on from the checkpoint it sealed itself (before: from step 0 again)."""
+    earlier = Checkpoints(tmp_path, keep_last=5)
+    earlier.commit(earlier.staging(5), 5, {})
+    checkpoints = Checkpoints(tmp_path, keep_last=5)
+    assert checkpoints.resumable(resume=False) is None  # the fresh start
+    assert checkpoints.resumable(resume=True).name == "step-00000005"
+    checkpoints.commit(checkpoints.staging(2), 2, {})
+    assert checkpoints.resumable(resume=False).name == "step-00000002"  # the restart: its own newest
+    assert checkpoints.latest().name == "step-00000005"

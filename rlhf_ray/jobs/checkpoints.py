@@ -17,6 +17,8 @@ class Checkpoints:
     def __init__(self, output_dir: str | Path, keep_last: int):
         self.root = Path(output_dir) / "checkpoints"
         self.keep_last = keep_last
+        self.committed: list[Path] = []
+        """The checkpoints this object sealed (this job, every attempt), oldest first."""
 
     def complete(self) -> list[Path]:
         """Finished checkpoints, oldest first (a folder counts only once its state file is inside)."""
@@ -29,6 +31,16 @@ class Checkpoints:
     def latest(self) -> Path | None:
         done = self.complete()
         return done[-1] if done else None
+
+    def resumable(self, resume: bool) -> Path | None:
+        """Where an attempt starts: with `resume` the newest complete checkpoint; without it the newest one this
+        job sealed itself, so an automatic restart of a run that started afresh (checkpoint.resume: false) goes
+        on from its own last checkpoint, never from one an earlier run left in the folder."""
+        if resume:
+            return self.latest()
+        done = set(self.complete())
+        mine = [p for p in self.committed if p in done]
+        return mine[-1] if mine else None
 
     def staging(self, step: int) -> Path:
         path = self.root / f".tmp-step-{step:08d}"
@@ -44,6 +56,7 @@ class Checkpoints:
         final = self.root / f"step-{step:08d}"
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
+        self.committed = [p for p in self.committed if p != final] + [final]
         for old in self.complete()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step-*"):

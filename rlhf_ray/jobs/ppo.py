@@ -128,7 +128,7 @@ def _step_redoing_lost_results(run, iteration: int, rollout: dict, prompt_ids: l
 
 def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out) -> dict:
     """The iterations, from the newest checkpoint (or the start) to the end or `stop_after`."""
-    latest = checkpoints.latest() if job.checkpoint.resume else None
+    latest = checkpoints.resumable(job.checkpoint.resume)
     if latest is not None:
         state = run.restore(latest)
         start, before = state["step"], state["eval_before"]

@@ -140,7 +140,7 @@ def _train(job: SFTJob | RMJob, phase: str, learners, checkpoints: Checkpoints, 
 
 
 def _resume(job: SFTJob | RMJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:
-    latest = checkpoints.latest() if job.checkpoint.resume else None
+    latest = checkpoints.resumable(job.checkpoint.resume)
     if latest is None:
         return 0, None
     state = Checkpoints.state(latest)

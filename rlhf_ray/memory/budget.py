@@ -123,7 +123,7 @@ def _engine(job, gpu_bytes: int | None, derived: dict[str, ModelShape], seq: int
     if shape is None:
         return RoleMemory("generation", model, None, "shape unknown: set policy.model.size_like")
     if gen.engine == "hf" or (gen.engine == "auto" and not on_gpu and shape.params < gen.auto_vllm_min_params):
-        batch = -(-job.ppo.rollout_batch_size * gen.sampling.n_samples_per_prompt // gen.placement.replicas)
+        batch = -(-job.ppo.prompts_per_rollout * gen.sampling.n_samples_per_prompt // gen.placement.replicas)
         return RoleMemory("generation", model,
                           RoleBytes(weights=DTYPE_BYTES[dtype] * shape.params,
                                     kv_cache=batch * seq * shape.kv_bytes_per_token(DTYPE_BYTES[dtype])),
