@@ -65,5 +65,6 @@ def informative_groups_first(scores: torch.Tensor, group_size: int, groups: int)
     by_group = scores.float().reshape(-1, group_size)
     differ = (by_group.max(-1).values > by_group.min(-1).values).tolist()
     informative = [g for g, d in enumerate(differ) if d]
-    chosen = sorted(informative[:groups] + [g for g, d in enumerate(differ) if not d][: max(0, groups - len(informative))])
+    equal = [g for g, d in enumerate(differ) if not d]
+    chosen = sorted(informative[:groups] + equal[: max(0, groups - len(informative))])
     return [g * group_size + i for g in chosen for i in range(group_size)], min(len(informative), groups)
