@@ -11,10 +11,10 @@ import time
 import ray
 import torch
 
-from rlhf_ray.algorithms.experience import logprob_gap, make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.experience import (logprob_gap, make_experience, mismatch_kl, pack_rollouts, take_rows,
+                                           unpack_rollouts)
 from rlhf_ray.algorithms.advantages import informative_groups_first
 from rlhf_ray.algorithms.diagnostics import correlation
-from rlhf_ray.algorithms.rewards import overlong_penalty
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -55,16 +55,14 @@ class ExperienceWorker:
                    "reward/length_correlation": correlation(scores, batch["action_mask"].sum(-1)),
                    "answer/ended": batch["ended"].float().mean().item(),
                    "compute/advantages_seconds": time.perf_counter() - start}
+        if "overlong_penalty" in experience:
+            metrics["answer/overlong_penalty"] = experience.pop("overlong_penalty").mean().item()
         full = {**batch, **experience}
         if self.spec.dynamic_sampling.enabled:
             rows, informative = informative_groups_first(scores, self.group_size, self.spec.rollout_batch_size)
             full = take_rows(full, rows)
             metrics |= {"dynamic/informative_groups": informative / self.spec.rollout_batch_size,
                         "dynamic/sampled_groups": len(scores) / self.group_size}
-        if self.spec.overlong_buffer:
-            metrics["answer/overlong_penalty"] = overlong_penalty(
-                batch["action_mask"].sum(-1), self.max_answer_tokens, self.spec.overlong_buffer,
-                self.spec.overlong_penalty).mean().item()
         if "kl" in experience:  # else the policy reports it from its training forward (policy/kl)
             metrics["kl/mean"] = experience["kl"].mean().item()
         if old_logp is not None:  # else the policy measures it in its training forward
@@ -72,21 +70,6 @@ class ExperienceWorker:
             metrics["generate/mismatch_kl"] = mismatch_kl(batch["engine_logp"], old_logp, batch["action_mask"])
         return {"ref": ray.put(full), "metrics": metrics, "rows": len(full["sequences"]),
                 "samples": sample_rows(batch, scores, keep_samples)}
-
-
-def take_rows(batch: dict, rows: list[int]) -> dict:
-    """The rows `rows` of an experience batch: every per-row tensor and list; scalars (prompt_width) kept."""
-    index = torch.as_tensor(rows, dtype=torch.long)
-    n = len(batch["sequences"])
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value[index]
-        elif isinstance(value, list) and len(value) == n:
-            out[key] = [value[i] for i in rows]
-        else:
-            out[key] = value
-    return out
 
 
 def sample_rows(batch: dict, scores: torch.Tensor, n: int) -> list[dict]:

@@ -47,6 +47,21 @@ def row_slices(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def take_rows(batch: dict, rows: list[int]) -> dict:
+    """The rows `rows` of an experience batch: every per-row tensor and list; scalars (prompt_width) kept."""
+    index = torch.as_tensor(rows, dtype=torch.long)
+    n = len(batch["sequences"])
+    out = {}
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
+            out[key] = value[index]
+        elif isinstance(value, list) and len(value) == n:
+            out[key] = [value[i] for i in rows]
+        else:
+            out[key] = value
+    return out
+
+
 SEQUENCE_KEYS = ("sequences", "attention_mask")
 """The [B, P + A] tensors of a packed batch; its other [B, A] tensors hold one value per answer token."""
 
@@ -127,6 +142,8 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
     if spec.whiten_advantages and spec.advantage_estimator in ("gae", "rloo"):
         advantages = masked_whiten(advantages, action_mask)
     out.update(advantages=advantages, action_mask=action_mask, rewards=rewards)
+    if bonus is not None:
+        out["overlong_penalty"] = bonus  # [B], for the metrics
     if logp is not None:
         out.update(old_logp=logp, kl=masked_mean(kl, action_mask, dim=-1))
     return out
