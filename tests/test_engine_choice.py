@@ -58,7 +58,10 @@ def test_parameter_count_from_config_is_close_to_the_real_one(tiny_model):
 def test_vllm_engines_get_threads_and_no_core_pinning_on_cpu():
     env = engine_env("vllm", spec(vllm={"kv_cache_gb": 2}), threads=3)
     assert env["OMP_NUM_THREADS"] == "3" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "VLLM_CPU_KVCACHE_SPACE" not in env
+    fraction = spec(vllm={"kv_cache_gb": 0.25, "tensor_parallel_size": 2})
+    assert engine_kwargs(ModelSpec(path="m"), fraction, on_gpu=False)["kv_cache_memory_bytes"] == 2**27  # per worker
+    assert engine_env("vllm", fraction, threads=4)["OMP_NUM_THREADS"] == "2"  # each worker half the CPUs
     if engine_mod.intel_openmp_library():
         assert "libiomp5.so" in env["LD_PRELOAD"]
     assert "LD_PRELOAD" not in engine_env("vllm", spec(vllm={"preload_intel_openmp": False}), 1)
@@ -118,3 +121,12 @@ def test_weight_sync_over_nccl_only_where_every_member_has_a_gpu_of_its_own():
     assert collective_or_object_store("auto", gpus_shared(own_gpus)) == "collective"
     with pytest.raises(ValueError, match=r"weight_sync.transport: collective .*policy-0 and generation-0 share GPU 0"):
         collective_or_object_store("collective", gpus_shared(one_gpu))
+
+
+def test_tensor_parallel_engines_take_one_gpu_per_worker_or_share_cpus():
+    assert spec(engine="vllm", vllm={"tensor_parallel_size": 2}).placement.num_gpus == 0  # CPU: worker processes
+    assert spec(engine="vllm", vllm={"tensor_parallel_size": 2}, placement={"num_gpus": 2})
+    with pytest.raises(ValueError, match="needs 2 GPUs per replica, but placement.num_gpus is 1"):
+        spec(engine="vllm", vllm={"tensor_parallel_size": 2}, placement={"num_gpus": 1})
+    with pytest.raises(ValueError, match="the hf engine has no tensor parallelism"):
+        spec(engine="hf", vllm={"tensor_parallel_size": 2})

@@ -150,3 +150,17 @@ def test_fp32_zero_stages_keep_deepspeeds_copies_and_the_gradient_bucket_counts(
     assert gradient_bucket(p, 2, 2, bucket, on_gpu=False, overlap_comm=False) == p  # touched pages only
     assert gradient_bucket(p, 0, 1, bucket, on_gpu=True, overlap_comm=False) == 0  # one rank reduces nothing
     assert gradient_bucket(p, 0, 2, bucket, on_gpu=True, overlap_comm=False) == p  # all-reduce flattening
+
+
+def test_a_cpu_tensor_parallel_engine_holds_the_whole_model_and_cache_once():
+    """On CPU a tensor-parallel engine's workers share one bundle's host memory: the shards add up to the model, and
+    kv_cache_gb is the engine's (split among its workers), not each worker's."""
+    from rlhf_ray.memory.estimate import engine_bytes
+
+    shape = KNOWN["meta-llama/Llama-3.1-8B"]
+    one, two = (engine_bytes(shape, dtype="bf16", device_bytes=None, gpu_memory_utilization=0.9, kv_cache_gb=2,
+                             tensor_parallel=tp) for tp in (1, 2))
+    assert one == two and one.weights == 2 * shape.params and one.kv_cache == 2 * 2**30
+    gpu = engine_bytes(shape, dtype="bf16", device_bytes=80 * 2**30, gpu_memory_utilization=0.9, kv_cache_gb=2,
+                       tensor_parallel=2)
+    assert gpu.weights == shape.params  # per GPU

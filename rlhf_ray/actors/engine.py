@@ -85,7 +85,9 @@ def engine_env(engine: str, spec: GenerationSpec, threads: int) -> dict[str, str
         return env
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in the actor's process: 2 s start, not 15 s
     if spec.placement.num_gpus == 0:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(spec.vllm.kv_cache_gb)))
+        # a tensor-parallel engine's workers share the replica's CPUs. (No VLLM_CPU_KVCACHE_SPACE: vllm-cpu reads it
+        # as whole GiB over the engine's own kv_cache_memory_bytes, so kv_cache_gb 0.25 took 1 GiB.)
+        env["OMP_NUM_THREADS"] = str(max(1, threads // spec.vllm.tensor_parallel_size))
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # Ray shares cores among actors; pinning would collide
         if spec.vllm.preload_intel_openmp and (lib := intel_openmp_library()):
             preload = os.environ.get("LD_PRELOAD", "")

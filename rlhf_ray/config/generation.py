@@ -38,7 +38,8 @@ class VllmSpec(StrictModel):
     another policy: measured on SmolLM2-135M, a mean log-prob gap of 0.035 per token and half the greedy answers
     changed (docs/benchmarks.md). Watch `generate/logprob_gap` if you lower it."""
     tensor_parallel_size: int = Field(1, ge=1)
-    """GPUs one engine shards the model over (placement.num_gpus must match)."""
+    """Workers one engine shards the model over: one GPU each (placement.num_gpus must match), or on CPU
+    (num_gpus 0) processes sharing the replica's CPUs."""
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     """Share of a GPU an engine may use for weights and KV cache."""
     enable_prefix_caching: bool = True
@@ -46,7 +47,7 @@ class VllmSpec(StrictModel):
     enforce_eager: bool | None = None
     """None: eager on CPU (compiling costs ~35 s of start-up there), CUDA graphs on GPU."""
     kv_cache_gb: float = Field(1.0, gt=0)
-    """CPU only: KV-cache memory per engine."""
+    """CPU only: KV-cache memory per engine (split among a tensor-parallel engine's workers)."""
     block_size: int | None = Field(None, ge=1)
     """KV-cache block in tokens. None: vLLM's choice on GPU; 32 on CPU (its attention kernels take multiples of
     32; in one A/B run on the 2-core dev machine, decoding was ~8% faster than with vLLM's 128)."""
@@ -99,7 +100,7 @@ class GenerationSpec(StrictModel):
     @model_validator(mode="after")
     def _tensor_parallel_matches_gpus(self) -> "GenerationSpec":
         tp, gpus = self.vllm.tensor_parallel_size, self.placement.num_gpus
-        if tp > 1 and gpus != tp:
+        if tp > 1 and gpus and gpus != tp:
             raise FieldProblem(
                 "vllm.tensor_parallel_size",
                 f"an engine with tensor_parallel_size {tp} needs {tp} GPUs per replica, but "

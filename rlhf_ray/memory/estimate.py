@@ -137,9 +137,10 @@ def inference_bytes(shape: ModelShape, *, dtype: str, micro_batch: int, seq_len:
 def engine_bytes(shape: ModelShape, *, dtype: str, device_bytes: int | None, gpu_memory_utilization: float,
                  kv_cache_gb: float, tensor_parallel: int = 1) -> RoleBytes:
     """A vLLM engine. On a GPU it takes gpu_memory_utilization of the whole device, whatever the model needs (the
-    KV cache fills the rest); on CPU its weights plus `kv_cache_gb`."""
+    KV cache fills the rest; per GPU of a tensor-parallel engine); on CPU its weights plus `kv_cache_gb` (a
+    tensor-parallel engine's workers share the bundle's host memory: the whole model and cache, counted once)."""
     d = DTYPE_BYTES[dtype]
-    weights = d * shape.params // tensor_parallel
+    weights = d * shape.params // (tensor_parallel if device_bytes else 1)
     if device_bytes:
         reserved = int(gpu_memory_utilization * device_bytes)
         return RoleBytes(weights=weights, kv_cache=max(reserved - weights, 0))
