@@ -84,25 +84,6 @@ def test_vllm_dtype_is_the_policys_unless_set():
 
 
 
-def test_weight_chunks_keep_whole_layers_together():
-    from rlhf_ray.models.weight_buckets import layer_chunks, layer_of
-
-    assert layer_of("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
-    assert layer_of("model.embed_tokens.weight") == "model.embed_tokens.weight"
-    mb = torch.zeros(2**18)  # 1 MiB of fp32
-    stream = [("model.embed_tokens.weight", mb)] + [(f"model.layers.{i}.{part}.weight", mb)
-                                                   for i in range(3) for part in ("q", "k", "v")] + [
-        ("model.norm.weight", torch.zeros(4))]
-    chunks = list(layer_chunks(iter(stream), chunk_bytes=2 * 2**20))
-    assert [name for chunk in chunks for name, _ in chunk] == [name for name, _ in stream]  # nothing lost or moved
-    for chunk in chunks:  # a layer's tensors all in one chunk
-        layers = {layer_of(name) for name, _ in chunk}
-        for other in chunks:
-            if other is not chunk:
-                assert not layers & {layer_of(name) for name, _ in other}
-    assert [len(c) for c in chunks] == [4, 3, 3, 1]  # embedding + layer 0 (2 MiB reached inside it), 1, 2, norm
-
-
 def test_weight_sync_over_nccl_only_where_every_member_has_a_gpu_of_its_own():
     """One GPU shared by fractional bundles (configs/recipes/opt-1.3b-single-gpu.yaml: policy 0.35, engine 0.35)
     cannot host an NCCL group: `auto` takes the object store there, an explicit `collective` is refused by name."""

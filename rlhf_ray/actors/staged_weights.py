@@ -16,12 +16,12 @@ import mmap
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
-from rlhf_ray.models.weight_buckets import Named
+from rlhf_ray.models.weight_buckets import Named, layer_of
 
 ALIGN = 64
 """Byte alignment of every tensor in the file (whole cache lines; any dtype's element size divides it)."""
@@ -50,15 +50,6 @@ def staging_dir(nbytes: int) -> str:
     return tempfile.gettempdir()
 
 
-def _layout(chunk: list[Named]) -> tuple[list[int], int]:
-    offsets, end = [], 0
-    for _, tensor in chunk:
-        start = -(-end // ALIGN) * ALIGN
-        offsets.append(start)
-        end = start + tensor.numel() * tensor.element_size()
-    return offsets, end
-
-
 def _views(buffer, toc: StagedChunk) -> Iterator[Named]:
     flat = torch.frombuffer(buffer, dtype=torch.uint8)
     for name, dtype, shape, offset in zip(toc.names, toc.dtypes, toc.shapes, toc.offsets):
@@ -66,31 +57,70 @@ def _views(buffer, toc: StagedChunk) -> Iterator[Named]:
         yield name, flat[offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
 
 
-def _write(fd: int, tensor: torch.Tensor, offset: int) -> None:
-    data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy())
-    while data:
-        written = os.pwrite(fd, data, offset)
-        data, offset = data[written:], offset + written
+class _ChunkFile:
+    """A shared file that named tensors are appended to, each at an aligned offset."""
+
+    def __init__(self, directory: str):
+        self.fd, self.path = tempfile.mkstemp(prefix="rlhf-ray-weights-", dir=directory)
+        self.names: list[str] = []
+        self.dtypes: list[torch.dtype] = []
+        self.shapes: list[tuple[int, ...]] = []
+        self.offsets: list[int] = []
+        self.nbytes = 0
+        self.layer: str | None = None
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        offset = at = -(-self.nbytes // ALIGN) * ALIGN
+        data = memoryview(tensor.detach().reshape(-1).view(torch.uint8).cpu().numpy())
+        try:
+            while data:
+                written = os.pwrite(self.fd, data, at)
+                data, at = data[written:], at + written
+        except OSError as e:
+            raise OSError(e.errno, f"staging {name} ({tensor.numel() * tensor.element_size() / 2**20:.0f} MiB) for "
+                                   f"a tensor-parallel engine's workers in {self.path}: {e.strerror}; give /dev/shm "
+                                   f"(or TMPDIR) room for one weight chunk") from e
+        self.names.append(name)
+        self.dtypes.append(tensor.dtype)
+        self.shapes.append(tuple(tensor.shape))
+        self.offsets.append(offset)
+        self.nbytes = at
+        self.layer = layer_of(name)
+
+    def seal(self) -> StagedChunk:
+        os.close(self.fd)
+        self.fd = -1
+        return StagedChunk(self.path, self.names, self.dtypes, self.shapes, self.offsets, self.nbytes)
+
+    def remove(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
 
 
-@contextlib.contextmanager
-def staged(chunk: list[Named], directory: str | None = None) -> Iterator[StagedChunk]:
-    """Writes the chunk's tensors (any device) into a new shared file, yields its table of contents, and removes
-    the file on exit, also when loading failed."""
-    offsets, nbytes = _layout(chunk)
-    fd, path = tempfile.mkstemp(prefix="rlhf-ray-weights-", dir=directory or staging_dir(nbytes))
+def staged_chunks(stream: Iterable[Named], chunk_bytes: int, directory: str | None = None) -> Iterator[StagedChunk]:
+    """The stream written into shared files as it arrives, chunks of about `chunk_bytes` that never split a layer's
+    tensors (vLLM reloads a layer once all of its tensors came, within one call: one call per chunk). Yields each
+    complete chunk's table of contents; its file is removed when the next is asked for or the generator closes
+    (also after a failure). Only the tensor being written is held, never a chunk: buffers the transport received
+    into (a GPU's, for the collective transport) are released as soon as they are written."""
+    chunk: _ChunkFile | None = None
     try:
-        os.ftruncate(fd, nbytes)
-        for (_, tensor), offset in zip(chunk, offsets):
-            _write(fd, tensor, offset)
-        os.close(fd)
-        fd = -1
-        yield StagedChunk(path, [n for n, _ in chunk], [t.dtype for _, t in chunk],
-                          [tuple(t.shape) for _, t in chunk], offsets, nbytes)
+        for name, tensor in stream:
+            if chunk is not None and chunk.nbytes >= chunk_bytes and layer_of(name) != chunk.layer:
+                yield chunk.seal()
+                chunk.remove()
+                chunk = None
+            if chunk is None:
+                chunk = _ChunkFile(directory or staging_dir(chunk_bytes))
+            chunk.add(name, tensor)
+        if chunk is not None:
+            yield chunk.seal()
     finally:
-        if fd >= 0:
-            os.close(fd)
-        os.unlink(path)
+        if chunk is not None:
+            chunk.remove()
 
 
 def _mapping_bytes(path: str) -> dict[str, int]:

@@ -11,12 +11,11 @@ import logging
 import torch
 
 from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
-from rlhf_ray.actors.staged_weights import load_staged, staged
+from rlhf_ray.actors.staged_weights import load_staged, staged_chunks
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.data.split import stable_seed
-from rlhf_ray.models.weight_buckets import layer_chunks
 
 log = logging.getLogger(__name__)
 
@@ -157,9 +156,8 @@ class VLLMEngine(GenerationEngine):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": counted()})  # streamed in place
         else:  # workers in other processes: whole layers, ~chunk_bytes at a time, through shared memory
             self.last_load = {"chunks": 0, "largest_chunk": 0, "workers": {}}
-            for chunk in layer_chunks(counted(), self.chunk_bytes or RELOAD_CHUNK_BYTES):
-                with staged(chunk) as toc:
-                    taken = self.llm.collective_rpc(load_staged, args=(toc,))
+            for toc in staged_chunks(counted(), self.chunk_bytes or RELOAD_CHUNK_BYTES):
+                taken = self.llm.collective_rpc(load_staged, args=(toc,))
                 self.last_load["chunks"] += 1
                 self.last_load["largest_chunk"] = max(self.last_load["largest_chunk"], toc.nbytes)
                 for worker in taken:

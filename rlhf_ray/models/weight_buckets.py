@@ -98,21 +98,3 @@ def layer_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return name
-
-
-def layer_chunks(stream: Iterable[Named], chunk_bytes: int) -> Iterator[list[Named]]:
-    """The stream cut into lists of about `chunk_bytes`, never splitting one layer's tensors over two lists (an
-    engine reloads weights layer by layer; a layer half loaded by one call would be processed incomplete). Only one
-    list is held at a time."""
-    chunk: list[Named] = []
-    size, layer = 0, None
-    for name, tensor in stream:
-        current = layer_of(name)
-        if chunk and size >= chunk_bytes and current != layer:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        layer = current
-    if chunk:
-        yield chunk
