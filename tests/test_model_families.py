@@ -133,7 +133,7 @@ def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
     import ray
 
     from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.supervised import _learner_kwargs
+    from rlhf_ray.jobs.supervised import learner_kwargs
     from rlhf_ray.learners.group import start_learner_group
     from rlhf_ray.learners.sft import SFTLearner
 
@@ -141,7 +141,7 @@ def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
     data = build_phase_data(job.data, tokenizer, "sft", job.seed, tmp_path / "sft-cache", tokens=tokens)
     name, bundles = plan.role_slots("learner")
     learners = start_learner_group(SFTLearner, "sft-learner", job.placement, groups[name], bundles, job.cluster, 2,
-                                   **_learner_kwargs(job, tokens.pad_id))
+                                   **learner_kwargs(job, tokens.pad_id))
     try:
         learners.call("set_data", ray.put(data.train[:64]), ray.put(data.eval[:16]))
         first = learners.call("evaluate")[0]

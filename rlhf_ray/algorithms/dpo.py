@@ -1,7 +1,7 @@
 """Direct preference optimisation losses on sequence log-probs (sums over each answer's tokens) of the policy and
 the frozen reference, for a batch of (chosen, rejected) pairs. Variants: DPO (sigmoid), conservative DPO (sigmoid
 with label smoothing: the preference label is wrong with probability eps) and IPO (squared, on per-token means, as
-TRL computes it). The DPO job is not built yet: these are its math, with golden tests."""
+TRL computes it), and the pair layout the DPO learner and its reference score (jobs/dpo.py runs them)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from rlhf_ray.algorithms.experience import pack_rollouts
 
 DPOLossType = Literal["sigmoid", "ipo"]
 
@@ -40,3 +42,20 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
                "rewards/accuracy": (chosen_reward > rejected_reward).float().mean(),
                "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean()}
     return losses.mean(), metrics
+
+
+def pack_pairs(pairs: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """2B rows in the rollout layout (pack_rollouts: left-padded prompt, right-padded answer): the B chosen answers
+    first, then the B rejected ones, each after the pair's shared prompt (`prompt_len` tokens of either sequence)."""
+    prompts = [p["chosen_ids"][: p["prompt_len"]] for p in pairs]
+    answers = ([p["chosen_ids"][p["prompt_len"]:] for p in pairs] +
+               [p["rejected_ids"][p["prompt_len"]:] for p in pairs])
+    return pack_rollouts(prompts + prompts, answers, pad_id)
+
+
+def pair_sequence_logps(token_logps: torch.Tensor, action_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-pair sums of answer-token log-probs [B] and answer lengths [B], from [2B, A] tensors laid out by
+    pack_pairs (chosen rows, then rejected rows)."""
+    sums, counts = (token_logps * action_mask).sum(-1), action_mask.sum(-1)
+    n = sums.shape[0] // 2
+    return {"chosen": sums[:n], "rejected": sums[n:], "chosen_tokens": counts[:n], "rejected_tokens": counts[n:]}

@@ -3,8 +3,9 @@
 from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.data import DataSpec, DatasetSpec
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
+from rlhf_ray.config.dpo import DPOReferenceSpec, DPOSpec
 from rlhf_ray.config.generation import GenerationSpec, HfEngineSpec, SamplingSpec, VllmSpec
-from rlhf_ray.config.jobs import (FINAL_MODEL_DIR, JOB_KINDS, InferenceRoleSpec, JobBase, LearnerRoleSpec,
+from rlhf_ray.config.jobs import (FINAL_MODEL_DIR, JOB_KINDS, DPOJob, InferenceRoleSpec, JobBase, LearnerRoleSpec,
                                   PipelineJob, PPOJob, RewardRoleSpec, RMJob, SFTJob, TrainSpec)
 from rlhf_ray.config.loader import ConfigError, ConfigSource, job_schema, load_job, validate_job
 from rlhf_ray.config.model import LoraSpec, ModelSpec
@@ -14,7 +15,8 @@ from rlhf_ray.config.ppo import EmaSpec, PPOSpec
 from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
 
 __all__ = [
-    "FieldProblem", "StrictModel", "DataSpec", "DatasetSpec", "DeepSpeedSpec", "GenerationSpec", "HfEngineSpec",
+    "FieldProblem", "StrictModel", "DataSpec", "DatasetSpec", "DeepSpeedSpec", "DPOJob", "DPOReferenceSpec", "DPOSpec",
+    "GenerationSpec", "HfEngineSpec",
     "SamplingSpec", "VllmSpec", "FINAL_MODEL_DIR", "JOB_KINDS", "InferenceRoleSpec", "JobBase", "LearnerRoleSpec",
     "PipelineJob", "PPOJob", "RewardRoleSpec", "RMJob", "SFTJob", "TrainSpec", "ConfigError", "ConfigSource",
     "job_schema", "load_job", "validate_job", "LoraSpec", "ModelSpec", "OptimizerSpec", "ClusterSpec", "NodeShape",

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.data import DataSpec
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
+from rlhf_ray.config.dpo import DPOSpec
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
@@ -42,7 +43,7 @@ class JobBase(StrictModel):
     """What every job has: where it writes, its seed, its cluster, logging and checkpoints."""
 
     kind: str
-    """Job kind: sft, rm, ppo or pipeline. Picks which model validates the rest of the file."""
+    """Job kind: sft, rm, dpo, ppo or pipeline. Picks which model validates the rest of the file."""
     output_dir: str = "outputs/run"
     """Everything the job writes: the final model in `model/`, checkpoints, logs, `summary.json`."""
     seed: int = 1234
@@ -136,6 +137,22 @@ class RMJob(_SupervisedJob):
     loss: Literal["pairwise", "divergence_window"] = "pairwise"
     """pairwise: -logsigmoid(r_chosen - r_rejected) at the last real token; divergence_window: DeepSpeed-Chat's
     per-token variant over the span where the two answers differ."""
+
+
+class DPOJob(_SupervisedJob):
+    """Direct preference optimisation: the policy learns from preference pairs against a frozen reference, without
+    a reward model or sampling. Trains on the pairs share of `data.split` (the RM phase's)."""
+
+    kind: Literal["dpo"] = "dpo"
+    dpo: DPOSpec = Field(default_factory=DPOSpec)
+
+    def placement_roles(self) -> dict[str, PlacementSpec]:
+        return {"learner": self.placement, "reference": self.dpo.reference.placement}
+
+    @property
+    def reference_model(self) -> ModelSpec:
+        """The reference's model: `dpo.reference.model`, or the model training starts from."""
+        return self.dpo.reference.model if self.dpo.reference.model.is_set else self.model
 
 
 class LearnerRoleSpec(StrictModel):
@@ -339,17 +356,28 @@ def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) ->
 
 
 class PipelineJob(JobBase):
-    """SFT -> RM -> PPO. Stage outputs default to `<output_dir>/{sft,rm,ppo}`; the reward model starts from the SFT
-    model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic and reward model
-    from the RM, unless a path is given."""
+    """SFT -> RM -> PPO, or SFT -> DPO. Stage outputs default to `<output_dir>/{sft,rm,ppo,dpo}`; the reward model
+    starts from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
+    and reward model from the RM, unless a path is given; DPO starts from the SFT model."""
 
     kind: Literal["pipeline"] = "pipeline"
     sft: SFTJob
     """Stage 1, as in an sft config (`kind` and `output_dir` may be left out)."""
-    rm: RMJob
+    rm: RMJob | None = None
     """Stage 2, as in an rm config; `model.path` left unset takes the SFT output."""
-    ppo: PPOJob
+    ppo: PPOJob | None = None
     """Stage 3, as in a ppo config; model paths left unset take the SFT / RM outputs."""
+    dpo: DPOJob | None = None
+    """Instead of rm and ppo: DPO after SFT, as in a dpo config; `model.path` left unset takes the SFT output."""
+
+    @model_validator(mode="after")
+    def _one_route(self) -> "PipelineJob":
+        if self.dpo is not None and (self.rm is not None or self.ppo is not None):
+            raise FieldProblem("dpo", "a pipeline runs either rm and ppo after sft, or dpo: remove one route")
+        if self.dpo is None and (self.rm is None or self.ppo is None):
+            missing = " and ".join(s for s in ("rm", "ppo") if getattr(self, s) is None)
+            raise FieldProblem(missing.split()[0], f"no {missing} stage: give rm and ppo sections, or a dpo one")
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -359,8 +387,10 @@ class PipelineJob(JobBase):
         root = data.get("output_dir", cls.model_fields["output_dir"].default)
         shared = {k: data[k] for k in ("seed", "cluster", "logging") if k in data}
         stages = {}
-        for stage in ("sft", "rm", "ppo"):
+        for stage in ("sft", "rm", "ppo", "dpo"):
             section = data.get(stage)
+            if section is None and stage != "sft":
+                continue
             if not isinstance(section, dict):
                 return data
             section = {**shared, **section}
@@ -368,6 +398,10 @@ class PipelineJob(JobBase):
             section.setdefault("output_dir", f"{root}/{stage}")
             stages[stage] = section
         sft_model = f"{stages['sft']['output_dir']}/{FINAL_MODEL_DIR}"
+        if "dpo" in stages:
+            _with_default(stages["dpo"], ("model", "path"), sft_model)
+        if "rm" not in stages or "ppo" not in stages:
+            return {**data, **stages}
         rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
         _with_default(stages["rm"], ("model", "path"), sft_model)
         _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
@@ -379,10 +413,11 @@ class PipelineJob(JobBase):
 
     def placement_roles(self) -> dict[str, PlacementSpec]:
         """Stages run one after another, so the plan that must fit is the largest stage's."""
-        return self.ppo.placement_roles()
+        return (self.dpo or self.ppo).placement_roles()
 
     def stages(self) -> list[JobBase]:
-        return [self.sft, self.rm, self.ppo]
+        return [self.sft, self.dpo] if self.dpo is not None else [self.sft, self.rm, self.ppo]
 
 
-JOB_KINDS: dict[str, type[JobBase]] = {"sft": SFTJob, "rm": RMJob, "ppo": PPOJob, "pipeline": PipelineJob}
+JOB_KINDS: dict[str, type[JobBase]] = {"sft": SFTJob, "rm": RMJob, "dpo": DPOJob, "ppo": PPOJob,
+                                       "pipeline": PipelineJob}

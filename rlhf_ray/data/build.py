@@ -20,7 +20,8 @@ from rlhf_ray.data.tokenized import pack, tokenize_pairs, tokenize_prompts, toke
 from rlhf_ray.data.tokens import TokenConventions
 
 log = logging.getLogger(__name__)
-CACHE_VERSION = 3  # 2: BOS prefixes and stop sets (data/tokens.py); 3: prompt rows carry dataset columns
+CACHE_VERSION = 4  # 2: BOS prefixes and stop sets (data/tokens.py); 3: prompt rows carry dataset columns;
+# 4: pair rows carry prompt_len
 
 
 @dataclass

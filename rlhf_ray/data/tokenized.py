@@ -94,7 +94,7 @@ def pack(samples: list[dict], max_seq_len: int) -> list[dict]:
 def tokenize_pairs(samples: list[RawSample], tokenizer, tokens: TokenConventions, max_seq_len: int,
                    overlong: Overlong = "trim_prompt") -> tuple[list[dict], TokenReport]:
     """chosen_ids / rejected_ids = the same prompt + each answer + stop (one shared prompt trim, so the pair
-    differs only in the answer)."""
+    differs only in the answer); prompt_len: the shared prompt's tokens (DPO scores only the answers)."""
     report, out = TokenReport(), []
     for s in samples:
         if s.chosen is None or s.rejected is None:
@@ -110,7 +110,7 @@ def tokenize_pairs(samples: list[RawSample], tokenizer, tokens: TokenConventions
                       len(tokens.prefix_ids))
         if prompt is None:
             continue
-        out.append({"chosen_ids": prompt + chosen, "rejected_ids": prompt + rejected})
+        out.append({"chosen_ids": prompt + chosen, "rejected_ids": prompt + rejected, "prompt_len": len(prompt)})
     report.kept = len(out)
     return out, report
 

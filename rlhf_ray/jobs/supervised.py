@@ -15,12 +15,13 @@ import logging
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import ray
 from tqdm import tqdm
 
 from rlhf_ray import cluster
-from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob, _SupervisedJob
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
@@ -38,7 +39,7 @@ from rlhf_ray.plan import ResourcePlan
 log = logging.getLogger(__name__)
 
 
-def total_steps(job: SFTJob | RMJob, num_samples: int) -> int:
+def total_steps(job: _SupervisedJob, num_samples: int) -> int:
     per_epoch = steps_per_epoch(num_samples, job.global_batch_size)
     if per_epoch == 0:
         raise ValueError(f"{num_samples} training samples do not fill one global batch of {job.global_batch_size}; "
@@ -46,7 +47,7 @@ def total_steps(job: SFTJob | RMJob, num_samples: int) -> int:
     return job.train.max_steps or max(1, math.ceil(per_epoch * job.train.epochs))
 
 
-def _learner_kwargs(job: SFTJob | RMJob, pad_token_id: int) -> dict:
+def learner_kwargs(job: _SupervisedJob, pad_token_id: int) -> dict:
     kwargs = dict(model=job.model.model_dump(), optim=job.optim.model_dump(), deepspeed=job.deepspeed.model_dump(),
                   micro_batch_size=job.train.micro_batch_size, seed=job.seed, pad_token_id=pad_token_id,
                   global_batch_size=job.global_batch_size, eval_batch_size=job.train.eval_batch_size)
@@ -81,10 +82,10 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
             try:
                 group_name, bundles = plan.role_slots("learner")
                 learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
-                                               bundles, job.cluster, steps, **_learner_kwargs(job, tokens.pad_id))
+                                               bundles, job.cluster, steps, **learner_kwargs(job, tokens.pad_id))
                 learners.call("set_data", ray.put(data.train), ray.put(data.eval))
                 with learner_deaths_explained(checkpoints, (f"{phase}-learner",)):
-                    return _train(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
+                    return train_steps(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
             finally:
                 if learners is not None:
                     learners.kill()
@@ -102,10 +103,12 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
     return summary
 
 
-def _train(job: SFTJob | RMJob, phase: str, learners, checkpoints: Checkpoints, metrics: MetricsLogger, steps: int,
-           stop_after: int | None, restarts: int, out: Path) -> dict:
+def train_steps(job: _SupervisedJob, phase: str, learners, checkpoints: Checkpoints, metrics: MetricsLogger,
+                steps: int, stop_after: int | None, restarts: int, out: Path,
+                before_step: Callable[[int], None] | None = None) -> dict:
     """The steps from the newest checkpoint (or the start) to the end or `stop_after`; the first and last
-    evaluations, or where it stopped."""
+    evaluations, or where it stopped. `before_step(step)` runs before each step's collective (DPO's on-the-fly
+    reference)."""
     start, first_eval = _resume(job, checkpoints, learners)
     metrics.rewind(start if first_eval is not None else -1)  # steps to be redone (or a previous run's)
     if first_eval is None:
@@ -116,6 +119,8 @@ def _train(job: SFTJob | RMJob, phase: str, learners, checkpoints: Checkpoints, 
     bar = tqdm(range(start, end), desc=f"{phase} train", initial=start, total=steps,
                disable=not job.logging.progress)
     for step in bar:
+        if before_step is not None:
+            before_step(step)
         result = learners.call("train_step", step)[0]
         bar.set_postfix(loss=f"{result['loss']:.4f}")
         if (step + 1) % job.logging.log_every_steps == 0:
@@ -139,7 +144,7 @@ def _train(job: SFTJob | RMJob, phase: str, learners, checkpoints: Checkpoints, 
     return {"first_eval": first_eval, "last_eval": last_eval}
 
 
-def _resume(job: SFTJob | RMJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:
+def _resume(job: _SupervisedJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:
     latest = checkpoints.resumable(job.checkpoint.resume)
     if latest is None:
         return 0, None

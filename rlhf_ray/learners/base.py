@@ -177,12 +177,15 @@ class SupervisedRank(LearnerRank):
         self.train_rows, self.eval_rows = train_rows, eval_rows
         return len(train_rows)
 
-    def step_micro_batches(self, step: int) -> list[list[dict]]:
+    def step_indices(self, step: int) -> list[list[int]]:
+        """Indices into the training rows of this rank's micro-batches at optimizer step `step`."""
         from rlhf_ray.learners.schedule import micro_batches
 
-        indices = micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size,
-                                self.world_size, self.rank, step, self.seed)
-        return [[self.train_rows[i] for i in idx] for idx in indices]
+        return micro_batches(len(self.train_rows), self.global_batch_size, self.micro_batch_size, self.world_size,
+                             self.rank, step, self.seed)
+
+    def step_micro_batches(self, step: int) -> list[list[dict]]:
+        return [[self.train_rows[i] for i in idx] for idx in self.step_indices(step)]
 
     def eval_batches(self) -> list[list[dict]]:
         """This rank's share of the eval split, in eval-sized batches."""

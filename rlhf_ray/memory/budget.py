@@ -76,7 +76,7 @@ def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: di
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like")
-    shards = role.placement.replicas if role.sharded else 1
+    shards = role.placement.replicas if getattr(role, "sharded", False) else 1  # DPO's reference is never sharded
     got = inference_bytes(shape, dtype=spec.dtype, micro_batch=micro, seq_len=seq, logit_positions=positions,
                           scalar_head=scalar, shards=shards, attention_scores=role.placement.num_gpus == 0)
     sharding = f", ZeRO-3 shard 1/{shards}" if shards > 1 else ""
@@ -86,9 +86,16 @@ def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: di
 
 def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape] | None = None
                 ) -> dict[str, RoleMemory]:
-    """Per-replica bytes of every role of one job (SFT, RM or PPO). `derived`: shapes of model folders an earlier
-    pipeline stage writes (the SFT output has the SFT input's shape)."""
+    """Per-replica bytes of every role of one job (SFT, RM, DPO or PPO). `derived`: shapes of model folders an
+    earlier pipeline stage writes (the SFT output has the SFT input's shape)."""
     derived = derived or {}
+    if job.kind == "dpo":  # chosen + rejected of each pair in one forward, every answer position scored
+        seq, micro = job.data.max_seq_len, 2 * job.train.micro_batch_size
+        reference = job.dpo.reference.model_copy(update={"model": job.reference_model,
+                                                         "micro_batch_size": 2 * job.dpo.reference.micro_batch_size})
+        return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq,
+                                    job.placement.num_gpus > 0, False, derived),
+                "reference": _scorer("reference", reference, seq, seq, False, derived)}
     if job.kind in ("sft", "rm"):
         gpu = job.placement.num_gpus > 0
         micro = job.train.micro_batch_size * (2 if job.kind == "rm" else 1)  # chosen + rejected
@@ -232,10 +239,11 @@ def _advice(roles: tuple[str, ...]) -> str:
 
 
 def written_shapes(job, derived: dict[str, ModelShape]) -> dict[str, ModelShape]:
-    """The model folder an SFT / RM stage writes, with its shape (its input model's), for the stages after it."""
+    """The model folder an SFT / RM / DPO stage writes, with its shape (its input model's), for the stages after
+    it."""
     from rlhf_ray.config.jobs import FINAL_MODEL_DIR
 
-    if job.kind not in ("sft", "rm"):
+    if job.kind not in ("sft", "rm", "dpo"):
         return {}
     shape, _ = _shape(job.model, derived)
     return {f"{job.output_dir}/{FINAL_MODEL_DIR}": shape} if shape is not None else {}

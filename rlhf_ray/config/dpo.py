@@ -1,0 +1,45 @@
+"""The `dpo:` section of a DPO job: the loss and the frozen reference it is measured against."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.placement import PlacementSpec
+
+
+class DPOReferenceSpec(StrictModel):
+    """The frozen reference: a Ray role of its own that computes each pair's reference log-probs."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    """Unset: the model DPO starts from (`model.path`), as DPO assumes."""
+    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    micro_batch_size: int = Field(8, ge=1)
+    """Pairs per reference forward."""
+    precompute: bool = True
+    """True: the log-probs of every training and held-out pair once, before the first step; then the role is
+    stopped and its memory freed while the policy trains. False: each step's pairs as the step comes (the role
+    stays up beside the learners; for data too large to score up front, or a reference that must not sit idle)."""
+
+
+class DPOSpec(StrictModel):
+    """Direct preference optimisation on (prompt, chosen, rejected) pairs (Rafailov et al. 2023)."""
+
+    beta: float = Field(0.1, gt=0)
+    """Strength of the implicit KL constraint: larger keeps the policy nearer the reference."""
+    loss: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO's -log sigmoid(beta h) (with `label_smoothing`: conservative DPO); ipo: (h' - 1/(2 beta))^2 on
+    per-token mean log-ratios, as TRL's IPO."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """Conservative DPO: the chance that a pair's preference label is wrong (sigmoid only)."""
+    reference: DPOReferenceSpec = Field(default_factory=DPOReferenceSpec)
+
+    @model_validator(mode="after")
+    def _smoothing_is_for_sigmoid(self) -> "DPOSpec":
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise FieldProblem("label_smoothing", f"label smoothing is conservative DPO's (loss: sigmoid); the "
+                                                  f"{self.loss} loss does not read it: remove it")
+        return self

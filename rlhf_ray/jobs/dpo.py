@@ -1,0 +1,200 @@
+"""The DPO job: a DeepSpeed learner group trains the policy on preference pairs against a frozen reference, which
+runs as a Ray role of its own (actors/scoring.ReferenceWorker).
+
+    pairs      = build_phase_data(..., "rm")                     # the pairs share of data.split
+    reference  = reference role on its bundles
+    precompute: ref_logps(every train and held-out pair), then the reference stops (its memory is freed)
+    learners   = start_learner_group(DPOLearner)                 # resume from the newest checkpoint, if any
+    for step:  (on the fly: ref_logps(this step's pairs))   learners.train_step(step)
+    evaluate, export the HF model, write summary.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import ray
+import torch
+from tqdm import tqdm
+
+from rlhf_ray import cluster
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, resilient_gather
+from rlhf_ray.actors.scoring import ReferenceWorker
+from rlhf_ray.algorithms.dpo import pack_pairs, pair_sequence_logps
+from rlhf_ray.algorithms.experience import row_bounds, row_slices
+from rlhf_ray.config.jobs import DPOJob
+from rlhf_ray.data.build import build_phase_data
+from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.jobs.metrics import MetricsLogger
+from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
+from rlhf_ray.jobs.supervised import learner_kwargs, total_steps, train_steps
+from rlhf_ray.learners.dpo import DPOLearner
+from rlhf_ray.learners.group import actor_env, start_learner_group
+from rlhf_ray.learners.schedule import micro_batches
+from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.models.sources import resolve_model_sources
+from rlhf_ray.models.support import model_problems
+from rlhf_ray.plan import ResourcePlan
+
+log = logging.getLogger(__name__)
+
+REFERENCE_FILE = "reference_logps.pt"
+"""Precomputed reference log-probs, kept in output_dir so a restart or a resumed run does not score again."""
+PAIRS_PER_CALL = 256
+
+
+class ReferenceScores:
+    """The reference role: sequence log-probs (chosen, rejected) of pairs, rows spread over its replicas."""
+
+    def __init__(self, job: DPOJob, plan: ResourcePlan, groups: dict, pad_id: int):
+        ref = job.dpo.reference
+        group_name, bundles = plan.role_slots("reference")
+        self.group = ActorGroup(ReferenceWorker, "reference", ref.placement.replicas,
+                                placement_group=groups[group_name], bundle_indices=bundles,
+                                num_cpus=ref.placement.num_cpus, num_gpus=ref.placement.num_gpus,
+                                kwargs={"model": job.reference_model.model_dump(), "temperature": 1.0,
+                                        "micro_batch_size": 2 * ref.micro_batch_size},
+                                call_timeout_s=job.cluster.call_timeout_s,
+                                start_timeout_s=job.cluster.startup_timeout_s, env_vars=actor_env(ref.placement))
+        self.budget = RestartBudget(job.cluster.max_actor_restarts)
+        self.pad_id = pad_id
+
+    def wait_ready(self, timeout_s: float) -> "ReferenceScores":
+        self.group.wait_ready(timeout_s)
+        return self
+
+    def __call__(self, pairs: list[dict]) -> torch.Tensor:
+        """[len(pairs), 2]: each pair's reference log-prob of its chosen and of its rejected answer."""
+        batch = pack_pairs(pairs, self.pad_id)
+        batch_ref = ray.put(batch)
+        args = [(batch_ref, lo, hi) for lo, hi in row_bounds(2 * len(pairs), len(self.group))]
+        refs = [actor.logprobs.remote(*a) for actor, a in zip(self.group.actors, args)]
+        parts = resilient_gather(self.group, "logprobs", args, refs, self.budget)
+        token_logps = torch.cat([ray.get(part["ref"]) for part in parts])
+        sums = pair_sequence_logps(token_logps, batch["action_mask"])
+        return torch.stack([sums["chosen"], sums["rejected"]], dim=1).double()
+
+    def all_of(self, pairs: list[dict], desc: str, progress: bool) -> torch.Tensor:
+        chunks = row_slices(len(pairs), PAIRS_PER_CALL)
+        return torch.cat([self(pairs[s]) for s in tqdm(chunks, desc=desc, disable=not progress)]) if chunks else \
+            torch.zeros(0, 2, dtype=torch.float64)
+
+    def kill(self) -> None:
+        self.group.kill()
+
+
+def reference_key(job: DPOJob, data_file: str) -> str:
+    """What the precomputed log-probs depend on: the pairs (their cache file names every input) and the model."""
+    parts = {"data": Path(data_file).name, "model": job.reference_model.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def load_precomputed(path: Path, key: str) -> dict | None:
+    if not path.is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    return saved if saved.get("key") == key else None
+
+
+def save_precomputed(path: Path, key: str, train: torch.Tensor, evaluation: torch.Tensor) -> None:
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    torch.save({"key": key, "train": train, "eval": evaluation}, tmp)
+    os.replace(tmp, path)
+
+
+def hand_in(learners: ActorGroup, split: str, indices: list[int], logps: torch.Tensor) -> None:
+    learners.call("set_reference_logps", split, indices, logps[:, 0].tolist(), logps[:, 1].tolist())
+
+
+def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
+    """Train, evaluate, export and summarise; with `stop_after`, checkpoint at that step and return (run again to
+    resume)."""
+    job = resolve_model_sources(job)
+    if problems := model_problems(job):
+        raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
+    out = Path(job.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer(job.model)
+    tokens = TokenConventions.from_tokenizer(tokenizer, job.model.path)
+    data = build_phase_data(job.data, tokenizer, "rm", job.seed, job.data.cache_dir or out / "data_cache",
+                            tokens=tokens)
+    steps = total_steps(job, len(data.train))
+    checkpoints = Checkpoints(out, job.checkpoint.keep_last)
+    metrics = MetricsLogger(out, job.logging, run_name=f"dpo-{out.name}")
+    key, saved_file = reference_key(job, data.cache_file), out / REFERENCE_FILE
+    started = time.time()
+
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+
+        def attempt(restarts: int) -> dict:
+            groups, learners, reference = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s), None, None
+            try:
+                reference = ReferenceScores(job, plan, groups, tokens.pad_id)
+                group_name, bundles = plan.role_slots("learner")
+                learners = start_learner_group(DPOLearner, "dpo-learner", job.placement, groups[group_name], bundles,
+                                               job.cluster, steps, beta=job.dpo.beta, loss=job.dpo.loss,
+                                               label_smoothing=job.dpo.label_smoothing,
+                                               **learner_kwargs(job, tokens.pad_id))
+                learners.call("set_data", ray.put(data.train), ray.put(data.eval))
+                reference.wait_ready(job.cluster.startup_timeout_s)
+                before_step = _reference_logps(job, reference, learners, data, key, saved_file)
+                if before_step is None:
+                    reference.kill()  # precomputed: its memory goes back to the learners
+                with learner_deaths_explained(checkpoints, ("dpo-learner",)):
+                    return train_steps(job, "dpo", learners, checkpoints, metrics, steps, stop_after, restarts, out,
+                                       before_step)
+            finally:
+                for group in (learners, reference):
+                    if group is not None:
+                        group.kill()
+                cluster.remove(groups)
+
+        try:
+            result = with_learner_restarts(job.cluster.learner_restarts, checkpoints, attempt)
+        finally:
+            metrics.close()
+    if "stopped_at_step" in result:
+        return result
+    first, last = result["first_eval"], result["last_eval"]
+    summary = {"phase": "dpo", "steps": steps, "train_pairs": len(data.train), "seconds": round(time.time() - started, 2),
+               "data_report": data.report, "reference": "precomputed" if job.dpo.reference.precompute else "on the fly",
+               **{f"{k}_first": first[k] for k in ("eval_accuracy", "eval_logp_accuracy", "eval_margin", "eval_loss")},
+               **{k: last[k] for k in ("eval_accuracy", "eval_logp_accuracy", "eval_margin", "eval_loss",
+                                       "eval_chosen_reward",
+                                       "eval_rejected_reward", "eval_chosen_logp", "eval_rejected_logp")}}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _reference_logps(job: DPOJob, reference: ReferenceScores, learners: ActorGroup, data, key: str, saved_file: Path):
+    """Hands the learners the reference log-probs of the held-out pairs, and of every training pair when
+    precomputing (None is returned then); otherwise returns the hook that scores each step's pairs before it."""
+    progress = job.logging.progress
+    if job.dpo.reference.precompute:
+        saved = load_precomputed(saved_file, key)
+        if saved is None:
+            saved = {"train": reference.all_of(data.train, "reference log-probs (train)", progress),
+                     "eval": reference.all_of(data.eval, "reference log-probs (held-out)", progress)}
+            save_precomputed(saved_file, key, saved["train"], saved["eval"])
+        else:
+            log.info("reference log-probs from %s", saved_file)
+        hand_in(learners, "train", list(range(len(data.train))), saved["train"])
+        hand_in(learners, "eval", list(range(len(data.eval))), saved["eval"])
+        return None
+    hand_in(learners, "eval", list(range(len(data.eval))), reference.all_of(data.eval, "reference (held-out)", progress))
+    ranks = job.placement.replicas
+
+    def before_step(step: int) -> None:
+        indices = sorted({i for rank in range(ranks) for micro in micro_batches(
+            len(data.train), job.global_batch_size, job.train.micro_batch_size, ranks, rank, step, job.seed)
+            for i in micro})
+        hand_in(learners, "train", indices, reference([data.train[i] for i in indices]))
+
+    return before_step
