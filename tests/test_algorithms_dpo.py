@@ -54,3 +54,17 @@ def test_the_loss_pushes_chosen_up_and_rejected_down():
     chosen, rejected = CHOSEN.clone().requires_grad_(), REJECTED.clone().requires_grad_()
     dpo_loss(chosen, rejected, REF_CHOSEN, REF_REJECTED, beta=0.1)[0].backward()
     assert (chosen.grad < 0).all() and (rejected.grad > 0).all()  # descent raises chosen, lowers rejected
+
+
+def test_pairs_are_packed_chosen_first_after_their_shared_prompt():
+    from rlhf_ray.algorithms.dpo import pack_pairs, pair_sequence_logps
+
+    pairs = [{"chosen_ids": [1, 2, 3, 4], "rejected_ids": [1, 2, 3, 5, 6], "prompt_len": 3},
+             {"chosen_ids": [7, 8, 9], "rejected_ids": [7, 10], "prompt_len": 1}]
+    batch = pack_pairs(pairs, pad_id=0)
+    assert batch["sequences"].tolist() == [[1, 2, 3, 4, 0], [0, 0, 7, 8, 9], [1, 2, 3, 5, 6], [0, 0, 7, 10, 0]]
+    assert batch["action_mask"].tolist() == [[1, 0], [1, 1], [1, 1], [1, 0]]
+    token_logps = T([[-1.0, -9.0], [-2.0, -3.0], [-4.0, -0.5], [-6.0, -9.0]])
+    sums = pair_sequence_logps(token_logps, batch["action_mask"])  # padding never counts
+    assert sums["chosen"].tolist() == [-1.0, -5.0] and sums["rejected"].tolist() == [-4.5, -6.0]
+    assert sums["chosen_tokens"].tolist() == [1.0, 2.0] and sums["rejected_tokens"].tolist() == [2.0, 1.0]

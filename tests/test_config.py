@@ -229,7 +229,7 @@ def test_deepspeed_config_translation():
 def test_schema_is_generated_from_the_models(tmp_path):
     schema = job_schema()
     kinds = {ref.split("/")[-1] for ref in schema["discriminator"]["mapping"].values()}
-    assert kinds == {"SFTJob", "RMJob", "PPOJob", "PipelineJob"}
+    assert kinds == {"SFTJob", "RMJob", "DPOJob", "PPOJob", "PipelineJob"}
     ppo = schema["$defs"]["PPOSpec"]["properties"]
     assert ppo["kl_coef"]["default"] == 0.1 and "KL" in ppo["kl_coef"]["description"]
     assert schema["$defs"]["TrainSpec"]["additionalProperties"] is False
@@ -322,3 +322,36 @@ def test_a_missing_pretraining_corpus_is_refused_before_work(capsys, tmp_path):
     assert code == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert "ppo.pretrain_data" in err and str(missing) in err
+
+
+DPO = """\
+kind: dpo
+model: {path: sft/model}
+dpo:
+  beta: 0.2
+  loss: ipo
+  label_smoothing: 0.1
+"""
+
+
+def test_dpo_options_and_label_smoothing_only_with_the_sigmoid_loss(write_yaml):
+    path = write_yaml(DPO)
+    (problem,) = problems_of(path)
+    assert f"{path}:6: dpo.label_smoothing:" in problem and "loss: sigmoid" in problem
+    job = load_job(path, ["dpo.loss=sigmoid"])
+    assert job.dpo.beta == 0.2 and job.dpo.label_smoothing == 0.1 and job.dpo.reference.precompute
+    assert job.reference_model.path == "sft/model"  # the reference defaults to the model DPO starts from
+    assert set(job.placement_roles()) == {"learner", "reference"}
+    assert load_job(path, ["dpo.loss=sigmoid", "dpo.reference.model.path=other"]).reference_model.path == "other"
+
+
+def test_a_pipeline_runs_sft_then_dpo_or_rm_and_ppo_not_both(write_yaml):
+    job = load_job(ROOT / "configs/quickstart/pipeline-dpo.yaml")
+    assert [s.kind for s in job.stages()] == ["sft", "dpo"]
+    assert job.dpo.model.path == f"{job.sft.output_dir}/{FINAL_MODEL_DIR}" and job.dpo.seed == job.seed
+    both = write_yaml("kind: pipeline\nsft: {model: {path: m}}\nrm: {}\n"
+                      "ppo: {reward: {function: a.b:c}, critic: {model: {path: m}}}\ndpo: {}\n")
+    (problem,) = problems_of(both)
+    assert "either rm and ppo after sft, or dpo" in problem
+    (problem,) = problems_of(write_yaml("kind: pipeline\nsft: {model: {path: m}}\nrm: {}\n"))
+    assert "ppo" in problem and "or a dpo one" in problem

@@ -398,22 +398,21 @@ class PipelineJob(JobBase):
             section.setdefault("output_dir", f"{root}/{stage}")
             stages[stage] = section
         sft_model = f"{stages['sft']['output_dir']}/{FINAL_MODEL_DIR}"
-        if "dpo" in stages:
-            _with_default(stages["dpo"], ("model", "path"), sft_model)
-        if "rm" not in stages or "ppo" not in stages:
-            return {**data, **stages}
-        rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
-        _with_default(stages["rm"], ("model", "path"), sft_model)
-        _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
-        if not (isinstance(stages["ppo"].get("reward"), dict) and stages["ppo"]["reward"].get("function")):
-            _with_default(stages["ppo"], ("reward", "model", "path"), rm_model)
-        if isinstance(stages["ppo"].get("critic"), dict):
-            _with_default(stages["ppo"], ("critic", "model", "path"), rm_model)
+        for stage in ("rm", "dpo"):
+            if stage in stages:
+                _with_default(stages[stage], ("model", "path"), sft_model)
+        if "ppo" in stages:
+            rm_model = f"{stages.get('rm', {}).get('output_dir', f'{root}/rm')}/{FINAL_MODEL_DIR}"
+            _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
+            if not (isinstance(stages["ppo"].get("reward"), dict) and stages["ppo"]["reward"].get("function")):
+                _with_default(stages["ppo"], ("reward", "model", "path"), rm_model)
+            if isinstance(stages["ppo"].get("critic"), dict):
+                _with_default(stages["ppo"], ("critic", "model", "path"), rm_model)
         return {**data, **stages}
 
     def placement_roles(self) -> dict[str, PlacementSpec]:
         """Stages run one after another, so the plan that must fit is the largest stage's."""
-        return (self.dpo or self.ppo).placement_roles()
+        return (self.dpo or self.ppo or self.sft).placement_roles()  # sft alone: the route check then says why
 
     def stages(self) -> list[JobBase]:
         return [self.sft, self.dpo] if self.dpo is not None else [self.sft, self.rm, self.ppo]
