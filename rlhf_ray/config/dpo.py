@@ -20,9 +20,10 @@ class DPOReferenceSpec(StrictModel):
     micro_batch_size: int = Field(8, ge=1)
     """Pairs per reference forward."""
     precompute: bool = True
-    """True: the log-probs of every training and held-out pair once, before the first step; then the role is
-    stopped and its memory freed while the policy trains. False: each step's pairs as the step comes (the role
-    stays up beside the learners; for data too large to score up front, or a reference that must not sit idle)."""
+    """True: the log-probs of every pair the steps will train on and of the held-out pairs, once, before the first
+    step (kept in output_dir for a restart); then the role is stopped and its memory freed while the policy
+    trains. False: each step's pairs as the step comes (the role stays up beside the learners; for data too large
+    to score up front, or a reference that must not sit idle)."""
 
 
 class DPOSpec(StrictModel):

@@ -3,7 +3,7 @@ runs as a Ray role of its own (actors/scoring.ReferenceWorker).
 
     pairs      = build_phase_data(..., "rm")                     # the pairs share of data.split
     reference  = reference role on its bundles
-    precompute: ref_logps(every train and held-out pair), then the reference stops (its memory is freed)
+    precompute: ref_logps(the pairs the steps train on, the held-out pairs), then the reference stops
     learners   = start_learner_group(DPOLearner)                 # resume from the newest checkpoint, if any
     for step:  (on the fly: ref_logps(this step's pairs))   learners.train_step(step)
     evaluate, export the HF model, write summary.json
@@ -89,9 +89,11 @@ class ReferenceScores:
         self.group.kill()
 
 
-def reference_key(job: DPOJob, data_file: str) -> str:
-    """What the precomputed log-probs depend on: the pairs (their cache file names every input) and the model."""
-    parts = {"data": Path(data_file).name, "model": job.reference_model.model_dump(mode="json")}
+def reference_key(job: DPOJob, data_file: str, steps: int) -> str:
+    """What the precomputed log-probs depend on: the pairs (their cache file names every input), which of them the
+    steps train on, and the model."""
+    parts = {"data": Path(data_file).name, "model": job.reference_model.model_dump(mode="json"), "steps": steps,
+             "batches": [job.placement.replicas, job.global_batch_size, job.train.micro_batch_size, job.seed]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -102,10 +104,17 @@ def load_precomputed(path: Path, key: str) -> dict | None:
     return saved if saved.get("key") == key else None
 
 
-def save_precomputed(path: Path, key: str, train: torch.Tensor, evaluation: torch.Tensor) -> None:
+def save_precomputed(path: Path, saved: dict) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    torch.save({"key": key, "train": train, "eval": evaluation}, tmp)
+    torch.save(saved, tmp)
     os.replace(tmp, path)
+
+
+def step_pairs(job: DPOJob, train_pairs: int, steps: range) -> list[int]:
+    """Indices of the training pairs that optimizer steps `steps` train on, over every rank."""
+    ranks = job.placement.replicas
+    return sorted({i for step in steps for rank in range(ranks) for micro in micro_batches(
+        train_pairs, job.global_batch_size, job.train.micro_batch_size, ranks, rank, step, job.seed) for i in micro})
 
 
 def hand_in(learners: ActorGroup, split: str, indices: list[int], logps: torch.Tensor) -> None:
@@ -127,7 +136,7 @@ def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
     steps = total_steps(job, len(data.train))
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     metrics = MetricsLogger(out, job.logging, run_name=f"dpo-{out.name}")
-    key, saved_file = reference_key(job, data.cache_file), out / REFERENCE_FILE
+    key, saved_file = reference_key(job, data.cache_file, steps), out / REFERENCE_FILE
     started = time.time()
 
     with cluster.connect(job.cluster) as handle:
@@ -144,7 +153,7 @@ def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
                                                **learner_kwargs(job, tokens.pad_id))
                 learners.call("set_data", ray.put(data.train), ray.put(data.eval))
                 reference.wait_ready(job.cluster.startup_timeout_s)
-                before_step = _reference_logps(job, reference, learners, data, key, saved_file)
+                before_step = _reference_logps(job, reference, learners, data, steps, key, saved_file)
                 if before_step is None:
                     reference.kill()  # precomputed: its memory goes back to the learners
                 with learner_deaths_explained(checkpoints, ("dpo-learner",)):
@@ -173,28 +182,29 @@ def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
     return summary
 
 
-def _reference_logps(job: DPOJob, reference: ReferenceScores, learners: ActorGroup, data, key: str, saved_file: Path):
-    """Hands the learners the reference log-probs of the held-out pairs, and of every training pair when
-    precomputing (None is returned then); otherwise returns the hook that scores each step's pairs before it."""
+def _reference_logps(job: DPOJob, reference: ReferenceScores, learners: ActorGroup, data, steps: int, key: str,
+                     saved_file: Path):
+    """Hands the learners the reference log-probs of the held-out pairs, and when precomputing of every pair the
+    run's steps train on (None is returned then); otherwise returns the hook that scores each step's pairs just
+    before it."""
     progress = job.logging.progress
     if job.dpo.reference.precompute:
         saved = load_precomputed(saved_file, key)
         if saved is None:
-            saved = {"train": reference.all_of(data.train, "reference log-probs (train)", progress),
+            used = step_pairs(job, len(data.train), range(steps))
+            saved = {"key": key, "train_indices": used,
+                     "train": reference.all_of([data.train[i] for i in used], "reference log-probs (train)", progress),
                      "eval": reference.all_of(data.eval, "reference log-probs (held-out)", progress)}
-            save_precomputed(saved_file, key, saved["train"], saved["eval"])
+            save_precomputed(saved_file, saved)
         else:
             log.info("reference log-probs from %s", saved_file)
-        hand_in(learners, "train", list(range(len(data.train))), saved["train"])
+        hand_in(learners, "train", list(saved["train_indices"]), saved["train"])
         hand_in(learners, "eval", list(range(len(data.eval))), saved["eval"])
         return None
     hand_in(learners, "eval", list(range(len(data.eval))), reference.all_of(data.eval, "reference (held-out)", progress))
-    ranks = job.placement.replicas
 
     def before_step(step: int) -> None:
-        indices = sorted({i for rank in range(ranks) for micro in micro_batches(
-            len(data.train), job.global_batch_size, job.train.micro_batch_size, ranks, rank, step, job.seed)
-            for i in micro})
+        indices = step_pairs(job, len(data.train), range(step, step + 1))
         hand_in(learners, "train", indices, reference([data.train[i] for i in indices]))
 
     return before_step
