@@ -68,3 +68,14 @@ def test_pairs_are_packed_chosen_first_after_their_shared_prompt():
     sums = pair_sequence_logps(token_logps, batch["action_mask"])  # padding never counts
     assert sums["chosen"].tolist() == [-1.0, -5.0] and sums["rejected"].tolist() == [-4.5, -6.0]
     assert sums["chosen_tokens"].tolist() == [1.0, 2.0] and sums["rejected_tokens"].tolist() == [2.0, 1.0]
+
+
+def test_rpo_adds_the_chosen_answers_negative_log_likelihood_per_token():
+    plain, _ = dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1)
+    loss, metrics = dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1, chosen_tokens=CHOSEN_TOKENS,
+                             rpo_alpha=0.5)
+    nll = (5.0 + 7.5 + 3.0) / (4.0 + 6.0 + 2.0)  # -(sum of chosen log-probs) / chosen tokens
+    assert metrics["nll_loss"].item() == pytest.approx(nll)
+    assert loss.item() == pytest.approx(plain.item() + 0.5 * nll, abs=1e-6)
+    with pytest.raises(ValueError, match="chosen_tokens"):
+        dpo_loss(CHOSEN, REJECTED, REF_CHOSEN, REF_REJECTED, beta=0.1, rpo_alpha=0.5)

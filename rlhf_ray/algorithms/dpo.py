@@ -18,11 +18,14 @@ DPOLossType = Literal["sigmoid", "ipo"]
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, beta: float, loss_type: DPOLossType = "sigmoid",
              label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
-             rejected_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+             rejected_tokens: torch.Tensor | None = None, rpo_alpha: float = 0.0
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean loss over the pairs and the metrics DPO users watch. With h = (chosen - ref_chosen) - (rejected -
     ref_rejected):
     sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (eps = label_smoothing; 0 is DPO)
     ipo:     (h' - 1 / (2 beta))^2, h' the same difference with each log-ratio divided by its answer's token count
+    rpo_alpha > 0 adds rpo_alpha x the chosen answers' negative log-likelihood per token (RPO, TRL's `rpo_alpha`):
+    the preference is learned while the chosen answers stay likely.
     Implicit rewards: beta x (policy - reference) log-prob of each answer; `accuracy` is the share of pairs whose
     chosen answer gets the larger one, `margin` the mean difference."""
     chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
@@ -36,12 +39,20 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
         losses = (h - 1 / (2 * beta)) ** 2
     else:
         raise ValueError(f"unknown DPO loss {loss_type!r}: use sigmoid or ipo")
+    loss = losses.mean()
+    extra = {}
+    if rpo_alpha:
+        if chosen_tokens is None:
+            raise ValueError("rpo_alpha needs each chosen answer's token count (chosen_tokens)")
+        nll = -chosen_logps.sum() / chosen_tokens.sum().clamp(min=1)
+        loss = loss + rpo_alpha * nll
+        extra["nll_loss"] = nll.detach()
     chosen_reward, rejected_reward = (beta * chosen_ratio).detach(), (beta * rejected_ratio).detach()
     metrics = {"rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
                "rewards/margin": (chosen_reward - rejected_reward).mean(),
                "rewards/accuracy": (chosen_reward > rejected_reward).float().mean(),
-               "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean()}
-    return losses.mean(), metrics
+               "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean(), **extra}
+    return loss, metrics
 
 
 def pack_pairs(pairs: list[dict], pad_id: int) -> dict[str, torch.Tensor]:

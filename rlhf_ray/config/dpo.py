@@ -36,6 +36,11 @@ class DPOSpec(StrictModel):
     per-token mean log-ratios, as TRL's IPO."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """Conservative DPO: the chance that a pair's preference label is wrong (sigmoid only)."""
+    rpo_alpha: float = Field(0.0, ge=0)
+    """> 0: add rpo_alpha x the chosen answers' per-token negative log-likelihood to the loss (RPO; TRL's
+    `rpo_alpha`), so the chosen answers stay likely while the preference is learned. Plain DPO lowers the
+    chosen answers' likelihood along with the rejected ones'; with offline pairs unlike the model's own mistakes
+    that can cost greedy accuracy (docs/benchmarks.md, "DPO")."""
     reference: DPOReferenceSpec = Field(default_factory=DPOReferenceSpec)
 
     @model_validator(mode="after")

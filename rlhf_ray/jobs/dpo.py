@@ -149,7 +149,7 @@ def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
                 group_name, bundles = plan.role_slots("learner")
                 learners = start_learner_group(DPOLearner, "dpo-learner", job.placement, groups[group_name], bundles,
                                                job.cluster, steps, beta=job.dpo.beta, loss=job.dpo.loss,
-                                               label_smoothing=job.dpo.label_smoothing,
+                                               label_smoothing=job.dpo.label_smoothing, rpo_alpha=job.dpo.rpo_alpha,
                                                **learner_kwargs(job, tokens.pad_id))
                 learners.call("set_data", ray.put(data.train), ray.put(data.eval))
                 reference.wait_ready(job.cluster.startup_timeout_s)

@@ -17,9 +17,9 @@ different processes and kernels, so at the start their margins are rounding nois
 
 
 class DPOLearner(SupervisedRank):
-    def __init__(self, *, beta: float, loss: str, label_smoothing: float, **kwargs):
+    def __init__(self, *, beta: float, loss: str, label_smoothing: float, rpo_alpha: float, **kwargs):
         super().__init__(**kwargs)
-        self.beta, self.loss_type, self.label_smoothing = beta, loss, label_smoothing
+        self.beta, self.loss_type, self.label_smoothing, self.rpo_alpha = beta, loss, label_smoothing, rpo_alpha
         self.reference: dict[str, dict[int, tuple[float, float]]] = {"train": {}, "eval": {}}
         """Reference log-probs (chosen, rejected) of the pairs, by split and row index."""
 
@@ -53,7 +53,7 @@ class DPOLearner(SupervisedRank):
         ref_chosen, ref_rejected = (t.to(logp.dtype) for t in self._reference_of(split, indices))
         loss, metrics = dpo_loss(policy["chosen"], policy["rejected"], ref_chosen, ref_rejected, self.beta,
                                  self.loss_type, self.label_smoothing, policy["chosen_tokens"],
-                                 policy["rejected_tokens"])
+                                 policy["rejected_tokens"], self.rpo_alpha)
         margin = self.beta * ((policy["chosen"] - ref_chosen) - (policy["rejected"] - ref_rejected))
         return loss, metrics, {"margin": margin.detach(), "logp_gap": (policy["chosen"] - policy["rejected"]).detach()}
 
