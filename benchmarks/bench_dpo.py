@@ -6,8 +6,9 @@ time and peak memory of the job, and the per-step margin (plotted).
 
 Runs, as a user would (`rlhf-ray sft|dpo` in a fresh process each):
   sort:    the tiny model; the quickstart SFT (configs/quickstart/sft.yaml) with the seed, then
-           configs/quickstart/dpo.yaml from it
-  smollm2: configs/recipes/smollm2-dpo.yaml, from SmolLM2-135M-Instruct itself
+           configs/quickstart/dpo.yaml from it (DPO + RPO's likelihood term, rpo_alpha 1)
+  smollm2: configs/recipes/smollm2-dpo.yaml, from SmolLM2-135M-Instruct itself (rpo_alpha 1)
+  sort-plain, smollm2-plain: the same with plain DPO (dpo.rpo_alpha=0)
 Greedy accuracy: the first --prompts held-out prompts of the PPO share of the same split (never trained on by
 either job), answered by transformers `generate` in this process. Each run's result is kept in
 benchmarks/results/dpo/<run>-<seed>.json, so a later invocation reports it too.
@@ -28,8 +29,11 @@ from common import ROOT, machine, pyplot, run_watched, save_figure, today, versi
 
 HEADING = "## DPO: the starting model against the DPO model"
 RESULTS = ROOT / "benchmarks" / "results" / "dpo"
-RUNS = {"sort": {"config": "configs/quickstart/dpo.yaml", "max_new_tokens": 16},
-        "smollm2": {"config": "configs/recipes/smollm2-dpo.yaml", "max_new_tokens": 64}}
+RUNS = {"sort": {"config": "configs/quickstart/dpo.yaml", "max_new_tokens": 16, "set": []},
+        "sort-plain": {"config": "configs/quickstart/dpo.yaml", "max_new_tokens": 16, "set": ["dpo.rpo_alpha=0"]},
+        "smollm2": {"config": "configs/recipes/smollm2-dpo.yaml", "max_new_tokens": 64, "set": []},
+        "smollm2-plain": {"config": "configs/recipes/smollm2-dpo.yaml", "max_new_tokens": 64,
+                          "set": ["dpo.rpo_alpha=0"]}}
 
 
 def rlhf_ray(kind: str, config: str, overrides: list[str], out: Path, timeout: float) -> tuple[float, float]:
@@ -79,17 +83,18 @@ def run(name: str, seed: int, workdir: Path, prompts: int, timeout: float) -> di
 
     spec = RUNS[name]
     out = workdir / f"{name}-{seed}"
-    overrides = [f"seed={seed}", "checkpoint.resume=false"]
+    overrides = [f"seed={seed}", "checkpoint.resume=false", *spec["set"]]
     extra_seconds = 0.0
-    if name == "sort":
+    if name.startswith("sort"):
         tiny = workdir / "tiny-model"
         if not (tiny / "config.json").is_file():
             from rlhf_ray.models.tiny import build_tiny_model
 
             build_tiny_model(tiny)
         sft_out = workdir / f"sft-{seed}"
-        extra_seconds, _ = rlhf_ray("sft", "configs/quickstart/sft.yaml", [f"seed={seed}", f"model.path={tiny}"],
-                                    sft_out, timeout)
+        if not (sft_out / "summary.json").is_file():  # one SFT model per seed, shared by both sort runs
+            extra_seconds, _ = rlhf_ray("sft", "configs/quickstart/sft.yaml",
+                                        [f"seed={seed}", f"model.path={tiny}"], sft_out, timeout)
         overrides.append(f"model.path={sft_out / 'model'}")
     seconds, peak = rlhf_ray("dpo", spec["config"], overrides, out, timeout)
     job = load_job(ROOT / spec["config"], [*overrides, f"output_dir={out}"])
@@ -131,7 +136,7 @@ def plot(results: dict, doc: Path) -> str:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.4))
     for (name, seed), r in sorted(results.items()):
         steps, margins = zip(*r["margins"]) if r["margins"] else ((), ())
-        axes[0 if name == "sort" else 1].plot(steps, margins, label=f"seed {seed}")
+        axes[0 if name.startswith("sort") else 1].plot(steps, margins, label=f"{name} seed {seed}")
     for ax, name in zip(axes, ("sort (tiny SFT model)", "smollm2 (SmolLM2-135M-Instruct)")):
         ax.set_title(f"{name}: train implicit-reward margin")
         ax.set_xlabel("step")
@@ -142,7 +147,8 @@ def plot(results: dict, doc: Path) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path)
-    parser.add_argument("--runs", default="sort,smollm2", help="comma-separated: sort, smollm2; empty: report kept")
+    parser.add_argument("--runs", default="sort,sort-plain,smollm2",
+                        help="comma-separated: " + ", ".join(RUNS) + "; empty: report the kept runs")
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--prompts", type=int, default=100, help="held-out prompts for greedy accuracy")
     parser.add_argument("--timeout", type=float, default=5400)

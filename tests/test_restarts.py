@@ -120,3 +120,19 @@ def test_a_restart_of_a_fresh_run_resumes_from_its_own_checkpoints_not_an_earlie
     checkpoints.commit(checkpoints.staging(2), 2, {})
     assert checkpoints.resumable(resume=False).name == "step-00000002"  # the restart: its own newest
     assert checkpoints.latest().name == "step-00000005"
+
+
+def test_a_fresh_run_keeps_its_own_checkpoints_before_an_earlier_runs_later_ones(tmp_path):
+    """keep_last 2 in a folder where an earlier run left steps 50 and 60: the fresh run's step 1 and 2 are kept and
+    the earlier run's go (before: sorted by step, the fresh run pruned its own new checkpoints at once)."""
+    earlier = Checkpoints(tmp_path, keep_last=2)
+    for step in (50, 60):
+        earlier.commit(earlier.staging(step), step, {})
+    fresh = Checkpoints(tmp_path, keep_last=2)
+    fresh.commit(fresh.staging(1), 1, {})
+    assert [p.name for p in fresh.complete()] == ["step-00000001", "step-00000060"]
+    fresh.commit(fresh.staging(2), 2, {})
+    assert [p.name for p in fresh.complete()] == ["step-00000001", "step-00000002"]
+    fresh.commit(fresh.staging(3), 3, {})
+    assert [p.name for p in fresh.complete()] == ["step-00000002", "step-00000003"]
+    assert fresh.resumable(resume=False).name == "step-00000003"

@@ -42,6 +42,14 @@ class Checkpoints:
         mine = [p for p in self.committed if p in done]
         return mine[-1] if mine else None
 
+    def pruning_order(self) -> list[Path]:
+        """Complete checkpoints, the first to go first: those this job did not seal (an earlier run's, by step),
+        then its own, oldest first. A run started afresh (checkpoint.resume: false) in a folder holding an earlier
+        run's later steps keeps its own newest checkpoints, not the earlier run's."""
+        done = self.complete()
+        mine = [p for p in self.committed if p in set(done)]
+        return [p for p in done if p not in set(mine)] + mine
+
     def staging(self, step: int) -> Path:
         path = self.root / f".tmp-step-{step:08d}"
         shutil.rmtree(path, ignore_errors=True)
@@ -57,7 +65,7 @@ class Checkpoints:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         self.committed = [p for p in self.committed if p != final] + [final]
-        for old in self.complete()[: -self.keep_last]:
+        for old in self.pruning_order()[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         for stale in self.root.glob(".tmp-step-*"):
             shutil.rmtree(stale, ignore_errors=True)

@@ -76,14 +76,14 @@ class ReferenceScores:
         args = [(batch_ref, lo, hi) for lo, hi in row_bounds(2 * len(pairs), len(self.group))]
         refs = [actor.logprobs.remote(*a) for actor, a in zip(self.group.actors, args)]
         parts = resilient_gather(self.group, "logprobs", args, refs, self.budget)
-        token_logps = torch.cat([ray.get(part["ref"]) for part in parts])
+        token_logps = torch.cat(ray.get([part["ref"] for part in parts], timeout=self.group.call_timeout_s))
         sums = pair_sequence_logps(token_logps, batch["action_mask"])
         return torch.stack([sums["chosen"], sums["rejected"]], dim=1).double()
 
     def all_of(self, pairs: list[dict], desc: str, progress: bool) -> torch.Tensor:
-        chunks = row_slices(len(pairs), PAIRS_PER_CALL)
-        return torch.cat([self(pairs[s]) for s in tqdm(chunks, desc=desc, disable=not progress)]) if chunks else \
-            torch.zeros(0, 2, dtype=torch.float64)
+        """The same for many pairs, PAIRS_PER_CALL at a time, with a progress bar."""
+        parts = [self(pairs[s]) for s in tqdm(row_slices(len(pairs), PAIRS_PER_CALL), desc=desc, disable=not progress)]
+        return torch.cat(parts) if parts else torch.zeros(0, 2, dtype=torch.float64)
 
     def kill(self) -> None:
         self.group.kill()
