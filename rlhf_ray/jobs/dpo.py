@@ -22,24 +22,18 @@ import ray
 import torch
 from tqdm import tqdm
 
-from rlhf_ray import cluster
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, resilient_gather
 from rlhf_ray.actors.scoring import ReferenceWorker
 from rlhf_ray.algorithms.dpo import pack_pairs, pair_sequence_logps
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
 from rlhf_ray.config.jobs import DPOJob
-from rlhf_ray.data.build import build_phase_data
-from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
-from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
-from rlhf_ray.jobs.supervised import learner_kwargs, total_steps, train_steps
+from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
+from rlhf_ray.jobs.supervised import learner_kwargs, prepared, train_steps
 from rlhf_ray.learners.dpo import DPOLearner
 from rlhf_ray.learners.group import actor_env, start_learner_group
 from rlhf_ray.learners.schedule import micro_batches
-from rlhf_ray.models.loading import load_tokenizer
-from rlhf_ray.models.sources import resolve_model_sources
-from rlhf_ray.models.support import model_problems
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -124,51 +118,35 @@ def hand_in(learners: ActorGroup, split: str, indices: list[int], logps: torch.T
 def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
     """Train, evaluate, export and summarise; with `stop_after`, checkpoint at that step and return (run again to
     resume)."""
-    job = resolve_model_sources(job)
-    if problems := model_problems(job):
-        raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
-    out = Path(job.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(job.model)
-    tokens = TokenConventions.from_tokenizer(tokenizer, job.model.path)
-    data = build_phase_data(job.data, tokenizer, "rm", job.seed, job.data.cache_dir or out / "data_cache",
-                            tokens=tokens)
-    steps = total_steps(job, len(data.train))
+    job, out, tokens, data, steps = prepared(job, "rm")  # the pairs share of data.split
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     metrics = MetricsLogger(out, job.logging, run_name=f"dpo-{out.name}")
     key, saved_file = reference_key(job, data.cache_file, steps), out / REFERENCE_FILE
     started = time.time()
 
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-
-        def attempt(restarts: int) -> dict:
-            groups, learners, reference = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s), None, None
-            try:
-                reference = ReferenceScores(job, plan, groups, tokens.pad_id)
-                group_name, bundles = plan.role_slots("learner")
-                learners = start_learner_group(DPOLearner, "dpo-learner", job.placement, groups[group_name], bundles,
-                                               job.cluster, steps, beta=job.dpo.beta, loss=job.dpo.loss,
-                                               label_smoothing=job.dpo.label_smoothing, rpo_alpha=job.dpo.rpo_alpha,
-                                               **learner_kwargs(job, tokens.pad_id))
-                learners.call("set_data", ray.put(data.train), ray.put(data.eval))
-                reference.wait_ready(job.cluster.startup_timeout_s)
-                before_step = _reference_logps(job, reference, learners, data, steps, key, saved_file)
-                if before_step is None:
-                    reference.kill()  # precomputed: its memory goes back to the learners
-                with learner_deaths_explained(checkpoints, ("dpo-learner",)):
-                    return train_steps(job, "dpo", learners, checkpoints, metrics, steps, stop_after, restarts, out,
-                                       before_step)
-            finally:
-                for group in (learners, reference):
-                    if group is not None:
-                        group.kill()
-                cluster.remove(groups)
-
+    def attempt(groups: dict, plan: ResourcePlan, restarts: int) -> dict:
+        learners = reference = None
         try:
-            result = with_learner_restarts(job.cluster.learner_restarts, checkpoints, attempt)
+            reference = ReferenceScores(job, plan, groups, tokens.pad_id)
+            group_name, bundles = plan.role_slots("learner")
+            learners = start_learner_group(DPOLearner, "dpo-learner", job.placement, groups[group_name], bundles,
+                                           job.cluster, steps, beta=job.dpo.beta, loss=job.dpo.loss,
+                                           label_smoothing=job.dpo.label_smoothing, rpo_alpha=job.dpo.rpo_alpha,
+                                           **learner_kwargs(job, tokens.pad_id))
+            learners.call("set_data", ray.put(data.train), ray.put(data.eval))
+            reference.wait_ready(job.cluster.startup_timeout_s)
+            before_step = _reference_logps(job, reference, learners, data, steps, key, saved_file)
+            if before_step is None:
+                reference.kill()  # precomputed: its memory goes back to the learners
+            with learner_deaths_explained(checkpoints, ("dpo-learner",)):
+                return train_steps(job, "dpo", learners, checkpoints, metrics, steps, stop_after, restarts, out,
+                                   before_step)
         finally:
-            metrics.close()
+            for group in (learners, reference):
+                if group is not None:
+                    group.kill()
+
+    result = placed_attempts(job, checkpoints, metrics, attempt)
     if "stopped_at_step" in result:
         return result
     first, last = result["first_eval"], result["last_eval"]

@@ -70,3 +70,26 @@ def with_learner_restarts(limit: int, checkpoints: Checkpoints, attempt: Callabl
             log.warning("%s was placed on a node that died before it started; placing every actor again",
                         err.actor)
             time.sleep(1.0)
+
+
+def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[[dict, "ResourcePlan", int], T]) -> T:
+    """Connect to the job's cluster, then run `attempt(placement groups, plan, restarts)` on freshly placed
+    groups, again after each learner restart (with_learner_restarts); the groups are removed after every attempt
+    and the metrics logger is closed at the end. The attempt kills the actors it started (before the groups go)."""
+    from rlhf_ray import cluster
+    from rlhf_ray.plan import ResourcePlan
+
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+
+        def placed(restarts: int) -> T:
+            groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+            try:
+                return attempt(groups, plan, restarts)
+            finally:
+                cluster.remove(groups)
+
+        try:
+            return with_learner_restarts(job.cluster.learner_restarts, checkpoints, placed)
+        finally:
+            metrics.close()

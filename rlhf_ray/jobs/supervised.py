@@ -20,13 +20,12 @@ from typing import Callable
 import ray
 from tqdm import tqdm
 
-from rlhf_ray import cluster
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob, _SupervisedJob
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
-from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
+from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
 from rlhf_ray.learners.group import start_learner_group
 from rlhf_ray.learners.reward import RewardLearner
 from rlhf_ray.learners.schedule import steps_per_epoch
@@ -34,7 +33,6 @@ from rlhf_ray.learners.sft import SFTLearner
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
 from rlhf_ray.models.support import model_problems
-from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +54,9 @@ def learner_kwargs(job: _SupervisedJob, pad_token_id: int) -> dict:
     return kwargs
 
 
-def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
-    """Train, evaluate, export and summarise. With `stop_after`, checkpoint at that step and return early
-    (for time-sliced or preemptible clusters): running the same job again resumes there."""
-    phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
+def prepared(job: _SupervisedJob, phase: str, **data_options):
+    """Before Ray starts: the job with its model sources resolved and checked, its output folder, tokenizer, token
+    conventions, the tokenised `phase` data (bad data fails here) and the number of optimizer steps."""
     job = resolve_model_sources(job)
     if problems := model_problems(job):
         raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
@@ -68,33 +65,34 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
     tokenizer = load_tokenizer(job.model)
     tokens = TokenConventions.from_tokenizer(tokenizer, job.model.path)
     data = build_phase_data(job.data, tokenizer, phase, job.seed, job.data.cache_dir or out / "data_cache",
-                            tokens=tokens, train_on_prompt=job.train.train_on_prompt, packing=job.train.packing)
-    steps = total_steps(job, len(data.train))
+                            tokens=tokens, **data_options)
+    return job, out, tokens, data, total_steps(job, len(data.train))
+
+
+def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
+    """Train, evaluate, export and summarise. With `stop_after`, checkpoint at that step and return early
+    (for time-sliced or preemptible clusters): running the same job again resumes there."""
+    phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
+    job, out, tokens, data, steps = prepared(job, phase, train_on_prompt=job.train.train_on_prompt,
+                                             packing=job.train.packing)
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
     started = time.time()
 
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-
-        def attempt(restarts: int) -> dict:
-            groups, learners = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s), None
-            try:
-                group_name, bundles = plan.role_slots("learner")
-                learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
-                                               bundles, job.cluster, steps, **learner_kwargs(job, tokens.pad_id))
-                learners.call("set_data", ray.put(data.train), ray.put(data.eval))
-                with learner_deaths_explained(checkpoints, (f"{phase}-learner",)):
-                    return train_steps(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
-            finally:
-                if learners is not None:
-                    learners.kill()
-                cluster.remove(groups)
-
+    def attempt(groups: dict, plan, restarts: int) -> dict:
+        learners = None
         try:
-            result = with_learner_restarts(job.cluster.learner_restarts, checkpoints, attempt)
+            group_name, bundles = plan.role_slots("learner")
+            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
+                                           bundles, job.cluster, steps, **learner_kwargs(job, tokens.pad_id))
+            learners.call("set_data", ray.put(data.train), ray.put(data.eval))
+            with learner_deaths_explained(checkpoints, (f"{phase}-learner",)):
+                return train_steps(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
         finally:
-            metrics.close()
+            if learners is not None:
+                learners.kill()
+
+    result = placed_attempts(job, checkpoints, metrics, attempt)
     if "stopped_at_step" in result:
         return result
     summary = _summary(phase, result["first_eval"], result["last_eval"], steps, len(data.train),
