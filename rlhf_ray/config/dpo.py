@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -13,6 +13,9 @@ from rlhf_ray.config.placement import PlacementSpec
 
 class DPOReferenceSpec(StrictModel):
     """The frozen reference: a Ray role of its own that computes each pair's reference log-probs."""
+
+    sharded: ClassVar[bool] = False
+    """Whole on each replica (not a YAML field): the memory model reads it as it does PPO's `reference.sharded`."""
 
     model: ModelSpec = Field(default_factory=ModelSpec)
     """Unset: the model DPO starts from (`model.path`), as DPO assumes."""

@@ -76,7 +76,7 @@ def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: di
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like")
-    shards = role.placement.replicas if getattr(role, "sharded", False) else 1  # DPO's reference is never sharded
+    shards = role.placement.replicas if role.sharded else 1
     got = inference_bytes(shape, dtype=spec.dtype, micro_batch=micro, seq_len=seq, logit_positions=positions,
                           scalar_head=scalar, shards=shards, attention_scores=role.placement.num_gpus == 0)
     sharding = f", ZeRO-3 shard 1/{shards}" if shards > 1 else ""
