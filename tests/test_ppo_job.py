@@ -145,7 +145,8 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
             for iteration in range(2):
                 rows = data.train[iteration * 32:(iteration + 1) * 32]
                 rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
-                result = run.step(iteration, rollout, list(range(32)))
+                run.put_experience(iteration, rollout, list(range(32)))
+                _, result = run.update()
                 assert run.pool.versions() == [iteration + 1] * len(run.pool.group)
                 state = {k: v.cpu() for k, v in run.policy.call("gathered_state_dict")[0].items()}
                 assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
@@ -228,6 +229,28 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     final, ema, start = (load_file(str(p / "model.safetensors")) for p in (out / "model", out / "model_ema", sft))
     key = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(ema[key], final[key]) and not torch.equal(ema[key], start[key])  # an average of both
+
+
+def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_experience(tmp_path, stage_models):
+    """Four rollouts ahead, a buffer of three, staleness bound 1. The first five rollouts are sampled by the
+    starting weights and all are put by the second update (an engine takes a weight update only after the rollouts
+    queued before it), however generation and scoring interleave: four entries after one take do not fit in three
+    (an eviction), and the second update takes one of the three, leaving starting-weight experience that is two
+    versions old at the third update (refused). Every update still trains within the bound."""
+    import json
+
+    sft, rm = stage_models
+    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.rollouts_ahead=4", "ppo.buffer_capacity=3",
+                  "ppo.max_staleness=1", "ppo.iterations=5", "ppo.rollout_batch_size=8", "ppo.eval_prompts=0",
+                  "policy.micro_batch_size=8", "critic.micro_batch_size=8")
+    assert run_ppo(job)["iterations"] == 5
+    logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "experience/staleness" in m]
+    assert len(steps) == 5 and [m["policy_version"] for m in steps] == [1, 2, 3, 4, 5]
+    assert all(m["experience/staleness"] <= 1 for m in steps)
+    assert steps[-1]["buffer/evicted"] >= 1 and steps[-1]["buffer/refused_stale"] >= 1
+    assert steps[-1]["buffer/put"] >= 6  # more experience was made than trained on
+    assert all(m["buffer/entries"] <= 3 for m in steps)
 
 
 def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_path, stage_models):

@@ -7,11 +7,11 @@ import pytest
 import ray
 import torch
 
-from rlhf_ray.buffer.replay_buffer import ReplayBuffer, StaleExperience, minibatch_plan
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer, minibatch_plan
 
 
-def meta(version: int, iteration: int = 0, samples: int = 8) -> dict:
-    return {"version": version, "samples": samples, "iteration": iteration}
+def meta(version: int, rollout: int = 0, samples: int = 8) -> dict:
+    return {"version": version, "samples": samples, "rollout": rollout}
 
 
 def test_stale_experience_is_refused_on_the_way_in_and_out():
@@ -23,23 +23,22 @@ def test_stale_experience_is_refused_on_the_way_in_and_out():
     assert plan.refs == ["b"] and plan.staleness == 1  # "a" (version 0) was dropped on the way out
     stats = buffer.stats()
     assert stats["buffer/refused_stale"] == 2 and stats["buffer/taken"] == 1 and stats["buffer/entries"] == 0
-    with pytest.raises(StaleExperience, match="max_staleness=1 of policy version 2"):
-        buffer.take(learner_version=2, train_batch_size=4, epochs=1, seed=0)
+    assert buffer.take(learner_version=2, train_batch_size=4, epochs=1, seed=0) is None  # empty: put more
 
 
 def test_zero_staleness_takes_only_current_experience():
     buffer = ReplayBuffer(capacity=4, max_staleness=0)
     buffer.put(["old"], meta(version=3), learner_version=3)
-    with pytest.raises(StaleExperience):
-        buffer.take(learner_version=4, train_batch_size=8, epochs=1, seed=0)
+    assert buffer.take(learner_version=4, train_batch_size=8, epochs=1, seed=0) is None
+    assert buffer.stats()["buffer/refused_stale"] == 1
 
 
 def test_full_buffer_drops_its_oldest_entry():
     buffer = ReplayBuffer(capacity=2, max_staleness=10)
     for i in range(3):
-        buffer.put([f"e{i}"], meta(version=i, iteration=i), learner_version=i)
+        buffer.put([f"e{i}"], meta(version=i, rollout=i), learner_version=i)
     assert buffer.stats()["buffer/evicted"] == 1
-    assert [m["iteration"] for m in buffer.metas()] == [1, 2]
+    assert [m["rollout"] for m in buffer.metas()] == [1, 2]
     assert buffer.take(2, 8, 1, 0).refs == ["e1"]  # first in, first out
 
 

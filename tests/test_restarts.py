@@ -7,8 +7,8 @@ import pytest
 import ray
 
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError, results_lost
-from rlhf_ray.jobs.ppo import _step_redoing_lost_results
 from rlhf_ray.jobs.ppo_run import ResultsLost
+from rlhf_ray.jobs.rollout_feed import _put_redoing_lost_results
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
 
@@ -56,12 +56,12 @@ def lost_with_node() -> RemoteCallError:
 
 
 class StepsUntilResultsSurvive:
-    """A PPORun stand-in whose step fails `losses` times because a node took results with it."""
+    """A PPORun stand-in whose scoring fails `losses` times because a node took results with it."""
 
     def __init__(self, losses: int):
         self.losses, self.rollouts = losses, []
 
-    def step(self, iteration, rollout, prompt_ids):
+    def put_experience(self, index, rollout, prompt_indices):
         self.rollouts.append(rollout)
         if len(self.rollouts) <= self.losses:
             raise ResultsLost(str(lost_with_node()))
@@ -72,18 +72,18 @@ def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_aga
     assert results_lost(lost_with_node())
     assert not results_lost(RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError()))
     run, fresh = StepsUntilResultsSurvive(losses=2), iter(["rollout-b", "rollout-c"])
-    metrics, trained_on = _step_redoing_lost_results(run, 4, "rollout-a", [1, 2], lambda: next(fresh), limit=3)
-    assert metrics == {"reward/mean": 1.0} and trained_on == "rollout-c"
+    metrics = _put_redoing_lost_results(run, 4, "rollout-a", [1, 2], lambda: next(fresh), limit=3)
+    assert metrics == {"reward/mean": 1.0}
     assert run.rollouts == ["rollout-a", "rollout-b", "rollout-c"]
     with pytest.raises(ResultsLost, match="OwnerDiedError"):  # bounded: a node that keeps taking results
-        _step_redoing_lost_results(StepsUntilResultsSurvive(losses=5), 4, "a", [1], lambda: "again", limit=2)
+        _put_redoing_lost_results(StepsUntilResultsSurvive(losses=5), 4, "a", [1], lambda: "again", limit=2)
 
     class RewardFails:
-        def step(self, iteration, rollout, prompt_ids):
+        def put_experience(self, index, rollout, prompt_indices):
             raise RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError())
 
     with pytest.raises(RemoteCallError, match="ValueError"):  # any other failure is the job's, not retried
-        _step_redoing_lost_results(RewardFails(), 4, "a", [1], lambda: pytest.fail("regenerated"), limit=2)
+        _put_redoing_lost_results(RewardFails(), 4, "a", [1], lambda: pytest.fail("regenerated"), limit=2)
 
 
 NODE_DIED = ("The actor died because its node has died. Node Id: 300bbe81\n\tthe actor's node was terminated "

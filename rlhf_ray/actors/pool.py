@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import time
 
+import ray
+
 from rlhf_ray.actors.engine import engine_env
 from rlhf_ray.models.support import resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker
@@ -89,6 +91,11 @@ class GenerationPool:
         bounds, args = self._shards(prompts, seed, False)
         args = [(*a[:2], None if columns is None else columns[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
         return {"args": args, "refs": [actor.rollout.remote(*a) for actor, a in zip(self.group.actors, args)]}
+
+    def finished(self, pending: dict) -> bool:
+        """Whether every engine has finished its part of a submitted rollout (`collect` would not wait)."""
+        done, _ = ray.wait(pending["refs"], num_returns=len(pending["refs"]), timeout=0)
+        return len(done) == len(pending["refs"])
 
     def collect(self, pending: dict) -> dict:
         """References to each engine's samples (engine order = prompt order) and what the metrics need."""

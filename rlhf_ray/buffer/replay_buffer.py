@@ -1,9 +1,11 @@
 """The shared replay buffer (a Ray actor): experience as object references with metadata, never the tensors.
 
-Producers `put` a reference to one iteration's experience with the policy version that generated it; the trainer
-`take`s the oldest entry still fresh enough and gets, with it, the mini-batch order of every PPO epoch, so the
-policy and critic groups walk the same mini-batches. Entries more than `max_staleness` versions behind the learner
-are refused, on the way in and on the way out, and counted.
+The PPO loop `put`s a reference to each rollout's experience, with the policy version that sampled it, as soon as
+the rollout is scored; it `take`s one entry per update, on its own schedule (in async mode with several rollouts in
+flight, several may be put before one is taken). A take gets the oldest entry still fresh enough and, with it, the
+mini-batch order of every PPO epoch, so the policy and critic groups walk the same mini-batches. Entries more than
+`max_staleness` versions behind the learner are refused, on the way in and on the way out; a full buffer evicts its
+oldest entry; both are counted.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ class ExperienceMeta:
     """Policy version of the engines that sampled it."""
     samples: int
     """Rows in the experience batch."""
-    iteration: int
-    """PPO iteration that produced it."""
-    prompt_ids: list[int] = field(default_factory=list)
+    rollout: int
+    """Index of the rollout it was scored from (its prompts and sampling seed; the PPO iteration in sync mode)."""
+    prompt_indices: list[int] = field(default_factory=list)
     """Dataset indices of its prompts."""
     created: float = field(default_factory=time.time)
 
@@ -42,10 +44,6 @@ class TrainingPlan:
     staleness: int
     stats: dict[str, float] = field(default_factory=dict)
     """The buffer's metrics after this take (saves the trainer a round trip)."""
-
-
-class StaleExperience(RuntimeError):
-    """Every entry in the buffer is older than the staleness bound allows."""
 
 
 class ReplayBuffer:
@@ -74,9 +72,9 @@ class ReplayBuffer:
         self.counts["put"] += 1
         return True
 
-    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> TrainingPlan:
+    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> TrainingPlan | None:
         """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batch plan.
-        Older entries met on the way are dropped and counted; raises StaleExperience if none is left."""
+        Older entries met on the way are dropped and counted; None when none is left (put more)."""
         self.learner_version = max(self.learner_version, learner_version)
         while self.entries:
             refs, meta = self.entries.popleft()
@@ -85,11 +83,9 @@ class ReplayBuffer:
                 continue
             self.counts["taken"] += 1
             self.last_staleness = self.learner_version - meta.version
-            plan = minibatch_plan(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.iteration))
+            plan = minibatch_plan(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout))
             return TrainingPlan(refs, plan, meta, self.last_staleness, self.stats())
-        raise StaleExperience(
-            f"no experience within max_staleness={self.max_staleness} of policy version {self.learner_version} "
-            f"(refused so far: {self.counts['refused_stale']}); generation is falling behind training")
+        return None
 
     def stats(self) -> dict[str, float]:
         now = time.time()

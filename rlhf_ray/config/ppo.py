@@ -109,6 +109,12 @@ class PPOSpec(StrictModel):
     dynamic_sampling: DynamicSamplingSpec = Field(default_factory=DynamicSamplingSpec)
     mode: Literal["sync", "async"] = "sync"
     """async overlaps generating batch k+1 with training on batch k."""
+    rollouts_ahead: int = Field(1, ge=1)
+    """async mode: how many rollouts generation may run ahead of the update, generating or scored and waiting in
+    the replay buffer, besides the one being trained on. 1 generates the next rollout while one trains (one policy
+    version stale); more keep the engines busy when generation is uneven, at the price of staler experience: the
+    buffer then evicts the oldest beyond buffer_capacity and refuses experience over max_staleness (both counted as
+    buffer/evicted and buffer/refused_stale). An engine takes a weight update after the rollouts queued before it."""
     max_staleness: int = Field(1, ge=0)
     """Experience more than this many policy versions behind the learner is refused by the replay buffer (async
     mode trains on batches one version old, so it needs at least 1)."""
@@ -127,6 +133,9 @@ class PPOSpec(StrictModel):
             raise FieldProblem("dynamic_sampling.enabled", f"dynamic sampling keeps groups of answers to one prompt "
                                f"whose scores differ; advantage_estimator {self.advantage_estimator} has no groups "
                                "(use grpo or rloo)")
+        if self.mode == "sync" and self.rollouts_ahead != 1:
+            raise FieldProblem("rollouts_ahead", "sync mode samples each rollout with the weights of the update "
+                               "before it (one at a time); set ppo.mode: async to let generation run ahead")
         # a value other than the default (a dumped and re-validated spec carries every field, set or not)
         for name in sorted(n for n in USED_BY if getattr(self, n) != type(self).model_fields[n].default):
             readers, why = USED_BY[name]

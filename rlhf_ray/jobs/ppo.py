@@ -1,9 +1,11 @@
 """The PPO job: the loop over iterations, readable as the RL dataflow (the operations are in ppo_run.py).
 
-    rollout    = generation_pool.collect(pending)                 # references to samples, tagged with a version
-    pending    = generation_pool.submit(next prompts)             # async: the next rollout overlaps what follows
-    experience = run.experience(rollout)                          # policy / reference / critic / reward in parallel
-    buffer.put(experience); plan = buffer.take(version)           # staleness bound, mini-batch plan
+    feed (rollout_feed.py), before each update:
+        rollout    = generation_pool.collect(oldest started)      # references to samples, tagged with a version
+        generation_pool.submit(next prompts)                      # async: up to rollouts_ahead generate meanwhile
+        experience = run.experience(rollout)                      # policy / reference / critic / reward in parallel
+        buffer.put(experience)                                    # capacity: the oldest is evicted
+    plan = buffer.take(version)                                   # staleness bound, mini-batch plan
     in parallel: policy.train(plan)   critic.train(plan)
     generation_pool.broadcast(policy weights)                     # version += 1
 """
@@ -30,7 +32,8 @@ from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.diagnostics import Diagnostics
 from rlhf_ray.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
-from rlhf_ray.jobs.ppo_run import PPORun, ResultsLost, sharded_roles
+from rlhf_ray.jobs.ppo_run import PPORun, sharded_roles
+from rlhf_ray.jobs.rollout_feed import RolloutFeed
 from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
 from rlhf_ray.jobs.threads import with_turn_threads
 from rlhf_ray.learners.schedule import micro_batches
@@ -109,21 +112,21 @@ def accuracy_rule(job: PPOJob, rows: list[dict]):
     return task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
 
 
-def _step_redoing_lost_results(run, iteration: int, rollout: dict, prompt_ids: list[int], regenerate,
-                               limit: int) -> tuple[dict, dict]:
-    """run.step; when a node died with results this iteration still needed (its rollout, a replica's scores), the
-    dead actors are replaced as the step fails and the iteration is redone from generation: same prompts, same
-    seed, same weights in sync mode, so the same numbers. Returns (metrics, the rollout that was trained on)."""
-    for redo in range(limit + 1):
-        try:
-            return run.step(iteration, rollout, prompt_ids), rollout
-        except ResultsLost as err:
-            if redo == limit:
-                raise
-            log.warning("iteration %d lost results with a node (%s); generating and scoring it again (%d of %d)",
-                        iteration + 1, str(err).splitlines()[-1][:200], redo + 1, limit)
-            rollout = regenerate()
-    raise AssertionError("unreachable")
+def iteration_metrics(scored: dict, trained: dict, wait: float, elapsed: float, engines: int) -> dict[str, float]:
+    """One update's line: the metrics of the experience it trained on (`scored`, from when it was put in the
+    buffer) and of the update itself (`trained`), with the iteration's timing."""
+    out = scored | trained
+    out.setdefault("kl/mean", out["policy/kl"])  # no old log-probs: the training forward's KL
+    if "policy/engine_logprob_gap" in out:
+        out.setdefault("generate/logprob_gap", out["policy/engine_logprob_gap"])
+        out.setdefault("generate/mismatch_kl", out["policy/engine_mismatch_kl"])
+    compute = out["time/engine_generate"] + sum(out[f"compute/{part}_seconds"] for part in ("experience", "train",
+                                                                                            "sync"))
+    busy = out.pop("engine_busy_seconds")
+    return out | {"time/generate_wait": wait, "time/iteration": elapsed,
+                  "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,
+                  "generate/tokens_per_s": out["generate/tokens"] / max(out["time/engine_generate"], 1e-9),
+                  "generate/engine_utilisation": busy / (engines * elapsed)}
 
 
 def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, started, out) -> dict:
@@ -132,49 +135,41 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
     if latest is not None:
         state = run.restore(latest)
         start, before = state["step"], state["eval_before"]
+        first_rollout = state.get("rollout", start)  # rollouts after the last one trained on are generated again
         log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, start, run.version)
         metrics.rewind(start)  # the iterations after the checkpoint are redone: their old lines go
     else:
         metrics.rewind(-1)  # a fresh start: lines a previous run left in this output_dir are not this run's
-        start, before = 0, run.evaluate(eval_rows, rule, job.ppo.eval_samples)
+        start, first_rollout, before = 0, 0, run.evaluate(eval_rows, rule, job.ppo.eval_samples)
         metrics.log(0, {f"eval/{k}": v for k, v in before.items()})
     end = min(job.ppo.iterations, stop_after) if stop_after is not None else job.ppo.iterations
 
-    def prompts(iteration: int) -> list[int]:
+    def prompt_indices(rollout: int) -> list[int]:
         count = job.ppo.prompts_per_rollout  # rollout_batch_size, more with dynamic sampling
-        (indices,) = micro_batches(len(data.train), count, count, 1, 0, iteration, job.seed)
+        (indices,) = micro_batches(len(data.train), count, count, 1, 0, rollout, job.seed)
         return list(indices)
 
-    def submit(iteration: int):
-        rows = [data.train[i] for i in prompts(iteration)]
-        return run.pool.submit([r["prompt_ids"] for r in rows], run.rollout_seed(iteration),
+    def submit(rollout: int):
+        rows = [data.train[i] for i in prompt_indices(rollout)]
+        return run.pool.submit([r["prompt_ids"] for r in rows], run.rollout_seed(rollout),
                                [r["columns"] for r in rows])
 
     watch = Diagnostics(before, job.ppo.entropy_warning_ratio)
     bar = tqdm(range(start, end), desc="ppo", initial=start, total=job.ppo.iterations,
                disable=not job.logging.progress)
-    pending = submit(start) if start < end else None
-    overlap = job.ppo.mode == "async"
+    ahead = job.ppo.rollouts_ahead if job.ppo.mode == "async" else 0
+    feed = RolloutFeed(run, prompt_indices, submit, ahead, first_rollout, job.cluster.max_actor_restarts)
     engines = len(run.pool.group)
     for iteration in bar:
         began = time.perf_counter()
-        rollout = run.pool.collect(pending)
-        wait = time.perf_counter() - began
-        last = iteration + 1 == end
-        if overlap and not last:
-            pending = submit(iteration + 1)  # generated by the current weights while this batch trains
-        result, rollout = _step_redoing_lost_results(run, iteration, rollout, prompts(iteration),
-                                                     lambda: run.pool.collect(submit(iteration)),
-                                                     job.cluster.max_actor_restarts)
-        if not overlap and not last:
-            pending = submit(iteration + 1)
-        elapsed = time.perf_counter() - began
-        compute = rollout["engine_seconds"] + sum(result[f"compute/{part}_seconds"]
-                                                  for part in ("experience", "train", "sync"))
-        result |= {"time/generate_wait": wait, "time/iteration": elapsed,
-                   "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,
-                   "generate/tokens_per_s": rollout["tokens"] / max(rollout["engine_seconds"], 1e-9),
-                   "generate/engine_utilisation": rollout["engine_busy_seconds"] / (engines * elapsed)}
+        plan = None
+        while plan is None:  # the buffer may refuse everything it holds as too stale: then put more
+            feed.fill(end - iteration)
+            plan, trained = run.update()
+            scored = feed.taken(plan.meta.rollout if plan else None, plan.stats["buffer/entries"] if plan else 0)
+        elapsed, last = time.perf_counter() - began, iteration + 1 == end
+        result = iteration_metrics(scored, trained, feed.wait_seconds, elapsed, engines)
+        feed.wait_seconds = 0.0
         bar.set_postfix(reward=f"{result['reward/mean']:.3f}", kl=f"{result['kl/mean']:.3f}")
         if (iteration + 1) % job.logging.log_every_steps == 0:
             metrics.log(iteration + 1, result)
@@ -185,7 +180,7 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
             metrics.log(iteration + 1, {f"eval/{k}": v for k, v in now.items()} | watch.evaluation(iteration + 1, now))
         every = job.checkpoint.every_steps
         if (every and (iteration + 1) % every == 0) or last:
-            run.save(checkpoints, iteration + 1, {"eval_before": before})
+            run.save(checkpoints, iteration + 1, {"eval_before": before, "rollout": plan.meta.rollout + 1})
     if end < job.ppo.iterations:
         return {"stopped_at_iteration": end, "iterations": job.ppo.iterations}
     after = run.evaluate(eval_rows, rule, job.ppo.eval_samples)

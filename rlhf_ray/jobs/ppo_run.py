@@ -19,7 +19,7 @@ from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import pack_rollouts, row_bounds
-from rlhf_ray.buffer.replay_buffer import ReplayBuffer
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer, TrainingPlan
 from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.build import same_tokenizer
@@ -230,45 +230,50 @@ class PPORun:
         seconds = {f"compute/{role}_seconds": max(r["seconds"] for r in out) for role, out in results.items()}
         return experience, metrics | seconds
 
-    def step(self, iteration: int, rollout: dict, prompt_ids: list[int]) -> dict[str, float]:
-        """Experience -> replay buffer -> PPO epochs on policy and critic -> weights to the engines."""
-        timer = [time.perf_counter()]
+    def put_experience(self, index: int, rollout: dict, prompt_indices: list[int]) -> dict[str, float]:
+        """Score rollout `index` into experience and put it in the replay buffer; returns its metrics (logged when
+        it is trained on). Raises ResultsLost when a node took results it needed (nothing changed yet)."""
+        began = time.perf_counter()
         try:
             experience, metrics = self.experience(rollout)
-        except RemoteCallError as err:  # nothing has changed yet: the iteration can be redone as it is
+        except RemoteCallError as err:  # nothing has changed yet: the rollout can be scored again
             if results_lost(err):
-                raise ResultsLost(f"iteration {iteration + 1}: {err}") from err
+                raise ResultsLost(f"rollout {index + 1}: {err}") from err
             raise
         if self.job.generation.vllm.sleep_when_idle and self.job.ppo.mode == "sync":
             self.pool.sleep()  # engines are idle until the weight sync, which wakes them
-        timer.append(time.perf_counter())
-        meta = {"version": rollout["version"], "samples": self.experience_rows, "iteration": iteration,
-                "prompt_ids": prompt_ids}
-        put = self.buffer.submit("put", [experience], meta, self.version)  # the actor runs calls in order
+        roles = [v for k, v in metrics.items() if k.startswith("compute/") and k != "compute/advantages_seconds"]
+        metrics["compute/experience_seconds"] = max(roles) + metrics["compute/advantages_seconds"]  # roles at once
+        meta = {"version": rollout["version"], "samples": self.experience_rows, "rollout": index,
+                "prompt_indices": prompt_indices}
+        accepted = self.buffer.call("put", [experience], meta, self.version)[0]
+        return metrics | {"time/experience": time.perf_counter() - began, "buffer/accepted": float(accepted),
+                          "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
+                          "engine_busy_seconds": rollout["engine_busy_seconds"]}
+
+    def update(self) -> tuple[TrainingPlan | None, dict[str, float]]:
+        """Take the oldest fresh experience from the buffer -> PPO epochs on policy and critic -> weights to the
+        engines (policy version + 1). Returns (the plan trained on, metrics); (None, {}) when the buffer held
+        nothing fresh enough (then put more)."""
+        timer = [time.perf_counter()]
         ppo = self.job.ppo
         (plan,) = self.buffer.call("take", self.version, self.job.train_batch_size, ppo.ppo_epochs, self.job.seed)
-        self.buffer.gather(put, "put")
+        if plan is None:
+            return None, {}
         calls = [(self.policy, self.policy.submit("train", plan))]
         if self.critic is not None:
             calls.append((self.critic, self.critic.submit("train", plan)))
-        train_seconds = 0.0
+        metrics, train_seconds = {}, 0.0
         for group, refs in calls:
             out = group.gather(refs, "train")
             metrics |= out[0]
             train_seconds = max([train_seconds] + [m[f"{group.role}/seconds"] for m in out])
-        metrics.setdefault("kl/mean", metrics["policy/kl"])  # no old log-probs: the training forward's KL
-        if "policy/engine_logprob_gap" in metrics:
-            metrics.setdefault("generate/logprob_gap", metrics["policy/engine_logprob_gap"])
-            metrics.setdefault("generate/mismatch_kl", metrics["policy/engine_mismatch_kl"])
         timer.append(time.perf_counter())
         sync = self.sync_weights()
         timer.append(time.perf_counter())
-        roles = [v for k, v in metrics.items() if k.startswith("compute/") and k != "compute/advantages_seconds"]
-        experience_compute = max(roles) + metrics["compute/advantages_seconds"]  # roles in parallel, then the math
-        return metrics | plan.stats | {
-            "time/experience": timer[1] - timer[0], "time/train": timer[2] - timer[1], "time/sync": timer[3] - timer[2],
-            "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
-            "compute/experience_seconds": experience_compute, "compute/train_seconds": train_seconds,
+        return plan, metrics | plan.stats | {
+            "time/train": timer[1] - timer[0], "time/sync": timer[2] - timer[1],
+            "compute/train_seconds": train_seconds,
             "compute/sync_seconds": sync["learner_gather_seconds"] + sync["engine_load_seconds"],
             "sync/bytes": sync["bytes"], "sync/gather_seconds": sync["gather_seconds"],
             "sync/load_seconds": sync["load_seconds"], "policy_version": self.version,

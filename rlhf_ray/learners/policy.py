@@ -102,11 +102,11 @@ class PolicyLearner(PPOLearnerRank):
 
     # ---- PPO-ptx ------------------------------------------------------------------------------------------
     def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list:
-        """ptx_coef x the LM loss of mix batch k (a pure function of iteration and step: resumable), token-mean over
+        """ptx_coef x the LM loss of mix batch k (a pure function of the rollout and step: resumable), token-mean over
         the global mix batch; each micro-batch's forward runs when its PPO micro-batch does."""
         if self.mix is None:
             return []
-        k = plan.meta.iteration * len(plan.minibatches) + step
+        k = plan.meta.rollout * len(plan.minibatches) + step
         parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
         if len(parts) != micro_batches:
             raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")
