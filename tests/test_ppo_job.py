@@ -194,6 +194,48 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
 
 
+def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tmp_path, stage_models):
+    """LoRA on the policy (q_proj, v_proj) and on the critic: only adapters (and the critic's value head) train;
+    the engines get the adapters folded into the base weights, so after every sync a vLLM engine samples from
+    exactly the learner's distribution (mismatch ~0 in fp32, where unfolded weights would leave the base model);
+    a stopped and resumed run (adapter-only checkpoints) ends as an uninterrupted one; the export is the merged
+    model plus the adapter alone."""
+    import json
+
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    sft, rm = stage_models
+    common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
+              "critic.micro_batch_size=16", "policy.model.lora.rank=8", "policy.model.lora.alpha=16",
+              "policy.model.lora.target_modules=[q_proj, v_proj]", "policy.optim.lr=0.005",
+              "critic.model.lora.rank=8", "critic.model.lora.target_modules=[q_proj, v_proj]",
+              "generation.engine=vllm", "generation.vllm.dtype=fp32"]
+    straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
+    job = ppo_job(tmp_path / "b", sft, rm, *common)
+    assert run_ppo(job, stop_after=2)["stopped_at_iteration"] == 2
+    run_ppo(job)
+    assert straight["iterations"] == 4
+    out = tmp_path / "a" / "ppo"
+    steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "policy/loss" in m]
+    assert len(steps) == 4
+    assert all(abs(m["generate/mismatch_kl"]) < 1e-5 for m in steps), [m["generate/mismatch_kl"] for m in steps]
+    start, merged = load_file(str(sft / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert set(start) == set(merged)
+    changed = {k for k in start if not torch.equal(start[k], merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
+    # the adapter alone, applied to the starting model, is the merged model
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sft), out / "model" / "adapter")
+    folded = with_adapter.merge_and_unload().state_dict()
+    for key in changed:
+        torch.testing.assert_close(folded[key], merged[key], rtol=0, atol=1e-6, msg=key)
+    resumed = load_file(str(tmp_path / "b" / "ppo" / "model" / "model.safetensors"))
+    for key in merged:
+        torch.testing.assert_close(resumed[key], merged[key], rtol=0, atol=1e-5, msg=key)
+
+
 def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     import json
 

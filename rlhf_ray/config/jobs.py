@@ -284,9 +284,6 @@ class PPOJob(JobBase):
                                               "or reward.http")
         if self.reward.function is not None and ":" not in self.reward.function:
             raise FieldProblem("reward.function", f"expected 'package.module:function', got {self.reward.function!r}")
-        if self.policy.model.lora.enabled:
-            raise FieldProblem("policy.model.lora.rank", "LoRA policies are not supported by PPO in this version "
-                                                         "(the generation pool needs merged weights); set rank: 0")
         estimator = self.ppo.advantage_estimator
         if estimator in CRITIC_FREE and self.critic is not None:
             raise FieldProblem("critic", f"advantage_estimator {estimator} uses no critic; remove the critic section "

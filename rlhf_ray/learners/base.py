@@ -17,6 +17,7 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.learners.engine import RendezvousHost, apply_lora, build_engine, init_process_group
+from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
 from rlhf_ray.models.weight_buckets import group_by_size
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ class LearnerRank(RendezvousHost):
     def load_checkpoint(self, directory: str) -> dict:
         path = Path(directory)
         _, client_state = self.engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
-                                                      load_lr_scheduler_states=True)
+                                                      load_lr_scheduler_states=True,
+                                                      load_module_strict=not self.model_spec.lora.enabled)
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
@@ -127,7 +129,10 @@ class LearnerRank(RendezvousHost):
             numel = p.ds_numel if zero3 and hasattr(p, "ds_numel") else p.numel()
             return numel * p.element_size()
 
-        for names in group_by_size(((n, nbytes(p)) for n, p in params.items()), bucket_bytes):
+        parts = lora_units(list(params))  # a LoRA layer's weight and adapters stay in one group (they fold together)
+        for unit_groups in group_by_size(((i, sum(nbytes(params[n]) for n in unit)) for i, unit in enumerate(parts)),
+                                         bucket_bytes):
+            names = [n for i in unit_groups for n in parts[i]]
             group = [params[n] for n in names]
             gather = deepspeed.zero.GatheredParameters(group, modifier_rank=None) if zero3 else nullcontext()
             with gather:
@@ -142,6 +147,12 @@ class LearnerRank(RendezvousHost):
             buffers = [(n, b.detach().cpu().clone()) for n, b in module.named_buffers() if n in persistent]
             if buffers:
                 yield buffers
+
+    def engine_weight_groups(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """What the generation engines load: `gathered_groups(copy=False)`, with a LoRA model's adapters folded into
+        the weights they adapt under the base model's names (models/lora_weights.py)."""
+        for group in self.gathered_groups(bucket_bytes, copy=False):
+            yield lora_folded(self.engine.module, group) if group and self.model_spec.lora.enabled else group
 
     def gathered_state_dict(self, bucket_bytes: int = 2**28) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (None elsewhere); a collective under ZeRO-3."""

@@ -127,14 +127,18 @@ def make_optimizer(model: torch.nn.Module, optim: OptimizerSpec, ds: DeepSpeedSp
 
 
 def apply_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
-    """Wrap with peft LoRA adapters; with only_optimize_lora the base weights stay frozen."""
+    """Wrap with peft LoRA adapters; with only_optimize_lora the base weights stay frozen (a scalar head, if the model
+    has one, trains)."""
     if not spec.lora.enabled:
         return model
     from peft import LoraConfig, get_peft_model
 
     lora = spec.lora
+    # a reward model's or critic's scalar head trains with the adapters (a fresh head would stay random otherwise)
+    heads = [name for name in ("score", "classifier", "v_head") if isinstance(getattr(model, name, None),
+                                                                           torch.nn.Module)]
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=lora.target_modules, bias="none")
+                        target_modules=lora.target_modules, bias="none", modules_to_save=heads or None)
     model = get_peft_model(model, config)
     if not lora.only_optimize_lora:
         for p in model.parameters():

@@ -11,6 +11,9 @@ from transformers import AutoTokenizer
 
 from rlhf_ray.config.model import ModelSpec
 
+ADAPTER_DIR = "adapter"
+"""Inside an exported LoRA model's folder: the adapter alone (peft's adapter_config.json + weights)."""
+
 
 def _merged_lora(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
     """Rebuild the peft model on CPU from the gathered weights (the live one may be ZeRO-3 partitioned), then
@@ -28,12 +31,15 @@ def _merged_lora(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> tor
 
 
 def save_hf_model(module: torch.nn.Module, state: dict[str, torch.Tensor], spec: ModelSpec, directory: Path) -> str:
+    """A LoRA model is written merged (with its adapter in ADAPTER_DIR), or as the adapter alone when
+    lora.merge_on_export is false."""
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if spec.lora.enabled and spec.lora.merge_on_export:
         _merged_lora(module, state).save_pretrained(tmp)
+        module.save_pretrained(tmp / ADAPTER_DIR, state_dict=state)  # the adapter too, for peft / vLLM LoRA users
     else:
         module.save_pretrained(tmp, state_dict=state)  # a peft module saves just its adapter from this
     AutoTokenizer.from_pretrained(spec.tokenizer_path, trust_remote_code=spec.trust_remote_code,

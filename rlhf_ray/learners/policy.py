@@ -162,7 +162,7 @@ class PolicyLearner(PPOLearnerRank):
         """Rank 0 broadcasts the full weights to the engines, bucket by bucket (a collective under ZeRO-3: every
         rank gathers along)."""
         start = time.perf_counter()
-        groups = self.gathered_groups(bucket_bytes, copy=False)
+        groups = self.engine_weight_groups(bucket_bytes)
         if self.rank != 0:
             for _ in groups:
                 pass
@@ -177,7 +177,7 @@ class PolicyLearner(PPOLearnerRank):
 
         start = time.perf_counter()
         refs, total = [], 0
-        for group in self.gathered_groups(bucket_bytes, copy=False):  # pack copies while the group is gathered
+        for group in self.engine_weight_groups(bucket_bytes):  # pack copies while the group is gathered
             for bucket in pack(group):
                 refs.append(ray.put(bucket))
                 total += bucket.nbytes
