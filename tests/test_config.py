@@ -355,3 +355,15 @@ def test_a_pipeline_runs_sft_then_dpo_or_rm_and_ppo_not_both(write_yaml):
     assert "either rm and ppo after sft, or dpo" in problem
     (problem,) = problems_of(write_yaml("kind: pipeline\nsft: {model: {path: m}}\nrm: {}\n"))
     assert "ppo" in problem and "or a dpo one" in problem
+
+
+def test_lora_adapter_sync_is_refused_where_it_cannot_work_naming_the_field():
+    config = ROOT / "configs/quickstart/ppo.yaml"
+    lora = ["policy.model.lora.rank=8", "policy.model.lora.target_modules=[q_proj]"]
+    assert load_job(config, lora).policy.model.lora.enabled  # LoRA policies are a PPO option now (merged sync)
+    for overrides, why in [([], "the policy has none"),
+                           ([*lora, "policy.model.lora.only_optimize_lora=false"], "base weights train too"),
+                           ([*lora, "generation.engine=hf"], "engine is hf")]:
+        (problem,) = problems_of(config, [*overrides, "generation.weight_sync.lora=adapter"])
+        assert "generation.weight_sync.lora" in problem and why in problem, problem
+    assert load_job(config, [*lora, "generation.engine=vllm", "generation.weight_sync.lora=adapter"])

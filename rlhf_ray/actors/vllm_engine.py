@@ -55,6 +55,9 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
         kwargs["enable_chunked_prefill"] = False
         if v.max_model_len:
             kwargs["max_num_batched_tokens"] = max(v.max_model_len, CPU_MIN_BATCHED_TOKENS)
+    if spec.weight_sync.lora == "adapter":  # the policy's adapter is applied by vLLM, sent alone at each sync
+        ranks = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in ranks if r >= model.lora.rank))
     block_size = v.block_size or (None if on_gpu else CPU_BLOCK_SIZE)
     if block_size:
         kwargs["block_size"] = block_size
@@ -107,6 +110,8 @@ class VLLMEngine(GenerationEngine):
         self.last_load: dict = {}
         """What the workers took from the shared chunks of the last update, by worker pid (tensor-parallel path)."""
         self.sleeping = False
+        self.adapter = AdapterSlot(model) if spec.weight_sync.lora == "adapter" else None
+        """Adapter sync: where the policy's latest LoRA adapter is written for vLLM to load (None: merged)."""
         log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
 
     def _params(self, sampling: SamplingSpec, seed: int, greedy: bool, n: int):
@@ -129,7 +134,8 @@ class VLLMEngine(GenerationEngine):
         # a hashed seed per prompt: the draw depends on (seed, place), not on the batch, and neighbouring prompts
         # never share a random stream (seed + i would: vLLM offsets the n samples of a request by +1 each)
         params = [self._params(sampling, stable_seed(seed, i) % 2**31, greedy, n) for i in range(len(prompts))]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                                    lora_request=self.adapter.request if self.adapter else None)
         rows: list[Sample] = []
         for index, (prompt, output) in enumerate(zip(prompts, outputs)):
             for completion in output.outputs:
@@ -142,6 +148,12 @@ class VLLMEngine(GenerationEngine):
     def load_weights(self, weights: Weights) -> int:
         if self.sleeping:
             self.wake_up()
+        if self.adapter is not None:
+            count = self.adapter.write(weights)
+            self.llm.llm_engine.add_lora(self.adapter.reload_request())  # replaces the loaded adapter in place
+            if self.kwargs["enable_prefix_caching"]:
+                self.llm.reset_prefix_cache()
+            return count
         count = 0
 
         def counted():
@@ -182,3 +194,44 @@ class VLLMEngine(GenerationEngine):
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
+
+
+class AdapterSlot:
+    """The folder vLLM loads the policy's adapter from (adapter sync): peft's adapter_config.json and
+    adapter_model.safetensors, rewritten at each sync (in /dev/shm when there is one) and loaded under one
+    adapter id, in place."""
+
+    def __init__(self, model: ModelSpec):
+        import os
+        import tempfile
+
+        from rlhf_ray.models.lora_weights import adapter_config
+
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.folder = tempfile.mkdtemp(prefix="rlhf_ray_adapter_", dir=shm)
+        self.config = adapter_config(model.lora, model.path)
+        self.request = None
+
+    def write(self, weights: Weights) -> int:
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        tensors = {name: tensor.clone() for name, tensor in weights}  # small; the buckets' views share storage
+        save_file(tensors, str(Path(self.folder) / "adapter_model.safetensors"))
+        (Path(self.folder) / "adapter_config.json").write_text(json.dumps(self.config))
+        self.request = LoRARequest("policy", 1, self.folder)
+        return len(tensors)
+
+    def reload_request(self):
+        """The request that makes vLLM read the folder again, replacing the adapter it holds under the same id."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest("policy", 1, self.folder, load_inplace=True)
+
+    def __del__(self):
+        import shutil
+
+        shutil.rmtree(getattr(self, "folder", ""), ignore_errors=True)

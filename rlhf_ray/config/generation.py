@@ -80,6 +80,11 @@ class WeightSyncSpec(StrictModel):
     bucket_mb: float = Field(256, gt=0)
     """Weights travel in flat buckets of about this size; under ZeRO-3 a bucket's parameters are gathered together,
     so it also bounds the extra memory a learner rank holds during a sync."""
+    lora: Literal["merged", "adapter"] = "merged"
+    """A LoRA policy (policy.model.lora.rank > 0) reaches the engines as merged weights (the adapters folded into
+    the base weights: the engines serve a plain model, the sync moves the whole model) or as the adapter alone
+    (vLLM's LoRA support: the sync moves only the adapters, each forward adds the low-rank product; engine vllm,
+    only_optimize_lora true). Both are measured in docs/benchmarks.md, "LoRA in PPO"."""
 
 
 class GenerationSpec(StrictModel):

@@ -284,6 +284,18 @@ class PPOJob(JobBase):
                                               "or reward.http")
         if self.reward.function is not None and ":" not in self.reward.function:
             raise FieldProblem("reward.function", f"expected 'package.module:function', got {self.reward.function!r}")
+        if self.generation.weight_sync.lora == "adapter":
+            lora = self.policy.model.lora
+            if not lora.enabled:
+                raise FieldProblem("generation.weight_sync.lora", "adapter sync sends the policy's LoRA adapters, but "
+                                   "the policy has none (policy.model.lora.rank is 0): use merged, or set the rank")
+            if not lora.only_optimize_lora:
+                raise FieldProblem("generation.weight_sync.lora", "adapter sync sends only the adapters, but "
+                                   "policy.model.lora.only_optimize_lora is false (the base weights train too): "
+                                   "use merged")
+            if self.generation.engine == "hf":
+                raise FieldProblem("generation.weight_sync.lora", "adapter sync needs vLLM's LoRA support; "
+                                   "generation.engine is hf: use merged, or engine vllm")
         estimator = self.ppo.advantage_estimator
         if estimator in CRITIC_FREE and self.critic is not None:
             raise FieldProblem("critic", f"advantage_estimator {estimator} uses no critic; remove the critic section "

@@ -310,9 +310,10 @@ class PPORun:
         false: a re-sync after an engine was replaced)."""
         start = time.perf_counter()
         bucket_bytes = int(self.job.generation.weight_sync.bucket_mb * 2**20)
+        adapters = self.job.generation.weight_sync.lora == "adapter"
         self.version += int(bump)
         if self.transport == "collective":
-            learner = self.policy.submit("broadcast_weights", bucket_bytes)
+            learner = self.policy.submit("broadcast_weights", bucket_bytes, adapters)
             engines = self.pool.receive(self.version)
             sent = self.policy.gather(learner, "broadcast_weights")[0]
             loaded = self.pool.group.gather(engines, "receive_weights")
@@ -321,7 +322,7 @@ class PPORun:
             seconds = time.perf_counter() - start
             return {"bytes": float(sent["bytes"]), "gather_seconds": seconds, "learner_gather_seconds": sent["seconds"],
                     "load_seconds": seconds, "engine_load_seconds": 0.0}  # one pipelined transfer: all in the gather
-        published = self.policy.call("publish_weights", bucket_bytes)[0]
+        published = self.policy.call("publish_weights", bucket_bytes, adapters)[0]
         gathered = time.perf_counter()
         loaded = self.pool.broadcast(published["refs"], self.version)
         return {"bytes": float(published["bytes"]), "gather_seconds": gathered - start,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -17,10 +17,23 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.learners.engine import RendezvousHost, apply_lora, build_engine, init_process_group
+from rlhf_ray.models.lora_weights import adapter_file_name, is_adapter
 from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
 from rlhf_ray.models.weight_buckets import group_by_size
 
 log = logging.getLogger(__name__)
+
+
+def peak_memory_gib() -> float:
+    """This rank's peak memory so far: the GPU's allocated bytes on a GPU, else the process's peak resident set
+    (VmHWM: weights, optimizer state, activations, and whatever the libraries keep)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 class LearnerRank(RendezvousHost):
@@ -88,7 +101,8 @@ class LearnerRank(RendezvousHost):
         if grad_norm is None:
             grad_norm = self._grad_norm
         return {"lr": self.scheduler.get_last_lr()[0], "applied": bool(self.engine.was_step_applied()),
-                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan")}
+                "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "peak_memory_gib": peak_memory_gib()}
 
     # ---- checkpoints -------------------------------------------------------------------------------------
     def save_checkpoint(self, directory: str, client_state: dict) -> None:
@@ -114,16 +128,18 @@ class LearnerRank(RendezvousHost):
         return client_state or {}
 
     # ---- export ------------------------------------------------------------------------------------------
-    def gathered_groups(self, bucket_bytes: int, copy: bool = True) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def gathered_groups(self, bucket_bytes: int, copy: bool = True,
+                        only: Callable[[str], bool] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full weights on rank 0 in groups of about `bucket_bytes`, in the module's order (empty lists on the other
         ranks, which must iterate along: under ZeRO-3 each group is gathered by every rank together). Only one
         group is ever materialised at a time, so no rank holds more than a bucket beyond its own shard. With
-        copy=False rank 0 gets the live parameters, valid only until it asks for the next group."""
+        copy=False rank 0 gets the live parameters, valid only until it asks for the next group. `only` keeps the
+        parameters whose names it accepts (and then no buffers)."""
         import deepspeed
 
         module = self.engine.module
         zero3 = self.engine.zero_optimization_stage() == 3
-        params = dict(module.named_parameters())
+        params = {n: p for n, p in module.named_parameters() if only is None or only(n)}
 
         def nbytes(p: torch.Tensor) -> int:
             numel = p.ds_numel if zero3 and hasattr(p, "ds_numel") else p.numel()
@@ -142,15 +158,21 @@ class LearnerRank(RendezvousHost):
                     yield [(n, p.detach().cpu().clone()) for n, p in zip(names, group)]
                 else:
                     yield [(n, p.detach()) for n, p in zip(names, group)]
-        if self.rank == 0:
+        if self.rank == 0 and only is None:
             persistent = set(module.state_dict().keys())  # rotary caches and the like are rebuilt, not saved
             buffers = [(n, b.detach().cpu().clone()) for n, b in module.named_buffers() if n in persistent]
             if buffers:
                 yield buffers
 
-    def engine_weight_groups(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def engine_weight_groups(self, bucket_bytes: int, adapters_only: bool = False
+                             ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """What the generation engines load: `gathered_groups(copy=False)`, with a LoRA model's adapters folded into
-        the weights they adapt under the base model's names (models/lora_weights.py)."""
+        the weights they adapt under the base model's names (models/lora_weights.py); with `adapters_only`, the
+        LoRA adapters alone under peft's file names (for an engine that applies them itself)."""
+        if adapters_only:
+            for group in self.gathered_groups(bucket_bytes, copy=False, only=is_adapter):
+                yield [(adapter_file_name(n), t) for n, t in group]
+            return
         for group in self.gathered_groups(bucket_bytes, copy=False):
             yield lora_folded(self.engine.module, group) if group and self.model_spec.lora.enabled else group
 

@@ -158,18 +158,18 @@ class PolicyLearner(PPOLearnerRank):
             self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s, self.take_listener(port))
         return self.rank == 0
 
-    def broadcast_weights(self, bucket_bytes: int) -> dict | None:
+    def broadcast_weights(self, bucket_bytes: int, adapters_only: bool = False) -> dict | None:
         """Rank 0 broadcasts the full weights to the engines, bucket by bucket (a collective under ZeRO-3: every
         rank gathers along)."""
         start = time.perf_counter()
-        groups = self.engine_weight_groups(bucket_bytes)
+        groups = self.engine_weight_groups(bucket_bytes, adapters_only)
         if self.rank != 0:
             for _ in groups:
                 pass
             return None
         return {"bytes": self.sync_group.send(groups), "seconds": time.perf_counter() - start}
 
-    def publish_weights(self, bucket_bytes: int) -> dict | None:
+    def publish_weights(self, bucket_bytes: int, adapters_only: bool = False) -> dict | None:
         """Rank 0 puts the full weights in the object store as buckets and returns their refs, bytes and seconds;
         the engines fetch them from there. A collective under ZeRO-3: every rank calls it, groups of parameters
         are gathered in turn."""
@@ -177,7 +177,7 @@ class PolicyLearner(PPOLearnerRank):
 
         start = time.perf_counter()
         refs, total = [], 0
-        for group in self.engine_weight_groups(bucket_bytes):  # pack copies while the group is gathered
+        for group in self.engine_weight_groups(bucket_bytes, adapters_only):  # pack copies while the group is gathered
             for bucket in pack(group):
                 refs.append(ray.put(bucket))
                 total += bucket.nbytes

@@ -32,6 +32,23 @@ def units(names: list[str]) -> list[list[str]]:
     return out
 
 
+def is_adapter(name: str) -> bool:
+    return any(part in name for part in ADAPTER_PARTS)
+
+
+def adapter_file_name(name: str) -> str:
+    """A live adapter tensor's name -> its name in peft's adapter_model.safetensors (no adapter name), as vLLM's
+    LoRA loader reads it."""
+    return name.replace(".default.", ".")
+
+
+def adapter_config(lora, base_model: str | None) -> dict:
+    """peft's adapter_config.json for the policy's LoRA spec."""
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+            "lora_dropout": 0.0, "target_modules": list(lora.target_modules), "bias": "none",
+            "fan_in_fan_out": False, "base_model_name_or_path": base_model}
+
+
 def base_name(name: str) -> str:
     """peft's name of a base-model tensor -> the base model's own."""
     name = name.removeprefix(PEFT_PREFIX).replace(".base_layer.", ".")
@@ -45,7 +62,7 @@ def folded(module: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> li
     tensors = dict(named)
     out = []
     for name, tensor in named:
-        if any(part in name for part in ADAPTER_PARTS) or ".original_module." in name:
+        if is_adapter(name) or ".original_module." in name:
             continue
         if name.endswith(".base_layer.weight"):
             owner = name.removesuffix(".base_layer.weight")

@@ -122,9 +122,12 @@ def model_problems(job) -> list[tuple[str, str]]:
     problems = []
     arch = local_architecture(job.policy.model.path)
     if arch is not None:
-        engine, _ = resolve_engine(job.generation, job.policy.model)
+        engine, reason = resolve_engine(job.generation, job.policy.model)
         if (problem := engine_problem(engine, arch)) is not None:
             problems.append(("generation.engine", problem))
+        if engine == "hf" and job.generation.weight_sync.lora == "adapter":
+            problems.append(("generation.engine", f"generation.weight_sync.lora: adapter needs the vllm engine, and "
+                                                  f"engine auto chose hf ({reason}): set generation.engine: vllm"))
     rm = job.reward.model
     if job.reward.is_model and local_architecture(rm.path) and local_architecture(job.policy.model.path):
         problem = tokenizer_bridge_problem(job.policy.model.tokenizer_path, rm.tokenizer_path)
