@@ -164,3 +164,26 @@ def test_a_cpu_tensor_parallel_engine_holds_the_whole_model_and_cache_once():
     gpu = engine_bytes(shape, dtype="bf16", device_bytes=80 * 2**30, gpu_memory_utilization=0.9, kv_cache_gb=2,
                        tensor_parallel=2)
     assert gpu.weights == shape.params  # per GPU
+
+
+def test_lora_trainable_parameters_equal_pefts_count_and_shrink_the_learner():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlhf_ray.config.deepspeed import DeepSpeedSpec
+    from rlhf_ray.config.model import ModelSpec
+    from rlhf_ray.memory.budget import learner_memory
+    from rlhf_ray.memory.shapes import ModelShape
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2)
+    shape = ModelShape(hidden=64, layers=3, heads=4, kv_heads=2, intermediate=160, vocab=128, tied_embeddings=False)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=8, target_modules=targets))
+    trainable = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert shape.lora_params(8, targets) == trainable
+    full = ModelSpec(path="x", dtype="bf16")
+    lora = ModelSpec(path="x", dtype="bf16", lora={"rank": 8, "target_modules": targets})
+    sizes = [learner_memory(KNOWN["meta-llama/Llama-3.1-8B"], spec, DeepSpeedSpec(zero_stage=0), 1, 1, 512, 512,
+                            True, False) for spec in (full, lora)]
+    assert sizes[1].device < 0.25 * sizes[0].device  # no gradients or Adam state for the frozen base

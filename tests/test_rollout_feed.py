@@ -39,7 +39,7 @@ class Run:
         self.events.append(f"put {index}")
         accepted = self.buffer.put([index], {"version": rollout["version"], "samples": 4, "rollout": index},
                                    self.version)
-        return {"buffer/accepted": float(accepted), "rollout": index}
+        return {"accepted": accepted, "rollout": index}
 
     def update(self):
         plan = self.buffer.take(self.version, 4, 1, 0)

@@ -25,7 +25,8 @@ class LoraSpec(StrictModel):
     only_optimize_lora: bool = True
     """Train adapter weights only; the base model stays frozen."""
     merge_on_export: bool = True
-    """Merge adapters into the base weights when saving an HF checkpoint; false saves the adapter alone."""
+    """Merge adapters into the base weights when saving an HF checkpoint (the adapter alone goes in its `adapter/`
+    folder too); false saves the adapter alone."""
 
     @property
     def enabled(self) -> bool:

@@ -232,7 +232,8 @@ class PPORun:
 
     def put_experience(self, index: int, rollout: dict, prompt_indices: list[int]) -> dict[str, float]:
         """Score rollout `index` into experience and put it in the replay buffer; returns its metrics (logged when
-        it is trained on). Raises ResultsLost when a node took results it needed (nothing changed yet)."""
+        it is trained on) and `accepted` (False: the buffer refused it as too stale already). Raises ResultsLost
+        when a node took results it needed (nothing changed yet)."""
         began = time.perf_counter()
         try:
             experience, metrics = self.experience(rollout)
@@ -247,7 +248,7 @@ class PPORun:
         meta = {"version": rollout["version"], "samples": self.experience_rows, "rollout": index,
                 "prompt_indices": prompt_indices}
         accepted = self.buffer.call("put", [experience], meta, self.version)[0]
-        return metrics | {"time/experience": time.perf_counter() - began, "buffer/accepted": float(accepted),
+        return metrics | {"time/experience": time.perf_counter() - began, "accepted": accepted,
                           "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
                           "engine_busy_seconds": rollout["engine_busy_seconds"]}
 

@@ -74,7 +74,7 @@ class RolloutFeed:
         self.start(updates_left)
         scored = _put_redoing_lost_results(self.run, index, rollout, self.prompt_indices(index),
                                            lambda: self.run.pool.collect(self.submit(index)), self.redo_limit)
-        if scored["buffer/accepted"]:
+        if scored.pop("accepted"):
             self.scored[index] = scored
             self.buffered = min(self.buffered, self.run.job.ppo.buffer_capacity)  # a full buffer evicted one
         else:  # already too stale

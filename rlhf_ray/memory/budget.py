@@ -50,12 +50,15 @@ def learner_memory(shape: ModelShape, spec, deepspeed, replicas: int, micro: int
     """One learner rank's bytes from its ModelSpec and DeepSpeedSpec (what `validate` and the calibration
     benchmark both compute)."""
     params = shape.backbone_params if scalar else shape.params
+    trainable = params
+    if spec.lora.enabled and spec.lora.only_optimize_lora:  # adapters (and a scalar head) train, the base is frozen
+        trainable = shape.lora_params(spec.lora.rank, spec.lora.target_modules) + (shape.hidden if scalar else 0)
     overlap = deepspeed.extra.get("zero_optimization", {}).get("overlap_comm", deepspeed.zero_stage == 3)
-    bucket = gradient_bucket(params, deepspeed.zero_stage, replicas, deepspeed.reduce_bucket_size, gpu, overlap)
+    bucket = gradient_bucket(trainable, deepspeed.zero_stage, replicas, deepspeed.reduce_bucket_size, gpu, overlap)
     return learner_bytes(shape, dtype=spec.dtype, zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
                          seq_len=seq, logit_positions=positions, offload_optimizer=deepspeed.offload_optimizer,
                          offload_params=deepspeed.offload_params, gradient_checkpointing=spec.gradient_checkpointing,
-                         attention_scores=not gpu, scalar_head=scalar, grad_bucket=bucket)
+                         attention_scores=not gpu, scalar_head=scalar, trainable=trainable, grad_bucket=bucket)
 
 
 def _learner(name: str, spec, deepspeed, replicas: int, micro: int, seq: int, positions: int, gpu: bool,

@@ -57,6 +57,16 @@ class ModelShape:
         """The biggest single parameter tensor (ZeRO-3 gathers at least this much at once): the embedding."""
         return max(self.embedding_params, self.hidden * self.intermediate)
 
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """Adapter parameters of rank-`rank` LoRA on the named linear layers of every decoder layer: r x (in + out)
+        each. Names the shape does not know (another architecture's) count as hidden x hidden layers."""
+        q_out, kv_out = self.heads * self.dim_per_head, self.kv_heads * self.dim_per_head
+        dims = {"q_proj": (self.hidden, q_out), "k_proj": (self.hidden, kv_out), "v_proj": (self.hidden, kv_out),
+                "o_proj": (q_out, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+                "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        per_layer = sum(rank * sum(dims.get(name, (self.hidden, self.hidden))) for name in targets)
+        return self.layers * per_layer
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """K and V of every layer for one token (the KV cache's unit)."""
         return 2 * self.layers * self.kv_heads * self.dim_per_head * dtype_bytes
