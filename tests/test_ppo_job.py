@@ -195,11 +195,11 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
 
 
 def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tmp_path, stage_models):
-    """LoRA on the policy (q_proj, v_proj) and on the critic: only adapters (and the critic's value head) train;
-    the engines get the adapters folded into the base weights, so after every sync a vLLM engine samples from
-    exactly the learner's distribution (mismatch ~0 in fp32, where unfolded weights would leave the base model);
-    a stopped and resumed run (adapter-only checkpoints) ends as an uninterrupted one; the export is the merged
-    model plus the adapter alone."""
+    """LoRA on the policy (q_proj, v_proj; ZeRO-3 over 2 ranks, 64 KiB sync buckets) and on the critic: only
+    adapters (and the critic's value head) train; the engines get the adapters folded into the base weights, so
+    after every sync a vLLM engine samples from exactly the learner's distribution (mismatch ~0 in fp32, where
+    unfolded weights would leave the base model); a stopped and resumed run (adapter-only checkpoints) ends as an
+    uninterrupted one; the export is the merged model plus the adapter alone."""
     import json
 
     import torch
@@ -208,7 +208,10 @@ def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tm
     from transformers import AutoModelForCausalLM
 
     sft, rm = stage_models
-    common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
+    common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=8",
+              "policy.deepspeed.zero_stage=3", "policy.placement.replicas=2", "policy.placement.num_cpus=0.25",
+              "critic.placement.num_cpus=0.25", "generation.placement.num_cpus=0.25",
+              "generation.weight_sync.bucket_mb=0.0625",
               "critic.micro_batch_size=16", "policy.model.lora.rank=8", "policy.model.lora.alpha=16",
               "policy.model.lora.target_modules=[q_proj, v_proj]", "policy.optim.lr=0.005",
               "critic.model.lora.rank=8", "critic.model.lora.target_modules=[q_proj, v_proj]",
