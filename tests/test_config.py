@@ -367,3 +367,22 @@ def test_lora_adapter_sync_is_refused_where_it_cannot_work_naming_the_field():
         (problem,) = problems_of(config, [*overrides, "generation.weight_sync.lora=adapter"])
         assert "generation.weight_sync.lora" in problem and why in problem, problem
     assert load_job(config, [*lora, "generation.engine=vllm", "generation.weight_sync.lora=adapter"])
+
+
+def test_zero_knobs_that_do_nothing_or_that_deepspeed_rejects_are_refused_naming_the_field():
+    config = ROOT / "configs/quickstart/ppo.yaml"  # policy and critic: fp32, ZeRO-2
+    for overrides, field, why in [
+            (["policy.deepspeed.zero_stage=1", "policy.deepspeed.round_robin_gradients=true"],
+             "round_robin_gradients", "acts at ZeRO stage 2, not at zero_stage 1"),
+            (["critic.deepspeed.hysteresis=4"], "critic.deepspeed.hysteresis", "model.dtype is fp32"),
+            (["policy.deepspeed.allgather_bucket_size=1001"], "allgather_bucket_size", "multiple of 2")]:
+        problems = problems_of(config, overrides)
+        assert any(field in p and why in p for p in problems), problems
+    (problem,) = problems_of(config, ["policy.deepspeed.zero_stage=0", "policy.deepspeed.grad_accum_dtype=bf16"])
+    assert "policy.deepspeed.grad_accum_dtype" in problem and "only under ZeRO" in problem
+    (problem,) = problems_of(config, ["policy.deepspeed.zero_stage=0", "policy.deepspeed.reduce_scatter=false"])
+    assert "reduce_scatter acts at ZeRO stage 1 / 2" in problem
+    job = load_job(config, ["policy.deepspeed.overlap_comm=true", "policy.deepspeed.grad_accum_dtype=fp32",
+                            "policy.deepspeed.reduce_bucket_size=1000000"])
+    zero = job.policy.deepspeed.to_ds_config("fp32", 4, 1)["zero_optimization"]
+    assert zero["overlap_comm"] is True and zero["reduce_bucket_size"] == 1000000

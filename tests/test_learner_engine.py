@@ -38,3 +38,50 @@ def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
+    """The ZeRO knobs of seed 002 (deepspeed.* in YAML) are what DeepSpeed's ZeRO-1/2 optimizer and its config
+    end up with: communication overlap, contiguous gradients, reduce-scatter, round-robin gradients, bucket sizes;
+    fp32 gradient accumulation of a bf16 model under ZeRO-1 (DeepSpeed's BF16 optimizer); fp16 loss scaling."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        from deepspeed.runtime.config import DeepSpeedConfig
+        from rlhf_ray.config.deepspeed import DeepSpeedSpec
+        from rlhf_ray.config.model import ModelSpec
+        from rlhf_ray.config.optim import OptimizerSpec
+        from rlhf_ray.learners.engine import build_engine, init_process_group, listen
+        from rlhf_ray.models.loading import load_causal_lm
+
+        sock = listen("127.0.0.1")
+        init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 120)
+        spec = ModelSpec(path="{tiny_model}", dtype="fp32", disable_dropout=True)
+        knobs = DeepSpeedSpec(zero_stage=2, overlap_comm=True, contiguous_gradients=False, reduce_scatter=False,
+                              round_robin_gradients=True, reduce_bucket_size=123456, allgather_bucket_size=234568)
+        engine, _ = build_engine(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), knobs, 2, 1, 10)
+        zero = engine.optimizer
+        assert (zero.overlap_comm, zero.contiguous_gradients, zero.reduce_scatter, zero.round_robin_gradients) == \\
+            (True, False, False, True), vars(zero).keys()
+        assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (123456, 234568)
+        ids = torch.randint(3, engine.module.config.vocab_size, (2, 12))
+        before = [p.detach().clone() for p in engine.module.parameters()]
+        engine.backward(engine(input_ids=ids).logits.logsumexp(-1).mean())
+        engine.step()
+        assert engine.was_step_applied() and any(not torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+
+        bf16 = ModelSpec(path="{tiny_model}", dtype="bf16", disable_dropout=True)
+        accum = DeepSpeedSpec(zero_stage=1, grad_accum_dtype="fp32", gradient_accumulation_steps=2)
+        engine, _ = build_engine(load_causal_lm(bf16), bf16, OptimizerSpec(lr=1e-3), accum, 2, 1, 10)
+        assert type(engine.optimizer).__name__ == "BF16_Optimizer", type(engine.optimizer)
+
+        fp16 = DeepSpeedConfig(DeepSpeedSpec(zero_stage=2, initial_scale_power=12, loss_scale_window=50, hysteresis=3,
+                                             min_loss_scale=2).to_ds_config("fp16", 2, 1))
+        scaling = fp16.float16_config
+        assert fp16.float16_config.enabled and scaling.loss_scale == 0  # dynamic
+        assert scaling.dynamic_loss_scale_args() == {{"init_scale": 2 ** 12, "scale_window": 50, "delayed_shift": 3,
+                                                      "consecutive_hysteresis": False, "min_scale": 2}}
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -121,6 +121,8 @@ class _SupervisedJob(JobBase):
                                self.deepspeed.gradient_accumulation_steps, self.placement.replicas)
         if self.placement.colocate_with is not None:
             raise FieldProblem("placement.colocate_with", "an SFT/RM job has a single role; nothing to colocate with")
+        if problem := self.deepspeed.precision_problem(self.model.dtype):
+            raise FieldProblem(f"deepspeed.{problem[0]}", problem[1])
         return self
 
 
@@ -341,6 +343,8 @@ class PPOJob(JobBase):
         for name, role in {"policy": self.policy, "critic": self.critic}.items():
             if role is None:
                 continue
+            if problem := role.deepspeed.precision_problem(role.model.dtype):
+                raise FieldProblem(f"{name}.deepspeed.{problem[0]}", problem[1])
             per_step = role.micro_batch_size * role.placement.replicas
             if "gradient_accumulation_steps" in role.deepspeed.model_fields_set:
                 check_global_batch("ppo.train_batch_size", train_batch, f"{name}.micro_batch_size", role.micro_batch_size,

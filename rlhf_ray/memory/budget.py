@@ -53,7 +53,8 @@ def learner_memory(shape: ModelShape, spec, deepspeed, replicas: int, micro: int
     trainable = params
     if spec.lora.enabled and spec.lora.only_optimize_lora:  # adapters (and a scalar head) train, the base is frozen
         trainable = shape.lora_params(spec.lora.rank, spec.lora.target_modules) + (shape.hidden if scalar else 0)
-    overlap = deepspeed.extra.get("zero_optimization", {}).get("overlap_comm", deepspeed.zero_stage == 3)
+    default_overlap = deepspeed.zero_stage == 3 if deepspeed.overlap_comm is None else deepspeed.overlap_comm
+    overlap = deepspeed.extra.get("zero_optimization", {}).get("overlap_comm", default_overlap)
     bucket = gradient_bucket(trainable, deepspeed.zero_stage, replicas, deepspeed.reduce_bucket_size, gpu, overlap)
     return learner_bytes(shape, dtype=spec.dtype, zero_stage=deepspeed.zero_stage, ranks=replicas, micro_batch=micro,
                          seq_len=seq, logit_positions=positions, offload_optimizer=deepspeed.offload_optimizer,
