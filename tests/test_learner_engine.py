@@ -85,3 +85,46 @@ def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_a_non_finite_gradient_skips_the_step_keeps_the_weights_and_is_counted(tiny_model):
+    """An inf gradient (injected through the loss) at an accumulation boundary: the optimizer step is skipped on a
+    plain fp32 ZeRO-0 engine (our guard: DeepSpeed has no check there) and under ZeRO-2 (DeepSpeed's own), the
+    weights, the optimizer state and the learning rate stay as they were, the rank counts one skipped step; the
+    next finite step applies."""
+    script = textwrap.dedent(f"""
+        import os, torch
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        from rlhf_ray.config.deepspeed import DeepSpeedSpec
+        from rlhf_ray.config.model import ModelSpec
+        from rlhf_ray.config.optim import OptimizerSpec
+        from rlhf_ray.learners.base import LearnerRank
+        from rlhf_ray.learners.engine import build_engine, init_process_group, listen
+        from rlhf_ray.models.loading import load_causal_lm
+
+        sock = listen("127.0.0.1")
+        init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 120)
+        spec = ModelSpec(path="{tiny_model}", dtype="fp32", disable_dropout=True)
+        optim = OptimizerSpec(lr=1e-3, warmup_steps=0)  # linear decay: a stepped schedule would lower the lr
+        for stage in (0, 2):
+            ds = DeepSpeedSpec(zero_stage=stage)
+            rank = LearnerRank(rank=0, world_size=1, model=spec.model_dump(), optim=optim.model_dump(),
+                               deepspeed=ds.model_dump(), micro_batch_size=2, seed=0)
+            rank.engine, rank.scheduler = build_engine(load_causal_lm(spec), spec, optim, ds, 2, 1, 10)
+            ids = torch.randint(3, rank.engine.module.config.vocab_size, (2, 12))
+            before = [p.detach().clone() for p in rank.engine.module.parameters()]
+            lr = rank.scheduler.get_last_lr()[0]
+            rank.engine.backward(rank.engine(input_ids=ids).logits.mean() * float("inf"))
+            rank.optimizer_step()
+            assert rank.step_counts == {{"applied": 0, "skipped": 1}}, (stage, rank.step_counts)
+            assert all(torch.equal(a, b) for a, b in zip(before, rank.engine.module.parameters())), stage
+            assert rank.scheduler.get_last_lr()[0] == lr and rank.step_info()["steps_skipped"] == 1
+            rank.engine.backward(rank.engine(input_ids=ids).logits.logsumexp(-1).mean())
+            rank.optimizer_step()
+            assert rank.step_counts == {{"applied": 1, "skipped": 1}}, (stage, rank.step_counts)
+            assert any(not torch.equal(a, b) for a, b in zip(before, rank.engine.module.parameters())), stage
+            assert all(torch.isfinite(p).all() for p in rank.engine.module.parameters())
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -254,7 +254,7 @@ class PPORun:
 
     def update(self) -> tuple[TrainingPlan | None, dict[str, float]]:
         """Take the oldest fresh experience from the buffer -> PPO epochs on policy and critic -> weights to the
-        engines (policy version + 1). Returns (the plan trained on, metrics); (None, {}) when the buffer held
+        engines (policy version + 1; unless every policy step was skipped for non-finite gradients). Returns (the plan trained on, metrics); (None, {}) when the buffer held
         nothing fresh enough (then put more)."""
         timer = [time.perf_counter()]
         ppo = self.job.ppo
@@ -270,7 +270,13 @@ class PPORun:
             metrics |= out[0]
             train_seconds = max([train_seconds] + [m[f"{group.role}/seconds"] for m in out])
         timer.append(time.perf_counter())
-        sync = self.sync_weights()
+        if metrics["policy/steps_applied"]:
+            sync = self.sync_weights()
+        else:  # every policy step was skipped (non-finite gradients): same weights, same version, nothing to send
+            log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the "
+                        "policy stays at version %d and no weights are sent", plan.meta.rollout + 1, self.version)
+            sync = {"bytes": 0.0, "gather_seconds": 0.0, "learner_gather_seconds": 0.0, "load_seconds": 0.0,
+                    "engine_load_seconds": 0.0}
         timer.append(time.perf_counter())
         return plan, metrics | plan.stats | {
             "time/train": timer[1] - timer[0], "time/sync": timer[2] - timer[1],

@@ -4,6 +4,7 @@ checkpoints and parameter gathers are collectives, and calling a subset of ranks
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -48,6 +49,8 @@ class LearnerRank(RendezvousHost):
         self.micro_batch_size = micro_batch_size
         self.engine = None
         self._grad_norm: float | None = None  # see optimizer_step
+        self.step_counts = {"applied": 0, "skipped": 0}
+        """Optimizer steps this rank applied and skipped (non-finite gradients) since it started."""
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
 
     # ---- setup -------------------------------------------------------------------------------------------
@@ -86,21 +89,33 @@ class LearnerRank(RendezvousHost):
         return tensor.tolist()
 
     def optimizer_step(self) -> None:
-        """`engine.step()` after a micro-batch's backward. DeepSpeed keeps no gradient norm for an fp32 ZeRO-0
-        engine (it clips and drops the norm), so at an accumulation boundary this notes it first: the gradients are
-        already averaged over ranks then, so every rank sees the global norm, before clipping."""
+        """`engine.step()` after a micro-batch's backward. At an accumulation boundary DeepSpeed skips the update
+        when a gradient is inf / nan (fp16 overflow, or any non-finite gradient under ZeRO 1-3 and bf16): the
+        weights, the optimizer state and the LR schedule stay as they were. A plain fp32 ZeRO-0 engine has no such
+        check (its optimizer is the torch one, and DeepSpeed keeps no gradient norm for it), so here the norm is
+        taken first (the gradients are averaged over ranks then: every rank sees the global norm) and a
+        non-finite one flags the optimizer to skip in the same way (`skip_flagged_steps`). Skips are counted
+        (`steps_skipped`) and logged."""
         e = self.engine
-        if (e.is_gradient_accumulation_boundary() and e.zero_optimization_stage() == 0
-                and not (e.fp16_enabled() or e.bfloat16_enabled())):
+        boundary = e.is_gradient_accumulation_boundary()
+        if boundary and e.zero_optimization_stage() == 0 and not (e.fp16_enabled() or e.bfloat16_enabled()):
             norms = [p.grad.detach().float().norm() for p in e.module.parameters() if p.grad is not None]
             self._grad_norm = torch.stack(norms).norm().item() if norms else 0.0
+            e.optimizer.overflow = not math.isfinite(self._grad_norm)
         e.step()
+        if boundary:
+            applied = bool(e.was_step_applied())
+            self.step_counts["applied" if applied else "skipped"] += 1
+            if not applied and self.rank == 0:
+                log.warning("%s: optimizer step %d skipped: a gradient is inf or nan (the weights did not change)",
+                            type(self).__name__, e.global_steps + e.skipped_steps)
 
     def step_info(self) -> dict:
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None:
             grad_norm = self._grad_norm
         return {"lr": self.scheduler.get_last_lr()[0], "applied": bool(self.engine.was_step_applied()),
+                "steps_skipped": float(self.step_counts["skipped"]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "peak_memory_gib": peak_memory_gib()}
 

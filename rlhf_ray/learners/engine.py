@@ -149,6 +149,19 @@ def apply_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:
     return model
 
 
+def skip_flagged_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Give a plain torch optimizer DeepSpeed's overflow protocol: while `optimizer.overflow` is set its step does
+    nothing, and the engine, which reads that attribute after stepping, then counts a skipped step and leaves the
+    LR schedule where it was (as its own fp16 / ZeRO optimizers do on a non-finite gradient)."""
+    optimizer.overflow = False
+    step = optimizer.step
+
+    def guarded(*args, **kwargs):
+        return None if optimizer.overflow else step(*args, **kwargs)
+
+    optimizer.step = guarded
+
+
 def build_engine(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, ds: DeepSpeedSpec,
                  micro_batch_size: int, world_size: int, total_steps: int):
     """DeepSpeed engine with our optimizer and LR schedule; returns (engine, scheduler)."""
@@ -163,6 +176,8 @@ def build_engine(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, 
     config = ds.to_ds_config(spec.dtype, micro_batch_size, world_size)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config,
                                       dist_init_required=False)
+    if engine.optimizer is optimizer:  # fp32 ZeRO-0: DeepSpeed drives our torch optimizer directly
+        skip_flagged_steps(optimizer)
     if world_size == 1 and ds.zero_stage == 0:
         # one rank has nothing to average: DeepSpeed would still copy every gradient into flat buckets, "all-reduce"
         # them over a group of one, divide by one and copy them back, after each accumulation boundary

@@ -96,7 +96,7 @@ class PolicyLearner(PPOLearnerRank):
                 "entropy": ent.sum().item(), **extra}
 
         metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
-        if self.ema_beta is not None:
+        if self.ema_beta is not None and metrics["steps_applied"]:  # unchanged weights: nothing to average in
             self.update_ema()
         return {f"policy/{k}": v for k, v in metrics.items()}
 

@@ -64,8 +64,10 @@ class PPOLearnerRank(LearnerRank):
         Gradients equal those of sum / (units of the global mini-batch: answer tokens, or answers for the sequence
         means), whatever the split over ranks and micro-batches; reported stats are token means per mini-batch
         (the loss: the aggregated mean), averaged over mini-batches. The mini-batches (rows of the
-        experience, epoch after epoch) come from the replay buffer's plan."""
+        experience, epoch after epoch) come from the replay buffer's plan. `steps_applied`: optimizer steps of
+        this call that changed the weights (0: every one was skipped for a non-finite gradient)."""
         started = time.perf_counter()
+        applied_before = self.step_counts["applied"]
         self.engine.train()
         totals: dict[str, float] = {}
         scale = self.world_size * self.engine.gradient_accumulation_steps()  # DeepSpeed divides by both
@@ -93,4 +95,5 @@ class PPOLearnerRank(LearnerRank):
                     totals[key] = totals.get(key, 0.0) + value
         reduced = self.all_reduce_sum(list(totals.values()))
         means = {k: v / max(len(plan.minibatches), 1) for k, v in zip(totals, reduced)}
-        return means | self.step_info() | {"seconds": time.perf_counter() - started}
+        return means | self.step_info() | {"seconds": time.perf_counter() - started,
+                                            "steps_applied": float(self.step_counts["applied"] - applied_before)}
