@@ -10,8 +10,9 @@ from rlhf_ray.config.base import FieldProblem, StrictModel
 
 
 class DeepSpeedSpec(StrictModel):
-    """ZeRO stage, offload and accumulation of a learner group. Its precision is the role's `model.dtype`
-    (one place to say it): fp16 gets dynamic loss scaling as in DeepSpeed-Chat, bf16 and fp32 need none."""
+    """ZeRO stage and its communication knobs, offload, accumulation and fp16 loss scaling of a learner group. Its
+    precision is the role's `model.dtype` (one place to say it): fp16 gets dynamic loss scaling as in
+    DeepSpeed-Chat, bf16 and fp32 need none."""
 
     zero_stage: Literal[0, 1, 2, 3] = 2
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
