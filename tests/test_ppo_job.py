@@ -145,8 +145,7 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
             for iteration in range(2):
                 rows = data.train[iteration * 32:(iteration + 1) * 32]
                 rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
-                run.put_experience(iteration, rollout, list(range(32)))
-                _, result = run.update()
+                result = run.step(iteration, rollout, list(range(32)))
                 assert run.pool.versions() == [iteration + 1] * len(run.pool.group)
                 state = {k: v.cpu() for k, v in run.policy.call("gathered_state_dict")[0].items()}
                 assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())

@@ -32,7 +32,7 @@ from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.diagnostics import Diagnostics
 from rlhf_ray.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
-from rlhf_ray.jobs.ppo_run import PPORun, sharded_roles
+from rlhf_ray.jobs.ppo_run import PPORun, merged_metrics, sharded_roles
 from rlhf_ray.jobs.rollout_feed import RolloutFeed
 from rlhf_ray.jobs.restarts import learner_deaths_explained, with_learner_restarts
 from rlhf_ray.jobs.threads import with_turn_threads
@@ -115,14 +115,10 @@ def accuracy_rule(job: PPOJob, rows: list[dict]):
 def iteration_metrics(scored: dict, trained: dict, wait: float, elapsed: float, engines: int) -> dict[str, float]:
     """One update's line: the metrics of the experience it trained on (`scored`, from when it was put in the
     buffer) and of the update itself (`trained`), with the iteration's timing."""
-    out = scored | trained
-    out.setdefault("kl/mean", out["policy/kl"])  # no old log-probs: the training forward's KL
-    if "policy/engine_logprob_gap" in out:
-        out.setdefault("generate/logprob_gap", out["policy/engine_logprob_gap"])
-        out.setdefault("generate/mismatch_kl", out["policy/engine_mismatch_kl"])
+    out = merged_metrics(scored, trained)
     compute = out["time/engine_generate"] + sum(out[f"compute/{part}_seconds"] for part in ("experience", "train",
                                                                                             "sync"))
-    busy = out.pop("engine_busy_seconds")
+    busy = out["time/engine_busy"]  # summed over engines
     return out | {"time/generate_wait": wait, "time/iteration": elapsed,
                   "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,
                   "generate/tokens_per_s": out["generate/tokens"] / max(out["time/engine_generate"], 1e-9),

@@ -43,6 +43,17 @@ def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
                 temperature=job.generation.sampling.temperature)
 
 
+def merged_metrics(scored: dict, trained: dict) -> dict[str, float]:
+    """One update's metrics: those of the experience it trained on (`scored`, from when it was put in the buffer)
+    and of the update itself (`trained`)."""
+    out = {k: v for k, v in scored.items() if k != "accepted"} | trained
+    out.setdefault("kl/mean", out["policy/kl"])  # no old log-probs: the training forward's KL
+    if "policy/engine_logprob_gap" in out:
+        out.setdefault("generate/logprob_gap", out["policy/engine_logprob_gap"])
+        out.setdefault("generate/mismatch_kl", out["policy/engine_mismatch_kl"])
+    return out
+
+
 class ResultsLost(RuntimeError):
     """An iteration's rollout or scores died with a node before its experience was assembled (the step changed
     nothing yet): generate and score it again."""
@@ -250,7 +261,7 @@ class PPORun:
         accepted = self.buffer.call("put", [experience], meta, self.version)[0]
         return metrics | {"time/experience": time.perf_counter() - began, "accepted": accepted,
                           "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
-                          "engine_busy_seconds": rollout["engine_busy_seconds"]}
+                          "time/engine_busy": rollout["engine_busy_seconds"]}
 
     def update(self) -> tuple[TrainingPlan | None, dict[str, float]]:
         """Take the oldest fresh experience from the buffer -> PPO epochs on policy and critic -> weights to the
@@ -287,6 +298,16 @@ class PPORun:
             "experience/staleness": plan.staleness, "actors/restarts": len(self.restarts.replaced),
             "actors/learner_restarts": self.learner_restarts,
         }
+
+    def step(self, index: int, rollout: dict, prompt_indices: list[int]) -> dict[str, float]:
+        """A sync-mode iteration on its own: put rollout `index`'s experience, then the update that takes it;
+        their metrics on one line (what a script driving PPORun by hand, or a test, wants)."""
+        scored = self.put_experience(index, rollout, prompt_indices)
+        plan, trained = self.update()
+        if plan is None or plan.meta.rollout != index:
+            raise RuntimeError(f"rollout {index} was not the one trained on: the buffer held older or staler "
+                               f"experience (use put_experience and update)")
+        return merged_metrics(scored, trained)
 
     def _form_weight_group(self) -> None:
         """Policy rank 0 and every engine join a fresh weight-sync group (again after an engine is replaced)."""
