@@ -40,11 +40,12 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
          "labels": torch.ones(2, 3, dtype=torch.long)} for _ in range(2)])
     rank = SimpleNamespace(engine=RecordingEngine(events), mix=mix, rank=0, world_size=1, micro_batch_size=2,
                            ptx_coef=0.5, all_reduce_sum=lambda values: values, optimizer_step=lambda: None,
-                           step_info=lambda: {}, loss_aggregation="token_mean")
+                           step_info=lambda: {}, loss_aggregation="token_mean",
+                           step_counts={"applied": 0, "skipped": 0})
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
     rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)
     rank.auxiliary_losses = lambda plan, step, n: PolicyLearner.auxiliary_losses(rank, plan, step, n)
-    plan = SimpleNamespace(minibatches=[[0, 1, 2, 3]], meta=SimpleNamespace(iteration=0))
+    plan = SimpleNamespace(minibatches=[[0, 1, 2, 3]], meta=SimpleNamespace(rollout=0))
     batch = {"sequences": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
              "action_mask": torch.ones(4, 2)}
 
