@@ -265,8 +265,8 @@ class PPORun:
 
     def update(self) -> tuple[TrainingPlan | None, dict[str, float]]:
         """Take the oldest fresh experience from the buffer -> PPO epochs on policy and critic -> weights to the
-        engines (policy version + 1; unless every policy step was skipped for non-finite gradients). Returns (the plan trained on, metrics); (None, {}) when the buffer held
-        nothing fresh enough (then put more)."""
+        engines (policy version + 1; unless every policy step was skipped for non-finite gradients). Returns
+        (the plan trained on, metrics); (None, {}) when the buffer held nothing fresh enough (then put more)."""
         timer = [time.perf_counter()]
         ppo = self.job.ppo
         (plan,) = self.buffer.call("take", self.version, self.job.train_batch_size, ppo.ppo_epochs, self.job.seed)
