@@ -58,12 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--format", choices=["json", "markdown"], default="json",
                         help="json: JSON schema; markdown: the field reference in docs/configuration.md")
 
-    for kind, what in (("sft", "supervised fine-tuning"), ("rm", "reward-model training"),
+    for kind, what in (("pretrain", "continued pretraining on mmap corpora"), ("sft", "supervised fine-tuning"), ("rm", "reward-model training"),
                        ("dpo", "direct preference optimisation"), ("ppo", "PPO (actor/learner service)"),
-                       ("pipeline", "SFT -> RM -> PPO, or SFT -> DPO")):
+                       ("pipeline", "(pretrain ->) SFT -> RM -> PPO, or SFT -> DPO")):
         job = sub.add_parser(kind, help=f"run {what}")
         _add_config_args(job, positional=False)
-        if kind in ("sft", "rm", "dpo"):
+        if kind in ("pretrain", "sft", "rm", "dpo"):
             job.add_argument("--stop-after", type=int, metavar="STEP",
                              help="checkpoint at this optimizer step and exit; run again to resume")
 
@@ -258,7 +258,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "validate": cmd_validate, "schema": cmd_schema, "sft": cmd_job, "rm": cmd_job, "dpo": cmd_job, "ppo": cmd_job,
+    "validate": cmd_validate, "schema": cmd_schema, "pretrain": cmd_job, "sft": cmd_job, "rm": cmd_job, "dpo": cmd_job, "ppo": cmd_job,
     "pipeline": cmd_job, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf, "quickstart": cmd_quickstart,
     "preprocess": cmd_preprocess,
     "compare": cmd_compare,

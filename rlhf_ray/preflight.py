@@ -89,7 +89,7 @@ def check_datasets(job: JobBase, files: bool = True) -> Iterator[tuple[Loc, str]
     from rlhf_ray.data.registry import load_raw, resolve_adapter
 
     data = getattr(job, "data", None)
-    for i, dataset in enumerate(data.datasets if data is not None else []):
+    for i, dataset in enumerate(getattr(data, "datasets", [])):
         loc: Loc = ("data", "datasets", str(i))
         try:
             resolve_adapter(dataset)
@@ -103,18 +103,42 @@ def check_datasets(job: JobBase, files: bool = True) -> Iterator[tuple[Loc, str]
 
 
 def check_corpora(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    """The mmap corpora a job trains on (a pretrain job's data.corpora, PPO's pretrain_data): both files there and
+    whole, not empty, and written with the model's tokenizer (see open_for_tokenizer)."""
     from rlhf_ray.data.errors import DataError
-    from rlhf_ray.data.mmap_corpus import MMapCorpus
+    from rlhf_ray.data.mmap_corpus import open_for_tokenizer
 
-    ppo = getattr(job, "ppo", None)
-    for i, prefix in enumerate(ppo.pretrain_data if ppo is not None else []):
+    data, ppo = getattr(job, "data", None), getattr(job, "ppo", None)
+    if ppo is not None:
+        corpora = [(("ppo", "pretrain_data", str(i)), prefix) for i, prefix in enumerate(ppo.pretrain_data)]
+        model = job.policy.model
+    elif hasattr(data, "corpora"):
+        corpora = [(("data", "corpora", str(i), "path"), c.path) for i, c in enumerate(data.corpora)]
+        model = job.model
+    else:
+        return
+    if not corpora:
+        return
+    size = _tokenizer_size(model)
+    for loc, prefix in corpora:
         try:
-            corpus = MMapCorpus(prefix)
+            open_for_tokenizer(prefix, size)
         except (OSError, DataError) as exc:
-            yield ("ppo", "pretrain_data", str(i)), f"{exc}; write the corpus with `rlhf-ray preprocess`"
-            continue
-        if len(corpus) == 0:
-            yield ("ppo", "pretrain_data", str(i)), f"corpus {prefix} has no samples"
+            yield loc, f"{exc}; write the corpus with `rlhf-ray preprocess`"
+
+
+def _tokenizer_size(spec: ModelSpec) -> int | None:
+    """len(tokenizer) of a model in a local folder; None when it is not there yet (a hub id, a GGUF file, a folder
+    an earlier stage writes) or does not load (check_model_folders reports that)."""
+    path = spec.tokenizer_path
+    if spec.gguf_file is not None or path is None or not (Path(path) / "tokenizer_config.json").is_file():
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return len(AutoTokenizer.from_pretrained(path, trust_remote_code=spec.trust_remote_code))
+    except Exception:  # noqa: BLE001 - reported by check_model_folders
+        return None
 
 
 # --- reward function --------------------------------------------------------------------------------------------

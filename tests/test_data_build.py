@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from rlhf_ray.config.data import DataSpec, DatasetSpec
 from rlhf_ray.data.build import build_phase_data
-from rlhf_ray.data.collate import collate_pairs, collate_prompts, collate_sft
+from rlhf_ray.data.collate import collate_pairs, collate_prompts, collate_lm
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.raw import RawSample
 from rlhf_ray.data.tokenized import IGNORE_INDEX, pack, tokenize_pairs, tokenize_prompts, tokenize_sft
@@ -78,7 +78,7 @@ def test_prompts_are_cut_from_the_left_and_left_padded(tok, conv):
 
 def test_sft_collation_pads_right_without_labels_and_packing_keeps_samples_whole(tok, conv):
     rows, _ = tokenize_sft([SAMPLE, RawSample(" Human: hi Assistant:", " yes")], tok, conv, max_seq_len=64)
-    batch = collate_sft(rows, tok.pad_token_id)
+    batch = collate_lm(rows, tok.pad_token_id)
     short = min(range(2), key=lambda i: len(rows[i]["input_ids"]))
     n = len(rows[short]["input_ids"])
     assert (batch["labels"][short, n:] == IGNORE_INDEX).all() and (batch["input_ids"][short, n:] == tok.pad_token_id).all()

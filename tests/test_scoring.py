@@ -73,7 +73,7 @@ def test_sft_loss_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_mo
     from types import SimpleNamespace
 
     from rlhf_ray.algorithms.losses import lm_loss_sum
-    from rlhf_ray.data.collate import collate_sft
+    from rlhf_ray.data.collate import collate_lm
     from rlhf_ray.learners.sft import SFTLearner
     from rlhf_ray.models.loading import load_causal_lm
     from rlhf_ray.config import ModelSpec
@@ -96,10 +96,10 @@ def test_sft_loss_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_mo
     rank = SimpleNamespace(engine=engine, pad_token_id=0)
     rows = [{"input_ids": [5, 6, 7, 8, 9, 10, 11], "labels": [-100, -100, -100, -100, 9, 10, 11]},
             {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, -100, 8, 9]}]
-    kept = SFTLearner._loss_sum(rank, rows)
+    kept = SFTLearner.lm_loss_sum(rank, collate_lm(rows, 0))
     assert seen == [(5, 5)]  # the earliest label is column 3, predicted by column 2: columns 2..6 are kept
 
-    batch = collate_sft(rows, 0)
+    batch = collate_lm(rows, 0)
     with torch.no_grad():
         full = lm_loss_sum(forward(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
                            batch["labels"])

@@ -20,6 +20,11 @@ def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                                              ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+def loss_tokens(labels: torch.Tensor) -> int:
+    """Tokens that carry a loss in `lm_loss_sum`: labels after the one-position shift, excluding -100."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
 def first_predicting_column(labels: torch.Tensor) -> int:
     """The first column whose logits predict a label (the column before the earliest label of any row): logits
     left of it carry no loss, so a model may skip the vocabulary projection there (SFT: the prompt)."""

@@ -6,19 +6,21 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.dpo import DPOReferenceSpec, DPOSpec
 from rlhf_ray.config.generation import GenerationSpec, HfEngineSpec, SamplingSpec, VllmSpec
 from rlhf_ray.config.jobs import (FINAL_MODEL_DIR, JOB_KINDS, DPOJob, InferenceRoleSpec, JobBase, LearnerRoleSpec,
-                                  PipelineJob, PPOJob, RewardRoleSpec, RMJob, SFTJob, TrainSpec)
+                                  PipelineJob, PPOJob, PretrainJob, RewardRoleSpec, RMJob, SFTJob,
+                                  TrainLoopSpec, TrainSpec)
 from rlhf_ray.config.loader import ConfigError, ConfigSource, job_schema, load_job, validate_job
 from rlhf_ray.config.model import LoraSpec, ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.config.placement import ClusterSpec, NodeShape, PlacementSpec
 from rlhf_ray.config.ppo import EmaSpec, PPOSpec
+from rlhf_ray.config.pretrain import CorpusSpec, PretrainDataSpec
 from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
 
 __all__ = [
     "FieldProblem", "StrictModel", "DataSpec", "DatasetSpec", "DeepSpeedSpec", "DPOJob", "DPOReferenceSpec", "DPOSpec",
     "GenerationSpec", "HfEngineSpec",
     "SamplingSpec", "VllmSpec", "FINAL_MODEL_DIR", "JOB_KINDS", "InferenceRoleSpec", "JobBase", "LearnerRoleSpec",
-    "PipelineJob", "PPOJob", "RewardRoleSpec", "RMJob", "SFTJob", "TrainSpec", "ConfigError", "ConfigSource",
+    "PipelineJob", "PPOJob", "PretrainJob", "TrainLoopSpec", "CorpusSpec", "PretrainDataSpec", "RewardRoleSpec", "RMJob", "SFTJob", "TrainSpec", "ConfigError", "ConfigSource",
     "job_schema", "load_job", "validate_job", "LoraSpec", "ModelSpec", "OptimizerSpec", "ClusterSpec", "NodeShape",
     "PlacementSpec", "EmaSpec", "PPOSpec", "CheckpointSpec", "LoggingSpec",
 ]

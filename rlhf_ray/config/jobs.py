@@ -14,6 +14,7 @@ from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
+from rlhf_ray.config.pretrain import PretrainDataSpec
 from rlhf_ray.config.ppo import CRITIC_FREE, PPOSpec
 from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
 
@@ -43,7 +44,7 @@ class JobBase(StrictModel):
     """What every job has: where it writes, its seed, its cluster, logging and checkpoints."""
 
     kind: str
-    """Job kind: sft, rm, dpo, ppo or pipeline. Picks which model validates the rest of the file."""
+    """Job kind: pretrain, sft, rm, dpo, ppo or pipeline. Picks which model validates the rest of the file."""
     output_dir: str = "outputs/run"
     """Everything the job writes: the final model in `model/`, checkpoints, logs, `summary.json`."""
     seed: int = 1234
@@ -71,11 +72,11 @@ class JobBase(StrictModel):
         return self
 
 
-class TrainSpec(StrictModel):
-    """The supervised training loop of an SFT or RM job."""
+class TrainLoopSpec(StrictModel):
+    """The training loop of a learner job: how long, how large a batch, how often to evaluate."""
 
     epochs: float = Field(1.0, gt=0)
-    """Passes over the training split (fractions allowed)."""
+    """Passes over the training split (fractions allowed); pretrain: over all corpora's training samples together."""
     max_steps: int | None = Field(None, ge=1)
     """Stop after this many optimizer steps (overrides epochs)."""
     micro_batch_size: int = Field(4, ge=1)
@@ -87,17 +88,22 @@ class TrainSpec(StrictModel):
     """Evaluate every N optimizer steps; 0: at the start and the end only."""
     eval_batch_size: int = Field(8, ge=1)
     """Samples per rank per evaluation forward pass."""
+
+
+class TrainSpec(TrainLoopSpec):
+    """The supervised training loop of an SFT, RM or DPO job."""
+
     train_on_prompt: bool = False
     """SFT: also compute the loss on prompt tokens (default: answer tokens only)."""
     packing: bool = False
     """SFT: pack several samples into one sequence."""
 
 
-class _SupervisedJob(JobBase):
+class _LearnerJob(JobBase):
+    """A job whose work is one DeepSpeed learner group: the model, its loop, optimizer, ZeRO settings, placement."""
+
     model: ModelSpec
-    """The model to train (base model for SFT; backbone of the reward model for RM)."""
-    data: DataSpec = Field(default_factory=DataSpec)
-    train: TrainSpec = Field(default_factory=TrainSpec)
+    train: TrainLoopSpec = Field(default_factory=TrainLoopSpec)
     optim: OptimizerSpec = Field(default_factory=OptimizerSpec)
     deepspeed: DeepSpeedSpec = Field(default_factory=DeepSpeedSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
@@ -112,7 +118,7 @@ class _SupervisedJob(JobBase):
         return t.global_batch_size or t.micro_batch_size * self.deepspeed.gradient_accumulation_steps * self.placement.replicas
 
     @model_validator(mode="after")
-    def _checks(self) -> "_SupervisedJob":
+    def _checks(self) -> "_LearnerJob":
         if not self.model.is_set:
             raise FieldProblem("model.path", "no model to train: set a hub id or a local HF directory")
         if self.train.global_batch_size is not None:
@@ -120,10 +126,40 @@ class _SupervisedJob(JobBase):
                                self.train.micro_batch_size, "deepspeed.gradient_accumulation_steps",
                                self.deepspeed.gradient_accumulation_steps, self.placement.replicas)
         if self.placement.colocate_with is not None:
-            raise FieldProblem("placement.colocate_with", "an SFT/RM job has a single role; nothing to colocate with")
+            raise FieldProblem("placement.colocate_with", f"a {self.kind} job has a single role; nothing to colocate "
+                                                          "with")
         if problem := self.deepspeed.precision_problem(self.model.dtype):
             raise FieldProblem(f"deepspeed.{problem[0]}", problem[1])
         return self
+
+
+class PretrainJob(_LearnerJob):
+    """Continued pretraining: the causal-LM loss on every token of mmap corpora (`rlhf-ray preprocess` output), mixed
+    by weight, with held-out perplexity per corpus; e.g. to adapt a model to a domain before SFT."""
+
+    kind: Literal["pretrain"] = "pretrain"
+    model: ModelSpec
+    """The model to continue training."""
+    data: PretrainDataSpec
+
+    @model_validator(mode="after")
+    def _every_corpus_in_every_batch(self) -> "PretrainJob":
+        from rlhf_ray.data.sampler import batch_counts
+
+        weights = [c.weight for c in self.data.corpora]
+        for i, count in enumerate(batch_counts(weights, self.global_batch_size)):
+            if count == 0:
+                raise FieldProblem(f"data.corpora.{i}.weight",
+                                   f"weight {weights[i]} of {sum(weights)} rounds to 0 of the {self.global_batch_size} "
+                                   "samples of a global batch: raise it, or the global batch size")
+        return self
+
+
+class _SupervisedJob(_LearnerJob):
+    model: ModelSpec
+    """The model to train (base model for SFT; backbone of the reward model for RM)."""
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
 
 
 class SFTJob(_SupervisedJob):
@@ -369,11 +405,15 @@ def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) ->
 
 
 class PipelineJob(JobBase):
-    """SFT -> RM -> PPO, or SFT -> DPO. Stage outputs default to `<output_dir>/{sft,rm,ppo,dpo}`; the reward model
-    starts from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
+    """SFT -> RM -> PPO, or SFT -> DPO, optionally after continued pretraining. Stage outputs default to
+    `<output_dir>/{pretrain,sft,rm,ppo,dpo}`; SFT starts from the pretrain stage's model when there is one, the reward
+    model from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
     and reward model from the RM, unless a path is given; DPO starts from the SFT model."""
 
     kind: Literal["pipeline"] = "pipeline"
+    pretrain: PretrainJob | None = None
+    """Optional stage 0, as in a pretrain config: continued pretraining on mmap corpora, whose model SFT starts from
+    (sft's `model.path` left unset takes it)."""
     sft: SFTJob
     """Stage 1, as in an sft config (`kind` and `output_dir` may be left out)."""
     rm: RMJob | None = None
@@ -400,7 +440,7 @@ class PipelineJob(JobBase):
         root = data.get("output_dir", cls.model_fields["output_dir"].default)
         shared = {k: data[k] for k in ("seed", "cluster", "logging") if k in data}
         stages = {}
-        for stage in ("sft", "rm", "ppo", "dpo"):
+        for stage in ("pretrain", "sft", "rm", "ppo", "dpo"):
             section = data.get(stage)
             if section is None and stage != "sft":
                 continue
@@ -410,6 +450,8 @@ class PipelineJob(JobBase):
             section.setdefault("kind", stage)
             section.setdefault("output_dir", f"{root}/{stage}")
             stages[stage] = section
+        if "pretrain" in stages:
+            _with_default(stages["sft"], ("model", "path"), f"{stages['pretrain']['output_dir']}/{FINAL_MODEL_DIR}")
         sft_model = f"{stages['sft']['output_dir']}/{FINAL_MODEL_DIR}"
         for stage in ("rm", "dpo"):
             if stage in stages:
@@ -428,8 +470,9 @@ class PipelineJob(JobBase):
         return (self.dpo or self.ppo or self.sft).placement_roles()  # sft alone: the route check then says why
 
     def stages(self) -> list[JobBase]:
-        return [self.sft, self.dpo] if self.dpo is not None else [self.sft, self.rm, self.ppo]
+        first = [self.pretrain] if self.pretrain is not None else []
+        return first + ([self.sft, self.dpo] if self.dpo is not None else [self.sft, self.rm, self.ppo])
 
 
-JOB_KINDS: dict[str, type[JobBase]] = {"sft": SFTJob, "rm": RMJob, "dpo": DPOJob, "ppo": PPOJob,
-                                       "pipeline": PipelineJob}
+JOB_KINDS: dict[str, type[JobBase]] = {"pretrain": PretrainJob, "sft": SFTJob, "rm": RMJob, "dpo": DPOJob,
+                                       "ppo": PPOJob, "pipeline": PipelineJob}

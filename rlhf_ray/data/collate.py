@@ -17,8 +17,9 @@ def _mask(rows: list[list[int]], left: bool = False) -> torch.Tensor:
     return _pad([[1] * len(r) for r in rows], 0, left)
 
 
-def collate_sft(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """input_ids / attention_mask / labels [B, L]; padding never carries a label."""
+def collate_lm(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """Rows of input_ids and labels (the language-model loss: SFT's answers, pretraining's every token) ->
+    input_ids / attention_mask / labels [B, L], padded on the right; padding never carries a label."""
     ids = [b["input_ids"] for b in batch]
     return {"input_ids": _pad(ids, pad_id), "attention_mask": _mask(ids),
             "labels": _pad([b["labels"] for b in batch], IGNORE_INDEX)}

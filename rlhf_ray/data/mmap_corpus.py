@@ -146,6 +146,33 @@ class MMapCorpus:
         return f"MMapCorpus({self.prefix!r}, samples={self._len}, tokens={self.num_tokens}, dtype={self.dtype.name})"
 
 
+SCAN_TOKENS = 1 << 26
+"""How many tokens of a corpus `open_for_tokenizer` checks for out-of-range ids (128 MiB of uint16: about a second)."""
+
+
+def open_for_tokenizer(prefix: str | os.PathLike, tokenizer_size: int | None) -> MMapCorpus:
+    """Open a corpus that a job will train on, refusing (DataError naming the file) a missing or half-written file,
+    an empty corpus, and, given the model's tokenizer size (len(tokenizer)), a corpus written with another
+    tokenizer: its token dtype is not the one `rlhf-ray preprocess` picks for this tokenizer, or one of its first
+    SCAN_TOKENS ids is out of the vocabulary (the model would index past its embedding)."""
+    corpus = MMapCorpus(prefix)
+    if len(corpus) == 0:
+        raise DataError("the corpus has no samples", where=str(corpus.idx_path))
+    if tokenizer_size is None:
+        return corpus
+    want = token_dtype(tokenizer_size)
+    if corpus.dtype != want:
+        raise DataError(f"token dtype {corpus.dtype.name}, but preprocess writes {want.name} for this model's "
+                        f"tokenizer ({tokenizer_size} entries): the corpus was written with another tokenizer; "
+                        f"write it again with `rlhf-ray preprocess --tokenizer <the model's folder>`",
+                        where=str(corpus.idx_path))
+    head = corpus._bin[:SCAN_TOKENS]
+    if head.size and (top := int(head.max())) >= tokenizer_size:
+        raise DataError(f"token id {top} is out of this model's vocabulary ({tokenizer_size} entries): the corpus "
+                        f"was written with another tokenizer", where=str(corpus.bin_path))
+    return corpus
+
+
 class CorpusWriter:
     """Streams samples into PREFIX.bin.tmp / PREFIX.idx.tmp and publishes them only on a clean close.
 

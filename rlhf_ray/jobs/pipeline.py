@@ -1,4 +1,4 @@
-"""SFT -> RM -> PPO (or SFT -> DPO), each stage's model feeding the next. A stage whose output is complete (its model and
+"""(pretrain ->) SFT -> RM -> PPO (or SFT -> DPO), each stage's model feeding the next. A stage whose output is complete (its model and
 summary.json exist) is not run again, so a pipeline interrupted in stage k resumes at stage k."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ NOT_IMPLEMENTED = "not implemented in this version"
 def stage_runners() -> dict[str, Callable[[JobBase], dict]]:
     from rlhf_ray.jobs.dpo import run_dpo
     from rlhf_ray.jobs.ppo import run_ppo
+    from rlhf_ray.jobs.pretrain import run_pretrain
     from rlhf_ray.jobs.supervised import run_supervised
 
-    return {"sft": run_supervised, "rm": run_supervised, "dpo": run_dpo, "ppo": run_ppo}
+    return {"pretrain": run_pretrain, "sft": run_supervised, "rm": run_supervised, "dpo": run_dpo, "ppo": run_ppo}
 
 
 def completed_summary(stage: JobBase) -> dict | None:

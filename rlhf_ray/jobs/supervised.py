@@ -20,7 +20,7 @@ from typing import Callable
 import ray
 from tqdm import tqdm
 
-from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob, _SupervisedJob
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR, RMJob, SFTJob, _LearnerJob, _SupervisedJob
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
@@ -37,7 +37,7 @@ from rlhf_ray.models.support import model_problems
 log = logging.getLogger(__name__)
 
 
-def total_steps(job: _SupervisedJob, num_samples: int) -> int:
+def total_steps(job: _LearnerJob, num_samples: int) -> int:
     per_epoch = steps_per_epoch(num_samples, job.global_batch_size)
     if per_epoch == 0:
         raise ValueError(f"{num_samples} training samples do not fill one global batch of {job.global_batch_size}; "
@@ -45,7 +45,7 @@ def total_steps(job: _SupervisedJob, num_samples: int) -> int:
     return job.train.max_steps or max(1, math.ceil(per_epoch * job.train.epochs))
 
 
-def learner_kwargs(job: _SupervisedJob, pad_token_id: int) -> dict:
+def learner_kwargs(job: _LearnerJob, pad_token_id: int) -> dict:
     kwargs = dict(model=job.model.model_dump(), optim=job.optim.model_dump(), deepspeed=job.deepspeed.model_dump(),
                   micro_batch_size=job.train.micro_batch_size, seed=job.seed, pad_token_id=pad_token_id,
                   global_batch_size=job.global_batch_size, eval_batch_size=job.train.eval_batch_size)
@@ -73,26 +73,11 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
     """Train, evaluate, export and summarise. With `stop_after`, checkpoint at that step and return early
     (for time-sliced or preemptible clusters): running the same job again resumes there."""
     phase, learner_cls = ("sft", SFTLearner) if isinstance(job, SFTJob) else ("rm", RewardLearner)
+    started = time.time()
     job, out, tokens, data, steps = prepared(job, phase, train_on_prompt=job.train.train_on_prompt,
                                              packing=job.train.packing)
-    checkpoints = Checkpoints(out, job.checkpoint.keep_last)
-    metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
-    started = time.time()
-
-    def attempt(groups: dict, plan, restarts: int) -> dict:
-        learners = None
-        try:
-            group_name, bundles = plan.role_slots("learner")
-            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
-                                           bundles, job.cluster, steps, **learner_kwargs(job, tokens.pad_id))
-            learners.call("set_data", ray.put(data.train), ray.put(data.eval))
-            with learner_deaths_explained(checkpoints, (f"{phase}-learner",)):
-                return train_steps(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
-        finally:
-            if learners is not None:
-                learners.kill()
-
-    result = placed_attempts(job, checkpoints, metrics, attempt)
+    result = run_learner_group(job, phase, learner_cls, steps, stop_after, learner_kwargs(job, tokens.pad_id),
+                               feed=lambda learners: learners.call("set_data", ray.put(data.train), ray.put(data.eval)))
     if "stopped_at_step" in result:
         return result
     summary = _summary(phase, result["first_eval"], result["last_eval"], steps, len(data.train),
@@ -101,7 +86,33 @@ def run_supervised(job: SFTJob | RMJob, stop_after: int | None = None) -> dict:
     return summary
 
 
-def train_steps(job: _SupervisedJob, phase: str, learners, checkpoints: Checkpoints, metrics: MetricsLogger,
+def run_learner_group(job: _LearnerJob, phase: str, learner_cls: type, steps: int, stop_after: int | None,
+                      learner_args: dict, feed: Callable | None = None) -> dict:
+    """One learner group on its placement trains the job's steps (train_steps), restarted from the newest checkpoint
+    when a rank dies (cluster.learner_restarts times). `feed(learners)` hands the ranks their data once they
+    started."""
+    out = Path(job.output_dir)
+    checkpoints = Checkpoints(out, job.checkpoint.keep_last)
+    metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
+
+    def attempt(groups: dict, plan, restarts: int) -> dict:
+        learners = None
+        try:
+            group_name, bundles = plan.role_slots("learner")
+            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
+                                           bundles, job.cluster, steps, **learner_args)
+            if feed is not None:
+                feed(learners)
+            with learner_deaths_explained(checkpoints, (f"{phase}-learner",)):
+                return train_steps(job, phase, learners, checkpoints, metrics, steps, stop_after, restarts, out)
+        finally:
+            if learners is not None:
+                learners.kill()
+
+    return placed_attempts(job, checkpoints, metrics, attempt)
+
+
+def train_steps(job: _LearnerJob, phase: str, learners, checkpoints: Checkpoints, metrics: MetricsLogger,
                 steps: int, stop_after: int | None, restarts: int, out: Path,
                 before_step: Callable[[int], None] | None = None) -> dict:
     """The steps from the newest checkpoint (or the start) to the end or `stop_after`; the first and last
@@ -119,7 +130,11 @@ def train_steps(job: _SupervisedJob, phase: str, learners, checkpoints: Checkpoi
     for step in bar:
         if before_step is not None:
             before_step(step)
+        began = time.perf_counter()
         result = learners.call("train_step", step)[0]
+        result["step_s"] = time.perf_counter() - began
+        if "input_tokens" in result:
+            result["tokens_per_s"] = result["input_tokens"] / result["step_s"]
         bar.set_postfix(loss=f"{result['loss']:.4f}")
         if (step + 1) % job.logging.log_every_steps == 0:
             metrics.log(step + 1, {**{f"train/{k}": v for k, v in result.items()},
@@ -142,7 +157,7 @@ def train_steps(job: _SupervisedJob, phase: str, learners, checkpoints: Checkpoi
     return {"first_eval": first_eval, "last_eval": last_eval}
 
 
-def _resume(job: _SupervisedJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:
+def _resume(job: _LearnerJob, checkpoints: Checkpoints, learners) -> tuple[int, dict | None]:
     latest = checkpoints.resumable(job.checkpoint.resume)
     if latest is None:
         return 0, None

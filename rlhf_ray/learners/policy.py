@@ -12,11 +12,10 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import logprob_gap, mismatch_kl
-from rlhf_ray.algorithms.losses import (LossAggregation, aggregated_sum, lm_loss_sum, policy_token_loss,
+from rlhf_ray.algorithms.losses import (LossAggregation, aggregated_sum, lm_loss_sum, loss_tokens, policy_token_loss,
                                        truncated_is_weights)
 from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.algorithms.rewards import kl_estimate
-from rlhf_ray.data.tokenized import IGNORE_INDEX
 from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
 from rlhf_ray.models.loading import load_causal_lm
@@ -110,7 +109,7 @@ class PolicyLearner(PPOLearnerRank):
         parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
         if len(parts) != micro_batches:
             raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")
-        (tokens,) = self.all_reduce_sum([sum(float((p["labels"][:, 1:] != IGNORE_INDEX).sum()) for p in parts)])
+        (tokens,) = self.all_reduce_sum([float(sum(loss_tokens(p["labels"]) for p in parts))])
 
         def mix_loss(part: dict) -> tuple[torch.Tensor, dict[str, float]]:
             part = {k: v.to(self.engine.device) for k, v in part.items()}

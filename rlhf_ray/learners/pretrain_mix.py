@@ -1,35 +1,45 @@
-"""The pretraining mix of PPO-ptx (InstructGPT's gamma term): every PPO mini-batch comes with a batch of plain
-text from mmap corpora, on which the policy also keeps its language-model loss, so RLHF does not unlearn it."""
+"""Plain text from mmap corpora for the language-model loss: the pretraining mix of PPO-ptx (InstructGPT's gamma term,
+next to every PPO mini-batch) and the whole of a continued-pretraining job."""
 
 from __future__ import annotations
 
-import torch
-
+from rlhf_ray.data.collate import collate_lm
+from rlhf_ray.data.heldout import HeldOutSplit
 from rlhf_ray.data.sampler import MixedCorpus, ProportionalSampler, shard
-from rlhf_ray.data.tokenized import IGNORE_INDEX
 
 
 class PretrainMix:
-    """Global batch k of the mix is a pure function of (seed, k), so a resumed run continues the same sequence."""
+    """Global batch k is a pure function of (seed, k): a resumed run continues the same sequence, and on another
+    number of ranks (same global batch) the same samples are trained on, only dealt out differently. With
+    `heldout` (fraction, max samples) a share of each corpus is kept out of every batch for evaluation."""
 
-    def __init__(self, prefixes: list[str], global_batch_size: int, seed: int, pad_token_id: int):
+    def __init__(self, prefixes: list[str], global_batch_size: int, seed: int, pad_token_id: int,
+                 weights: list[float] | None = None, heldout: tuple[float, int] | None = None,
+                 max_seq_len: int | None = None):
         self.corpus = MixedCorpus.open(prefixes)
-        self.sampler = ProportionalSampler(self.corpus.sizes, [1.0] * len(prefixes), global_batch_size, seed)
-        self.pad = pad_token_id
+        self.splits = [HeldOutSplit(n, *heldout) for n in self.corpus.sizes] if heldout else None
+        train_sizes = [s.num_train for s in self.splits] if self.splits else self.corpus.sizes
+        self.sampler = ProportionalSampler(train_sizes, weights or [1.0] * len(prefixes), global_batch_size, seed)
+        self.pad, self.max_seq_len = pad_token_id, max_seq_len
+
+    def _rows(self, keys: list[tuple[int, int]]) -> list[dict]:
+        """Rows for `collate_lm`: plain text, every token a label."""
+        ids = [a[: self.max_seq_len].astype("int64").tolist() for a in self.corpus.fetch(keys)]
+        return [{"input_ids": row, "labels": row} for row in ids]
+
+    def rank_rows(self, k: int, rank: int, world_size: int) -> list[dict]:
+        """This rank's contiguous share of global batch k."""
+        mine = shard(self.sampler.batch(k), rank, world_size)
+        if self.splits is not None:
+            mine = [(j, int(self.splits[j].train_indices([t])[0])) for j, t in mine]
+        return self._rows(mine)
 
     def micro_batches(self, k: int, rank: int, world_size: int, micro_batch_size: int) -> list[dict]:
-        """This rank's share of global batch k, padded on the right, in micro-batches."""
-        rows = [torch.as_tensor(a.astype("int64")) for a in self.corpus.fetch(shard(self.sampler.batch(k), rank,
-                                                                                    world_size))]
-        out = []
-        for start in range(0, len(rows), micro_batch_size):
-            part = rows[start: start + micro_batch_size]
-            width = max(len(r) for r in part)
-            ids = torch.full((len(part), width), self.pad, dtype=torch.long)
-            labels = torch.full_like(ids, IGNORE_INDEX)
-            mask = torch.zeros_like(ids)
-            for i, r in enumerate(part):
-                ids[i, : len(r)], labels[i, : len(r)], mask[i, : len(r)] = r, r, 1
-            out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
-        return out
+        """This rank's share of global batch k in micro-batches, right-padded, every real token a label."""
+        rows = self.rank_rows(k, rank, world_size)
+        return [collate_lm(rows[s: s + micro_batch_size], self.pad) for s in range(0, len(rows), micro_batch_size)]
+
+    def heldout_rows(self, corpus: int) -> list[dict]:
+        """One corpus' held-out samples (needs `heldout`)."""
+        return self._rows([(corpus, int(i)) for i in self.splits[corpus].heldout_indices()])
 

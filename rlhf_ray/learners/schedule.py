@@ -26,3 +26,11 @@ def micro_batches(num_samples: int, global_batch: int, micro: int, world_size: i
     accum = global_batch // (micro * world_size)
     return [order[base + (a * world_size + rank) * micro: base + (a * world_size + rank + 1) * micro].tolist()
             for a in range(accum)]
+
+
+def eval_share(num_rows: int, rank: int, world_size: int) -> tuple[list[int], int]:
+    """This rank's rows of an evaluation set (every world_size-th), and how many loss-free filler rows it adds so that
+    every rank runs the same number of forwards: under ZeRO-3 each forward gathers parameters from all ranks, and a
+    rank that stopped early would leave the others waiting."""
+    mine = list(range(rank, num_rows, world_size))
+    return mine, -(-num_rows // world_size) - len(mine)

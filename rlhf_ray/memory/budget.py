@@ -90,7 +90,7 @@ def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: di
 
 def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape] | None = None
                 ) -> dict[str, RoleMemory]:
-    """Per-replica bytes of every role of one job (SFT, RM, DPO or PPO). `derived`: shapes of model folders an
+    """Per-replica bytes of every role of one job (pretrain, SFT, RM, DPO or PPO). `derived`: shapes of model folders an
     earlier pipeline stage writes (the SFT output has the SFT input's shape)."""
     derived = derived or {}
     if job.kind == "dpo":  # chosen + rejected of each pair in one forward, every answer position scored
@@ -100,10 +100,10 @@ def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape
         return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq,
                                     job.placement.num_gpus > 0, False, derived),
                 "reference": _scorer("reference", reference, seq, seq, False, derived)}
-    if job.kind in ("sft", "rm"):
+    if job.kind in ("sft", "rm", "pretrain"):
         gpu = job.placement.num_gpus > 0
         micro = job.train.micro_batch_size * (2 if job.kind == "rm" else 1)  # chosen + rejected
-        seq = job.data.max_seq_len
+        seq = _corpus_seq_len(job.data) if job.kind == "pretrain" else job.data.max_seq_len
         return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq, gpu,
                                     job.kind == "rm", derived)}
     answer = job.generation.sampling.max_new_tokens
@@ -242,12 +242,25 @@ def _advice(roles: tuple[str, ...]) -> str:
     return "try " + "; ".join(tips)
 
 
+def _corpus_seq_len(data) -> int:
+    """The longest sample a pretrain job trains on: data.max_seq_len, else the longest sample of its corpora (read
+    from their indexes), else 512 (preprocess's default --max-len) while they are not written yet."""
+    from rlhf_ray.data.mmap_corpus import MMapCorpus
+
+    if data.max_seq_len is not None:
+        return data.max_seq_len
+    try:
+        return max(int(MMapCorpus(c.path).sizes.max(initial=1)) for c in data.corpora)
+    except (OSError, ValueError):
+        return 512
+
+
 def written_shapes(job, derived: dict[str, ModelShape]) -> dict[str, ModelShape]:
-    """The model folder an SFT / RM / DPO stage writes, with its shape (its input model's), for the stages after
+    """The model folder a pretrain / SFT / RM / DPO stage writes, with its shape (its input model's), for the stages after
     it."""
     from rlhf_ray.config.jobs import FINAL_MODEL_DIR
 
-    if job.kind not in ("sft", "rm", "dpo"):
+    if job.kind not in ("pretrain", "sft", "rm", "dpo"):
         return {}
     shape, _ = _shape(job.model, derived)
     return {f"{job.output_dir}/{FINAL_MODEL_DIR}": shape} if shape is not None else {}
