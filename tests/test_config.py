@@ -229,7 +229,7 @@ def test_deepspeed_config_translation():
 def test_schema_is_generated_from_the_models(tmp_path):
     schema = job_schema()
     kinds = {ref.split("/")[-1] for ref in schema["discriminator"]["mapping"].values()}
-    assert kinds == {"SFTJob", "RMJob", "DPOJob", "PPOJob", "PipelineJob"}
+    assert kinds == {"PretrainJob", "SFTJob", "RMJob", "DPOJob", "PPOJob", "PipelineJob"}
     ppo = schema["$defs"]["PPOSpec"]["properties"]
     assert ppo["kl_coef"]["default"] == 0.1 and "KL" in ppo["kl_coef"]["description"]
     assert schema["$defs"]["TrainSpec"]["additionalProperties"] is False

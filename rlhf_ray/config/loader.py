@@ -57,16 +57,21 @@ def parse_override(text: str) -> tuple[Loc, Any]:
 
 
 def apply_override(data: dict[str, Any], loc: Loc, value: Any, text: str) -> None:
-    node = data
-    for i, key in enumerate(loc[:-1]):
-        child = node.get(key)
-        if child is None:
-            child = node[key] = {}
-        if not isinstance(child, dict):
-            where = ".".join(loc[: i + 1])
-            raise ConfigError([f"--set {text}: {where} is a {type(child).__name__}, not a section"])
-        node = child
-    node[loc[-1]] = value
+    """Set data[loc] = value; a number indexes an existing list item (`data.corpora.1.weight=2`)."""
+    node: Any = data
+    for i, key in enumerate(loc):
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError([f"--set {text}: {'.'.join(loc[:i])} is a list of {len(node)} items; "
+                                   f"{key!r} is not one of its indices (0 to {len(node) - 1})"])
+            key = int(key)
+        elif not isinstance(node, dict):
+            raise ConfigError([f"--set {text}: {'.'.join(loc[:i])} is a {type(node).__name__}, not a section"])
+        if i == len(loc) - 1:
+            node[key] = value
+        elif isinstance(node, dict) and node.get(key) is None:
+            node[key] = {}
+        node = node[key]
 
 
 class ConfigSource:
