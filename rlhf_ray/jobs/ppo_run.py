@@ -28,6 +28,7 @@ from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.group import actor_env, rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.weight_transport import gpus_shared
 from rlhf_ray.plan import ResourcePlan
@@ -370,9 +371,9 @@ class PPORun:
     def restore(self, path: Path) -> dict:
         """Load the newest checkpoint and bring the engines to its policy version."""
         state = Checkpoints.state(path)
-        self.policy.call("load_checkpoint", str(path / "policy"))
+        load_group_checkpoint(self.policy, path / "policy", "policy")
         if self.critic is not None:
-            self.critic.call("load_checkpoint", str(path / "critic"))
+            load_group_checkpoint(self.critic, path / "critic", "critic")
         self.version = state["policy_version"]
         self.sync_weights(bump=False)
         return state

@@ -27,6 +27,7 @@ from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
 from rlhf_ray.learners.group import start_learner_group
+from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.learners.reward import RewardLearner
 from rlhf_ray.learners.schedule import steps_per_epoch
 from rlhf_ray.learners.sft import SFTLearner
@@ -162,7 +163,7 @@ def _resume(job: _LearnerJob, checkpoints: Checkpoints, learners) -> tuple[int, 
     if latest is None:
         return 0, None
     state = Checkpoints.state(latest)
-    learners.call("load_checkpoint", str(latest))
+    load_group_checkpoint(learners, latest, "learner")
     log.info("resumed from %s (step %d)", latest, state["step"])
     return state["step"], state.get("first_eval")
 

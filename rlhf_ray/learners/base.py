@@ -129,11 +129,18 @@ class LearnerRank(RendezvousHost):
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         torch.save(rng, path / f"rng_rank{self.rank}.pt")
 
-    def load_checkpoint(self, directory: str) -> dict:
+    def load_checkpoint(self, directory: str, tag: str = "state") -> dict:
+        """Load what save_checkpoint wrote. `tag` names the universal copy (learners/resharding.py) when another
+        number of ranks wrote it; each rank then restores the RNG state of the rank of its number, if there was one."""
         path = Path(directory)
-        _, client_state = self.engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
-                                                      load_lr_scheduler_states=True,
-                                                      load_module_strict=not self.model_spec.lora.enabled)
+        universal = tag != "state"
+        self.engine._config.load_universal_checkpoint = universal  # read by the engine and its ZeRO optimizer
+        try:
+            _, client_state = self.engine.load_checkpoint(str(path), tag=tag, load_optimizer_states=True,
+                                                          load_lr_scheduler_states=True,
+                                                          load_module_strict=not self.model_spec.lora.enabled)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)

@@ -132,8 +132,8 @@ class PolicyLearner(PPOLearnerRank):
         if self.ema is not None:
             torch.save(self.ema, Path(directory) / EMA_FILE)
 
-    def load_checkpoint(self, directory: str) -> dict:
-        state = super().load_checkpoint(directory)
+    def load_checkpoint(self, directory: str, tag: str = "state") -> dict:
+        state = super().load_checkpoint(directory, tag)
         if self.ema_beta is not None and self.rank == 0:
             self.ema = torch.load(Path(directory) / EMA_FILE)
         return state
