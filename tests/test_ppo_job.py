@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import math
 
 import pytest
@@ -185,12 +187,23 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
     straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
     job = ppo_job(tmp_path / "b", sft, rm, *common)
     assert run_ppo(job, stop_after=2)["stopped_at_iteration"] == 2
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
     resumed = run_ppo(job)
     assert resumed["reward_before"] == straight["reward_before"]  # carried over from the checkpoint
     a = load_file(str(tmp_path / "a" / "ppo" / "model" / "model.safetensors"))
     b = load_file(str(tmp_path / "b" / "ppo" / "model" / "model.safetensors"))
     for key in a:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-5, msg=key)
+    # the same checkpoint resumed by 2 policy and 2 critic ranks (ZeRO-2: converted to the universal format)
+    regrouped = ppo_job(tmp_path / "c", sft, rm, *common, "policy.micro_batch_size=8", "critic.micro_batch_size=8",
+                        "policy.placement.replicas=2", "critic.placement.replicas=2",
+                        "policy.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
+                        "reference.placement.num_cpus=0.125", "reward.placement.num_cpus=0.125")
+    run_ppo(regrouped)
+    assert (tmp_path / "c" / "ppo" / "checkpoints" / "step-00000002" / "policy" / "state_universal").is_dir()
+    c = load_file(str(tmp_path / "c" / "ppo" / "model" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(a[key], c[key], rtol=0, atol=1e-4, msg=key)
 
 
 def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tmp_path, stage_models):
