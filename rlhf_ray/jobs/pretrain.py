@@ -53,6 +53,7 @@ def run_pretrain(job: PretrainJob, stop_after: int | None = None) -> dict:
                            for c, k, s in zip(data.corpora, corpora, splits)},
                "eval_loss_first": first["eval_loss"], "eval_loss_last": last["eval_loss"],
                "eval_perplexity_first": first["eval_perplexity"], "eval_perplexity": last["eval_perplexity"],
-               **{k: v for k, v in last.items() if k.startswith("eval_perplexity/")}}
+               **{k: v for k, v in last.items() if k.startswith("eval_perplexity/")},
+               **{k.replace("/", "_first/"): v for k, v in first.items() if k.startswith("eval_perplexity/")}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
