@@ -10,30 +10,19 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 from rlhf_ray.config.jobs import PretrainJob
 from rlhf_ray.data.heldout import HeldOutSplit
 from rlhf_ray.data.mmap_corpus import open_for_tokenizer
-from rlhf_ray.data.tokens import TokenConventions
-from rlhf_ray.jobs.supervised import learner_kwargs, run_learner_group, total_steps
+from rlhf_ray.jobs.supervised import learner_kwargs, resolved, run_learner_group, total_steps
 from rlhf_ray.learners.pretrain import PretrainLearner
-from rlhf_ray.models.loading import load_tokenizer
-from rlhf_ray.models.sources import resolve_model_sources
-from rlhf_ray.models.support import model_problems
 
 
 def run_pretrain(job: PretrainJob, stop_after: int | None = None) -> dict:
     """Train, evaluate, export and summarise; `stop_after` checkpoints at that step and returns (run again to
     resume)."""
     started = time.time()
-    job = resolve_model_sources(job)
-    if problems := model_problems(job):
-        raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
-    out = Path(job.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer(job.model)
-    tokens = TokenConventions.from_tokenizer(tokenizer, job.model.path)
+    job, out, tokenizer, tokens = resolved(job)
     data = job.data
     corpora = [open_for_tokenizer(c.path, len(tokenizer)) for c in data.corpora]
     splits = [HeldOutSplit(len(c), data.heldout_fraction, data.heldout_max_samples) for c in corpora]

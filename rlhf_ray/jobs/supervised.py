@@ -55,16 +55,21 @@ def learner_kwargs(job: _LearnerJob, pad_token_id: int) -> dict:
     return kwargs
 
 
-def prepared(job: _SupervisedJob, phase: str, **data_options):
-    """Before Ray starts: the job with its model sources resolved and checked, its output folder, tokenizer, token
-    conventions, the tokenised `phase` data (bad data fails here) and the number of optimizer steps."""
+def resolved(job: _LearnerJob):
+    """Before Ray starts: the job with its model sources resolved and checked, its output folder (created), the
+    model's tokenizer and token conventions."""
     job = resolve_model_sources(job)
     if problems := model_problems(job):
         raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(job.model)
-    tokens = TokenConventions.from_tokenizer(tokenizer, job.model.path)
+    return job, out, tokenizer, TokenConventions.from_tokenizer(tokenizer, job.model.path)
+
+
+def prepared(job: _SupervisedJob, phase: str, **data_options):
+    """`resolved`, plus the tokenised `phase` data (bad data fails here) and the number of optimizer steps."""
+    job, out, tokenizer, tokens = resolved(job)
     data = build_phase_data(job.data, tokenizer, phase, job.seed, job.data.cache_dir or out / "data_cache",
                             tokens=tokens, **data_options)
     return job, out, tokens, data, total_steps(job, len(data.train))
