@@ -79,6 +79,34 @@ def test_gae_stops_at_the_end_of_each_answer():
     close(adv, [[0.8, 0.6, 0.0]])
 
 
+def test_gae_and_returns_skip_masked_spans_between_policy_tokens():
+    """Multi-turn masks: observation tokens (mask 0) between the policy's turns are context, not time steps. GAE and
+    reward-to-go over the interleaved row equal them over the policy tokens laid end to end, scattered back, with
+    0 on the observation tokens and the padding; the first turn sees the episode's final reward."""
+    torch.manual_seed(0)
+    mask = T([[1, 1, 0, 0, 0, 1, 1, 1, 0, 0],
+              [1, 0, 1, 0, 1, 1, 0, 1, 0, 0],
+              [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    rewards, values = torch.randn(3, 10), torch.randn(3, 10)
+    adv, ret = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    togo = discounted_returns(rewards, mask, gamma=0.9)
+    for row in range(3):
+        kept = mask[row].bool()
+        n = int(kept.sum())
+        compact = lambda x: x[row][kept].unsqueeze(0)  # noqa: E731
+        want_adv, want_ret = gae(compact(rewards), compact(values), torch.ones(1, n), gamma=0.9, lam=0.8)
+        close(adv[row][kept], want_adv[0], 1e-6)
+        close(ret[row][kept], want_ret[0], 1e-6)
+        close(togo[row][kept], discounted_returns(compact(rewards), torch.ones(1, n), gamma=0.9)[0], 1e-6)
+        assert (adv[row][~kept] == 0).all() and (ret[row][~kept] == 0).all() and (togo[row][~kept] == 0).all()
+    # a reward on the last policy token reaches the first turn through the observation span
+    final = torch.zeros(1, 10)
+    final[0, 7] = 1.0
+    close(discounted_returns(final, mask[:1], gamma=1.0), [[1, 1, 0, 0, 0, 1, 1, 1, 0, 0]])
+    adv, _ = gae(final, torch.zeros(1, 10), mask[:1], gamma=1.0, lam=1.0)
+    close(adv, [[1, 1, 0, 0, 0, 1, 1, 1, 0, 0]])
+
+
 def test_critic_free_estimators():
     scores = T([1.0, 0.0, 1.0, 1.0])  # two prompts, two samples each
     s = 1 / math.sqrt(2)  # group [1, 0]: mean 0.5, unbiased std sqrt(0.5)

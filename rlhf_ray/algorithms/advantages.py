@@ -9,28 +9,33 @@ from rlhf_ray.algorithms.masked import masked_whiten
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over answer tokens [B, A]. Rewards and values after an answer's end are
+    """Generalised advantage estimation over answer tokens [B, A]. Rewards and values of unmasked positions are
     zeroed first and the value after the last token is 0, so nothing leaks from padding into real tokens (the
-    bug DeepSpeed-Chat fixed in #620). Returns (advantages, returns = advantages + values), both masked."""
+    bug DeepSpeed-Chat fixed in #620). The recursion runs over the masked-in tokens only: a span masked out between
+    them (a multi-turn episode's observation tokens) is skipped, so a policy token's next state is the next policy
+    token, and the result equals GAE over the policy tokens laid end to end. Returns (advantages,
+    returns = advantages + values), both masked."""
     rewards, values = rewards * action_mask, values * action_mask
+    taken = action_mask.bool()
     advantages = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
+    next_value = torch.zeros_like(running)
     for t in reversed(range(rewards.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < rewards.shape[1] else torch.zeros_like(running)
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        running = delta + gamma * lam * running
-        running = running * action_mask[:, t]
+        running = torch.where(taken[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(taken[:, t], values[:, t], next_value)
         advantages[:, t] = running
     return advantages * action_mask, (advantages + values) * action_mask
 
 
 def discounted_returns(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Reward-to-go of each answer token (REINFORCE)."""
+    """Reward-to-go of each answer token (REINFORCE), over the masked-in tokens only (as `gae`)."""
     out = torch.zeros_like(rewards)
     running = torch.zeros_like(rewards[:, 0])
+    taken = action_mask.bool()
     for t in reversed(range(rewards.shape[1])):
-        running = (rewards[:, t] + gamma * running) * action_mask[:, t]
-        out[:, t] = running
+        running = torch.where(taken[:, t], rewards[:, t] * action_mask[:, t] + gamma * running, running)
+        out[:, t] = running * action_mask[:, t]
     return out
 
 
