@@ -64,6 +64,11 @@ def test_shaped_rewards_put_the_clipped_score_on_the_last_real_token():
     rewards = shaped_rewards(T([7.0]), logp, ref, MASK, 0.1, 5.0, ended=T([False]), eos_penalty=-1.0)
     close(rewards, [[-0.05, 4.1, 0.0]])
     assert last_action_index(T([[1, 1, 0], [1, 1, 1], [0, 0, 0]])).tolist() == [1, 2, 0]
+    assert last_action_index(T([[1, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0, 0]])).tolist() == [4, 1]  # multi-turn masks
+    # a multi-turn row: the score on the last token of the last turn, KL only on the policy's tokens
+    turns = T([[1.0, 0.0, 0.0, 1.0, 1.0, 0.0]])
+    shaped = shaped_rewards(T([2.0]), T([[0.5, 9.0, 9.0, 0.0, 0.25, 9.0]]), torch.zeros(1, 6), turns, 0.1, 5.0)
+    close(shaped, [[-0.05, 0.0, 0.0, 0.0, 2.0 - 0.025, 0.0]])
     empty = shaped_rewards(T([3.0]), logp, ref, T([[0.0, 0.0, 0.0]]), 0.1, 5.0)
     close(empty, [[0.0, 0.0, 0.0]])  # an empty answer gets nothing, not a score on padding
 

@@ -30,8 +30,12 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: KLEstimat
 
 
 def last_action_index(action_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each answer's last real token (its end-of-text when it has one) in [B, A] action space."""
-    return (action_mask.sum(-1) - 1).clamp(min=0).long()
+    """Index of each answer's last real token (its end-of-text when it has one) in [B, A] action space; with a
+    multi-turn mask (observation tokens 0 between the policy's turns) the last token of the last turn. 0 for a row
+    without any."""
+    taken = action_mask.ne(0)
+    last = action_mask.shape[-1] - 1 - taken.flip(-1).int().argmax(-1)
+    return torch.where(taken.any(-1), last, torch.zeros_like(last)).long()
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
