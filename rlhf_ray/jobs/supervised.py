@@ -141,7 +141,8 @@ def train_steps(job: _LearnerJob, phase: str, learners, checkpoints: Checkpoints
         result["step_s"] = time.perf_counter() - began
         if "input_tokens" in result:
             result["tokens_per_s"] = result["input_tokens"] / result["step_s"]
-        bar.set_postfix(loss=f"{result['loss']:.4f}")
+        bar.set_postfix(loss=f"{result['loss']:.4f}",
+                        **({"tok/s": f"{result['tokens_per_s']:.0f}"} if "tokens_per_s" in result else {}))
         if (step + 1) % job.logging.log_every_steps == 0:
             metrics.log(step + 1, {**{f"train/{k}": v for k, v in result.items()},
                                    "actors/learner_restarts": restarts})
