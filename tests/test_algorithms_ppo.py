@@ -112,6 +112,30 @@ def test_gae_and_returns_skip_masked_spans_between_policy_tokens():
     close(adv, [[1, 1, 0, 0, 0, 1, 1, 1, 0, 0]])
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"])
+def test_losses_over_an_interleaved_mask_equal_them_over_the_policy_tokens_alone(aggregation):
+    """Observation tokens of a multi-turn episode (mask 0, whatever their log-probs or values) change no loss: the
+    policy, value and KL terms equal those of the policy tokens laid end to end (padded at the end)."""
+    torch.manual_seed(1)
+    mask = T([[1, 1, 0, 0, 1, 0], [1, 0, 1, 1, 0, 0]])
+    logp, old, adv, ref = (torch.randn(2, 6) for _ in range(4))
+    values, old_values, returns = (torch.randn(2, 6) for _ in range(3))
+    compact_mask = T([[1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]])
+
+    def compact(x):
+        return torch.stack([torch.cat([row[m.bool()], torch.full((6 - int(m.sum()),), 99.0)])
+                            for row, m in zip(x, mask)])
+
+    loss, _ = policy_loss(logp, old, adv, mask, clip_ratio=0.2, aggregation=aggregation)
+    want, _ = policy_loss(compact(logp), compact(old), compact(adv), compact_mask, clip_ratio=0.2,
+                          aggregation=aggregation)
+    close(loss, want, 1e-6)
+    close(value_loss(values, old_values, returns, mask, 0.2),
+          value_loss(compact(values), compact(old_values), compact(returns), compact_mask, 0.2), 1e-6)
+    close(masked_mean(kl_estimate(logp, ref, "k3", mask), mask),
+          masked_mean(kl_estimate(compact(logp), compact(ref), "k3", compact_mask), compact_mask), 1e-6)
+
+
 def test_critic_free_estimators():
     scores = T([1.0, 0.0, 1.0, 1.0])  # two prompts, two samples each
     s = 1 / math.sqrt(2)  # group [1, 0]: mean 0.5, unbiased std sqrt(0.5)
@@ -230,6 +254,13 @@ def test_pack_rollouts_aligns_every_answer_at_the_same_column():
     assert unpack_rollouts(batch) == [([5, 6], [8]), ([7], [9, 10, 11])]
     assert unpack_rollouts(batch, 1, 2) == [([7], [9, 10, 11])]
     assert unpack_rollouts(pack_rollouts([[5]], [[]], pad_id=0)) == [([5], [])]
+    # a multi-turn episode: the observation tokens (12, 13) between the policy's turns are context, not actions
+    turns = pack_rollouts([[5, 6], [7]], [[8, 12, 13, 9], [9, 10]], pad_id=0, answer_masks=[[1, 0, 0, 1], None])
+    assert turns["action_mask"].tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
+    assert turns["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]  # all of it is attended to
+    assert unpack_rollouts(turns)[0] == ([5, 6], [8, 12, 13, 9])
+    with pytest.raises(ValueError, match="answer 0: its mask has 2 entries for 4 tokens"):
+        pack_rollouts([[5]], [[8, 12, 13, 9]], pad_id=0, answer_masks=[[1, 0]])
 
 
 def test_make_experience_grpo_kl_in_reward_or_in_loss():

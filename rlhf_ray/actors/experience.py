@@ -28,7 +28,8 @@ class ExperienceWorker:
     def batch(self, sample_refs: list) -> dict[str, torch.Tensor]:
         """Engine outputs (one list of samples per engine, in engine order) -> the padded rollout batch."""
         samples = [s for part in ray.get(sample_refs) for s in part]
-        batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad)
+        batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad,
+                              [s.get("answer_mask") for s in samples])
         batch["ended"] = torch.tensor([s["finished"] for s in samples])
         batch["columns"] = [s.get("columns", {}) for s in samples]  # dataset columns, for reward functions
         engine_logp = torch.zeros(batch["action_mask"].shape)

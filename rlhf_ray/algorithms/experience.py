@@ -10,9 +10,12 @@ from rlhf_ray.algorithms.rewards import kl_estimate, overlong_penalty, sequence_
 from rlhf_ray.config.ppo import PPOSpec
 
 
-def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: int,
+                  answer_masks: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
     """[left-padded prompt | right-padded answer]: every answer starts at column P, so answer tensors are
-    [B, A] slices of the same layout for policy, reference, critic and reward."""
+    [B, A] slices of the same layout for policy, reference, critic and reward. The action mask is 1 on every
+    answer token, or, for a multi-turn episode, its `answer_masks` row: 1 on the tokens the policy sampled, 0 on
+    the observation tokens between its turns (context that carries no log-prob, KL, value or advantage)."""
     width_p = max(len(p) for p in prompts)
     width_a = max(max(len(a) for a in answers), 1)
     seq = torch.full((len(prompts), width_p + width_a), pad_id, dtype=torch.long)
@@ -23,8 +26,13 @@ def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: in
         if a:
             seq[i, width_p: width_p + len(a)] = torch.tensor(a, dtype=torch.long)
             mask[i, width_p: width_p + len(a)] = 1
-    return {"sequences": seq, "attention_mask": mask, "action_mask": mask[:, width_p:].float(),
-            "prompt_width": torch.tensor(width_p)}
+    action_mask = mask[:, width_p:].float()
+    for i, row in enumerate(answer_masks or []):
+        if row is not None:
+            if len(row) != len(answers[i]):
+                raise ValueError(f"answer {i}: its mask has {len(row)} entries for {len(answers[i])} tokens")
+            action_mask[i, : len(row)] = torch.tensor(row, dtype=torch.float)
+    return {"sequences": seq, "attention_mask": mask, "action_mask": action_mask, "prompt_width": torch.tensor(width_p)}
 
 
 def unpack_rollouts(batch: dict[str, torch.Tensor], lo: int = 0, hi: int | None = None) -> list[tuple[list[int], list[int]]]:
