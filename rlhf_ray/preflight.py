@@ -36,7 +36,7 @@ def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
     produced = {_norm(Path(stage.output_dir) / FINAL_MODEL_DIR) for _, stage in stages(job)}
     problems: list[str] = []
     for prefix, stage in stages(job):
-        found = [*check_datasets(stage, files), *check_reward_function(stage)]
+        found = [*check_datasets(stage, files), *check_reward_function(stage), *check_environment(stage)]
         if files:
             found += [*check_output_dir(stage), *check_checkpoint(stage), *check_corpora(stage),
                       *check_model_folders(stage, produced)]
@@ -171,6 +171,29 @@ def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
                             "keyword arguments")
         except ValueError:
             pass  # a builtin without a signature: it will be called and judged then
+
+
+def check_environment(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    """`generation.environment.path` imports and names an Environment class its options can build."""
+    from rlhf_ray.compare import load_function
+    from rlhf_ray.envs.base import Environment
+
+    env = getattr(getattr(job, "generation", None), "environment", None)
+    if env is None:
+        return
+    loc = ("generation", "environment", "path")
+    try:
+        cls = load_function(env.path)
+    except Exception as exc:  # the module's own import may raise anything
+        yield loc, f"{exc}; check the spelling and that the module is importable from the job's working dir"
+        return
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        yield loc, f"{env.path} is not a subclass of rlhf_ray.envs.base.Environment"
+        return
+    try:
+        cls(**env.options)
+    except Exception as exc:  # noqa: BLE001 - whatever the constructor raises is the user's to see
+        yield ("generation", "environment", "options"), f"{env.path}(**options) raised {exc!r}"
 
 
 # --- models -----------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from rlhf_ray.actors.engine import build_engine
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.models.weight_buckets import unpack
 
 
@@ -21,25 +22,43 @@ class GenerationWorker:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank = rank
         self.spec = GenerationSpec.model_validate(generation)
-        self.engine = build_engine(ModelSpec.model_validate(model), self.spec, tokens, engine)
+        model_spec = ModelSpec.model_validate(model)
+        self.engine = build_engine(model_spec, self.spec, tokens, engine)
         self.version = 0
+        self.episodes = None
+        if self.spec.environment is not None:
+            from rlhf_ray.envs.episode import EpisodeRunner
+            from rlhf_ray.models.loading import load_tokenizer
 
-    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
-        """Samples of `prompts` (see GenerationEngine.generate), each tagged with this engine's policy version."""
-        samples = self.engine.generate(prompts, self.spec.sampling, seed, greedy)
+            self.episodes = EpisodeRunner(self.spec.environment, load_tokenizer(model_spec), tokens,
+                                          self.spec.sampling)
+
+    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
+                 columns: list[dict] | None = None) -> list[dict]:
+        """Samples of `prompts` (see GenerationEngine.generate), each tagged with this engine's policy version; with
+        an environment, one multi-turn episode per sample (envs/episode.py), its prompt the environment's first
+        messages and its statistics in `episode`."""
+        if self.episodes is not None:
+            samples = self.episodes.play(self.engine, prompts, columns, seed, greedy)
+        else:
+            samples = self.engine.generate(prompts, self.spec.sampling, seed, greedy)
         return [{**s, "version": self.version} for s in samples]
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
         """`generate`, but the samples stay in the object store: the caller gets a reference and a summary. Each
-        sample carries its prompt's dataset `columns` (for reward functions)."""
+        sample carries its prompt's dataset `columns` (for reward functions), and an episode's statistics."""
         import ray
 
         start = time.perf_counter()
-        samples = self.generate(prompts, seed)
-        if columns is not None:
-            samples = [{**s, "columns": columns[s["prompt_index"]]} for s in samples]
+        samples = self.generate(prompts, seed, columns=columns)
+        if columns is not None or self.episodes is not None:
+            samples = [{**s, "columns": {**(columns[s["prompt_index"]] if columns else {}), **s.get("episode", {})}}
+                       for s in samples]
+        episodes = [s["episode"] for s in samples if "episode" in s]
         return {"ref": ray.put(samples), "samples": len(samples), "version": self.version,
-                "tokens": sum(len(s["answer_ids"]) for s in samples), "seconds": time.perf_counter() - start}
+                "tokens": sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
+                "seconds": time.perf_counter() - start,
+                "episodes": {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS} if episodes else {}}
 
     def load_weights(self, bucket_refs: list, version: int) -> dict:
         """Fetch the buckets one by one from the object store and load them in place; then this engine serves

@@ -18,6 +18,7 @@ from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_g
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.learners.group import threads
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ def with_model_len(job) -> "GenerationSpec":
     spec = job.generation
     if spec.vllm.max_model_len is not None:
         return spec
-    limit = max(16, job.data.max_prompt_len + spec.sampling.max_new_tokens)
+    limit = max(16, job.data.max_prompt_len + spec.max_answer_tokens)
     return spec.model_copy(update={"vllm": spec.vllm.model_copy(update={"max_model_len": limit})})
 
 
@@ -77,9 +78,13 @@ class GenerationPool:
             refs = [getattr(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
         return resilient_gather(self.group, method, per_rank_args, refs, self.budget, lambda rank: self.on_replaced(rank))
 
-    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
-        """All samples, in prompt order, brought to the caller (evaluation; training uses `submit`)."""
+    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
+                 columns: list[dict] | None = None) -> list[dict]:
+        """All samples, in prompt order, brought to the caller (evaluation; training uses `submit`). `columns`
+        (one dict per prompt) reach the engines' environments, when there are any."""
         bounds, args = self._shards(prompts, seed, greedy)
+        if columns is not None:
+            args = [(*a, columns[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
         merged = []
         for i, rows in enumerate(self._call("generate", args)):
             merged += [{**row, "prompt_index": row["prompt_index"] + bounds[i]} for row in rows]
@@ -103,7 +108,9 @@ class GenerationPool:
         return {"refs": [p["ref"] for p in parts], "version": min(p["version"] for p in parts),
                 "samples": sum(p["samples"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
                 "engine_seconds": max(p["seconds"] for p in parts),
-                "engine_busy_seconds": sum(p["seconds"] for p in parts), "restarts": len(self.budget.replaced)}
+                "engine_busy_seconds": sum(p["seconds"] for p in parts), "restarts": len(self.budget.replaced),
+                "episodes": {k: sum(p["episodes"][k] for p in parts if p.get("episodes"))
+                             for k in EPISODE_COLUMNS if any(p.get("episodes") for p in parts)}}
 
     def broadcast(self, bucket_refs: list, version: int) -> dict[str, float]:
         """Every engine loads the same buckets (object refs; the driver never holds the tensors)."""

@@ -87,6 +87,27 @@ class WeightSyncSpec(StrictModel):
     only_optimize_lora true). Both are measured in docs/benchmarks.md, "LoRA in PPO"."""
 
 
+class EnvironmentSpec(StrictModel):
+    """Multi-turn rollouts: each sample is an episode with an environment (rlhf_ray/envs/base.py). The engine
+    continues from the exact token ids of the episode so far; the environment's observations are appended as a
+    chat-template message and masked out of the loss. The episode's reward is the environment's: use
+    `reward.function: rlhf_ray.envs.episode:episode_reward`."""
+
+    path: str = Field(pattern=r"^[\w.]+:\w+$")
+    """Import path of the environment class, `package.module:Class` (e.g. rlhf_ray.envs.calculator:CalculatorEnv)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the class."""
+    max_turns: int = Field(4, ge=1)
+    """Policy turns per episode at most."""
+    max_episode_tokens: int = Field(512, ge=8)
+    """Tokens of an episode after its prompt (every turn and observation) at most; an observation that would pass
+    it ends the episode. Each turn samples at most sampling.max_new_tokens."""
+    step_timeout_s: float = Field(10.0, gt=0)
+    """Seconds an environment's `step` may take; a slower (or failing) one ends its episode, reward 0 for it."""
+    observation_role: str = "tool"
+    """The chat-template role of observation messages ("tool"; "user" for templates without a tool role)."""
+
+
 class GenerationSpec(StrictModel):
     """The generation pool: `placement.replicas` engines, each holding a full copy of the policy."""
 
@@ -101,6 +122,13 @@ class GenerationSpec(StrictModel):
     vllm: VllmSpec = Field(default_factory=VllmSpec)
     hf: HfEngineSpec = Field(default_factory=HfEngineSpec)
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    environment: EnvironmentSpec | None = None
+    """Multi-turn episodes with an environment instead of one answer per sample."""
+
+    @property
+    def max_answer_tokens(self) -> int:
+        """Tokens after the prompt at most: one answer, or an episode's turns and observations."""
+        return self.environment.max_episode_tokens if self.environment else self.sampling.max_new_tokens
 
     @model_validator(mode="after")
     def _tensor_parallel_matches_gpus(self) -> "GenerationSpec":

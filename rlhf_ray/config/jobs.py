@@ -300,7 +300,20 @@ class PPOJob(JobBase):
         self._fill_model_defaults()
         self._check_roles()
         self._check_batches()
+        self._check_environment()
         return self
+
+    def _check_environment(self) -> None:
+        env, sampling = self.generation.environment, self.generation.sampling
+        if env is None:
+            return
+        if env.max_episode_tokens < sampling.max_new_tokens:
+            raise FieldProblem("generation.environment.max_episode_tokens",
+                               f"an episode of at most {env.max_episode_tokens} tokens cannot hold one turn of "
+                               f"generation.sampling.max_new_tokens ({sampling.max_new_tokens}); raise it")
+        if self.ppo.overlong_buffer is not None:
+            raise FieldProblem("ppo.overlong_buffer", "the overlong penalty counts an answer's tokens, but with an "
+                                                      "environment an answer is a whole episode: remove it")
 
     def _fill_model_defaults(self) -> None:
         """Reference starts from the policy and the critic from the reward model (DeepSpeed-Chat step 3)."""

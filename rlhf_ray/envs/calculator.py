@@ -54,7 +54,7 @@ class CalculatorEnv(Environment):
 
     def reset(self, sample: dict) -> list[dict[str, str]]:
         self.calls, self.truth = 0, Fraction(str(sample["answer"]))
-        question = re.sub(r"^\s*Human:\s*|\s*Assistant:\s*$", "", sample["prompt"])
+        question = sample["prompt"].strip().removeprefix("Human:").removesuffix("Assistant:").strip()
         return [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}]
 
     def step(self, answer: str) -> Step:

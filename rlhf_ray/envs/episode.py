@@ -15,17 +15,21 @@ from rlhf_ray.envs.render import ObservationRenderer
 
 log = logging.getLogger(__name__)
 
+EPISODE_COLUMNS = ("episode_reward", "turns", "tool_calls", "valid_calls")
+"""What an episode adds to its sample's columns (for reward functions) and the engines sum for the metrics."""
+
 Generate = Callable[[list[list[int]]], list[dict[str, Any]]]
 """An engine's generate call: prompts as token ids -> per prompt {"answer_ids", "logprobs", "finished"}."""
 
 
 def run_episodes(generate: Generate, envs: list[Environment], prompt_ids: list[list[int]], tokenizer,
                  renderer: ObservationRenderer, max_turns: int, max_answer_tokens: int,
-                 step_timeout_s: float = 10.0) -> list[dict[str, Any]]:
+                 step_timeout_s: float = 10.0, turn_tokens: int = 0) -> list[dict[str, Any]]:
     """Play one episode per environment, all turns of all episodes batched into one generate call per turn. An
     episode ends when its environment says done or gives no observation, after `max_turns` policy turns, when a turn
-    is cut off (no stop token), when the next observation would pass `max_answer_tokens`, or when a `step` raises or
-    takes longer than `step_timeout_s` (reward 0 for that step, logged naming the environment)."""
+    is cut off (no stop token), when the next observation and a next turn of up to `turn_tokens` would pass
+    `max_answer_tokens`, or when a `step` raises or takes longer than `step_timeout_s` (reward 0 for that step,
+    logged naming the environment)."""
     episodes = [{"prompt_ids": list(p), "answer_ids": [], "answer_mask": [], "logprobs": [], "reward": 0.0,
                  "turns": 0, "tool_calls": 0, "valid_calls": 0, "finished": False, "done": False}
                 for p in prompt_ids]
@@ -60,7 +64,7 @@ def run_episodes(generate: Generate, envs: list[Environment], prompt_ids: list[l
                     e["done"] = True
                     continue
                 observation = list(renderer.ids(step.observation))
-                if len(e["answer_ids"]) + len(observation) >= max_answer_tokens:
+                if len(e["answer_ids"]) + len(observation) + turn_tokens > max_answer_tokens:
                     e["done"] = True
                     continue
                 e["answer_ids"] += observation
@@ -82,3 +86,66 @@ def _result(future: concurrent.futures.Future, env: Environment, wait_s: float, 
     except Exception as exc:  # noqa: BLE001 - a task's own bug ends its episode, not the run
         log.warning("%s.step raised %r: the episode ends with no reward for that turn", type(env).__name__, exc)
     return Step(done=True)
+
+
+def episode_reward(prompts: list[str], answers: list[str], episode_reward: list[float], **_) -> list[float]:
+    """The reward function of multi-turn runs (`reward.function: rlhf_ray.envs.episode:episode_reward`): each
+    episode's reward as its environment gave it (the generation engines put it in the sample's columns)."""
+    return [float(r) for r in episode_reward]
+
+
+def episode_metrics(rollout: dict) -> dict[str, float]:
+    """A rollout's episode statistics (summed by the engines) as means: turns and tool calls per episode, the share
+    of tool calls that were well formed (nan without calls), the mean episode reward. Empty without episodes."""
+    totals = rollout.get("episodes") or {}
+    if not totals:
+        return {}
+    n = max(rollout["samples"], 1)
+    calls = totals["tool_calls"]
+    return {"env/turns_per_episode": totals["turns"] / n, "env/tool_calls_per_episode": calls / n,
+            "env/tool_call_validity": totals["valid_calls"] / calls if calls else float("nan"),
+            "env/episode_reward": totals["episode_reward"] / n}
+
+
+class EpisodeRunner:
+    """Runs in a generation engine's actor: builds one environment per sample, renders its first messages into the
+    prompt, and plays the episodes on the engine (n samples of a prompt are n episodes)."""
+
+    def __init__(self, spec, tokenizer, tokens, sampling):
+        from rlhf_ray.compare import load_function
+
+        self.spec, self.tokenizer, self.tokens = spec, tokenizer, tokens
+        self.env_class = load_function(spec.path)
+        self.renderer = ObservationRenderer(tokenizer, spec.observation_role)
+        self.renderer.ids("probe")  # a template without this role fails here, when the engine starts
+        self.sampling = sampling
+
+    def play(self, engine, prompts: list[list[int]], columns: list[dict] | None, seed: int,
+             greedy: bool = False) -> list[dict[str, Any]]:
+        from rlhf_ray.data.split import stable_seed
+
+        n = 1 if greedy else self.sampling.n_samples_per_prompt
+        one = self.sampling.model_copy(update={"n_samples_per_prompt": 1})
+        expanded = [i for i in range(len(prompts)) for _ in range(n)]
+        envs = [self.env_class(**self.spec.options) for _ in expanded]
+        starts = []
+        for env, i in zip(envs, expanded):
+            sample = {"prompt": self.tokenizer.decode(prompts[i], skip_special_tokens=True),
+                      **(columns[i] if columns else {})}
+            text = self.tokenizer.apply_chat_template(env.reset(sample), tokenize=False, add_generation_prompt=True)
+            starts.append(self.tokens.encode_prompt(self.tokenizer, text))
+        turns = iter(range(self.spec.max_turns))
+
+        def generate(batch: list[list[int]]) -> list[dict[str, Any]]:
+            return engine.generate(batch, one, stable_seed(seed, "turn", next(turns)), greedy)
+
+        episodes = run_episodes(generate, envs, starts, self.tokenizer, self.renderer, self.spec.max_turns,
+                                self.spec.max_episode_tokens, self.spec.step_timeout_s, one.max_new_tokens)
+        out = []
+        for i, e in zip(expanded, episodes):
+            stats = {"episode_reward": e["reward"], "turns": e["turns"], "tool_calls": e["tool_calls"],
+                     "valid_calls": e["valid_calls"]}
+            out.append({"prompt_index": i, "prompt_ids": e["prompt_ids"], "answer_ids": e["answer_ids"],
+                        "answer_mask": e["answer_mask"], "logprobs": e["logprobs"], "finished": e["finished"],
+                        "episode": stats})
+        return out

@@ -24,6 +24,7 @@ from rlhf_ray import cluster
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
 from rlhf_ray.actors.http_reward import HttpReward
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
+from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.compare import load_function
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
@@ -66,7 +67,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
                             tokens=tokens)
     eval_rows = data.eval[: job.ppo.eval_prompts]
     if job.reward.function:  # a function that needs a column the data lacks fails here, before Ray starts
-        column_arguments(load_function(job.reward.function), [r["columns"] for r in data.train[:1]])
+        episode = dict.fromkeys(EPISODE_COLUMNS, 0) if job.generation.environment else {}  # the engines add these
+        column_arguments(load_function(job.reward.function), [{**r["columns"], **episode} for r in data.train[:1]])
     if job.reward.http:  # a server that is down or speaks another protocol fails here, before Ray starts
         HttpReward(job.reward.http).check()
     rule = accuracy_rule(job, eval_rows[:1])

@@ -25,6 +25,7 @@ from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.envs.episode import episode_metrics
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.group import actor_env, rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
@@ -260,9 +261,10 @@ class PPORun:
         meta = {"version": rollout["version"], "samples": self.experience_rows, "rollout": index,
                 "prompt_indices": prompt_indices}
         accepted = self.buffer.call("put", [experience], meta, self.version)[0]
-        return metrics | {"time/experience": time.perf_counter() - began, "accepted": accepted,
-                          "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
-                          "time/engine_busy": rollout["engine_busy_seconds"]}
+        return metrics | episode_metrics(rollout) | {
+            "time/experience": time.perf_counter() - began, "accepted": accepted,
+            "time/engine_generate": rollout["engine_seconds"], "generate/tokens": rollout["tokens"],
+            "time/engine_busy": rollout["engine_busy_seconds"]}
 
     def update(self) -> tuple[TrainingPlan | None, dict[str, float]]:
         """Take the oldest fresh experience from the buffer -> PPO epochs on policy and critic -> weights to the
@@ -386,12 +388,12 @@ class PPORun:
         driver, which decodes them for the rule.) No prompts: nothing to report."""
         if not rows:
             return {}
-        prompt_ids = [r["prompt_ids"] for r in rows]
+        prompt_ids, columns = [r["prompt_ids"] for r in rows], [r.get("columns", {}) for r in rows]
         with self._reward_model_on_every_core():
-            out = self._score_answers(self.pool.generate(prompt_ids, seed=0, greedy=True), rows, rule)
+            out = self._score_answers(self.pool.generate(prompt_ids, seed=0, greedy=True, columns=columns), rows, rule)
             if samples:
                 rounds = -(-samples // self.job.generation.sampling.n_samples_per_prompt)
-                sampled = self.pool.generate(prompt_ids * rounds, seed=1)
+                sampled = self.pool.generate(prompt_ids * rounds, seed=1, columns=columns * rounds)
                 out |= {f"sampled_{k}": v for k, v in self._score_answers(sampled, rows, rule).items()}
         return out
 
@@ -412,9 +414,10 @@ class PPORun:
 
     def _score_answers(self, samples: list[dict], rows: list[dict], rule) -> dict[str, float]:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
-                              self.tokens.pad_id)
+                              self.tokens.pad_id, [s.get("answer_mask") for s in samples])
         batch["ended"] = torch.tensor([s["finished"] for s in samples])
-        batch["columns"] = [rows[s["prompt_index"] % len(rows)].get("columns", {}) for s in samples]
+        batch["columns"] = [{**rows[s["prompt_index"] % len(rows)].get("columns", {}), **s.get("episode", {})}
+                            for s in samples]
         parts = self._split_gather(self.reward, "score",
                                    self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
         out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}

@@ -106,7 +106,7 @@ def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape
         seq = _corpus_seq_len(job.data) if job.kind == "pretrain" else job.data.max_seq_len
         return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq, gpu,
                                     job.kind == "rm", derived)}
-    answer = job.generation.sampling.max_new_tokens
+    answer = job.generation.max_answer_tokens
     seq = job.data.max_prompt_len + answer
     policy = job.policy
     out = {"policy": _learner("policy", policy.model, policy.deepspeed, policy.placement.replicas,
