@@ -190,8 +190,7 @@ def _train(job, run, data, eval_rows, rule, metrics, checkpoints, stop_after, st
     summary = {"iterations": job.ppo.iterations, "seconds": round(time.time() - started, 2),
                "reward_before": before.get("reward"), "reward_after": after.get("reward"),
                "eval_prompts": len(eval_rows)}
-    for key in ("task_accuracy", "sampled_reward", "sampled_task_accuracy"):
-        if key in before:
-            summary.update({f"{key}_before": before[key], f"{key}_after": after[key]})
+    for key in sorted(before.keys() - {"reward"}):  # task accuracy, sampled_*, and the episodes' turns and tool calls
+        summary.update({f"{key}_before": before[key], f"{key}_after": after[key]})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -25,7 +25,7 @@ from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
-from rlhf_ray.envs.episode import episode_metrics
+from rlhf_ray.envs.episode import EPISODE_COLUMNS, episode_metrics
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.group import actor_env, rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
@@ -421,6 +421,12 @@ class PPORun:
         parts = self._split_gather(self.reward, "score",
                                    self._split_submit(self.reward, "score", ray.put(batch), len(samples)))
         out = {"reward": torch.cat(ray.get([p["ref"] for p in parts])).float().mean().item()}
+        episodes = [s["episode"] for s in samples if "episode" in s]
+        if episodes:  # multi-turn: how the episodes went (tool-call validity: nan when no tool was called)
+            totals = {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS}
+            out.update({k.removeprefix("env/"): v for k, v in
+                        episode_metrics({"episodes": totals, "samples": len(episodes)}).items()
+                        if k != "env/episode_reward"})
         if rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
             prompts = [rows[s["prompt_index"] % len(rows)]["prompt"] for s in samples]
