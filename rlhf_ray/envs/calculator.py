@@ -13,8 +13,8 @@ from rlhf_ray.data.answers import last_number
 from rlhf_ray.envs.base import Environment, Step
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
-INSTRUCTION = ("You have a calculator: write <calc>expression</calc> (numbers, + - * / and parentheses) and stop, "
-               "and its result comes back. When you know the result, end with: The answer is N.")
+INSTRUCTION = ("Use the calculator for the arithmetic: reply with only <calc>EXPRESSION</calc>, for example "
+               "<calc>12 + 7</calc>, and you will get the result. Then end with: The answer is N.")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 MAX_EXPRESSION = 64
 
