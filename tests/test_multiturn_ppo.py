@@ -16,7 +16,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.system
 
 
-@pytest.mark.parametrize("engine,mode", [("hf", "sync"), ("hf", "async"), ("vllm", "sync")])
+@pytest.mark.parametrize("engine,mode", [("hf", "async"), ("vllm", "sync")])
 def test_multiturn_grpo_plays_episodes_and_trains_on_them(tmp_path, sft_model, engine, mode):
     job = load_job(ROOT / "configs/quickstart/ppo.yaml", [
         f"policy.model.path={sft_model}", f"output_dir={tmp_path}", "cluster.dashboard=false",
