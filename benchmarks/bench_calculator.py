@@ -58,7 +58,8 @@ def render(result: dict, args) -> str:
     s, curves = result["summary"], result["curves"]
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'vllm', 'transformers')}. Date: {today()}.", "",
-             f"Command: `python benchmarks/bench_calculator.py --iterations {args.iterations} --write docs/benchmarks.md` "
+             f"Command: `python benchmarks/bench_calculator.py --iterations {args.iterations} --eval-prompts "
+             f"{args.eval_prompts} --write docs/benchmarks.md` "
              f"(the recipe `configs/recipes/smollm2-calculator-grpo.yaml`, {args.iterations} iterations of 8 prompts x "
              f"4 episodes, up to 3 turns each; {s.get('eval_prompts')} held-out prompts). One run.", "",
              "| held-out | greedy before | greedy after | sampled before | sampled after |", "|---|---|---|---|---|"]
