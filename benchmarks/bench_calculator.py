@@ -1,11 +1,13 @@
 """Multi-turn GRPO with a calculator tool: does SmolLM2-135M-Instruct learn to call the tool well and answer right?
 
-Runs configs/recipes/smollm2-calculator-grpo.yaml (demo/word-problems, the calculator environment, episode reward)
-for `--iterations` iterations and reports the held-out numbers the job measures before and after training: tool
-calls per episode, tool-call validity (well-formed calls / calls), turns per episode and task accuracy (the last
-number of the episode against the ground truth), greedy and sampled; and the per-rollout training curves.
+Runs configs/recipes/smollm2-calculator.yaml: SFT on worked tool-use conversations of the training problems
+(demo/word-problems-calculator, `--sft-steps` steps), then GRPO with the calculator environment for `--iterations`
+iterations, and reports the held-out numbers the PPO stage measures before (= after SFT) and after GRPO: tool calls
+per episode, tool-call validity (well-formed calls / calls), turns per episode and task accuracy (the last number of
+the episode against the ground truth), greedy and sampled; the base model's, from the run without SFT
+(benchmarks/results/calculator_no_warm_start.json, same held-out prompts); and the per-rollout training curves.
 
-Run: python benchmarks/bench_calculator.py [--iterations 12] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_calculator.py [--iterations 12] [--sft-steps 20] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -20,30 +22,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, pyplot, run_job, save_figure, today, versions, write_section  # noqa: E402
 
 SECTION = "## Multi-turn GRPO with a calculator tool (SmolLM2-135M-Instruct)"
-RECIPE = ROOT / "configs/recipes/smollm2-calculator-grpo.yaml"
+RECIPE = ROOT / "configs/recipes/smollm2-calculator.yaml"
+BASE = ROOT / "benchmarks/results/calculator_no_warm_start.json"
 KEYS = ("task_accuracy", "tool_calls_per_episode", "tool_call_validity", "turns_per_episode")
+CURVE_KEYS = ("step", "env/episode_reward", "env/tool_calls_per_episode", "env/tool_call_validity",
+              "env/turns_per_episode", "time/iteration")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=12)
-    parser.add_argument("--eval-prompts", type=int, default=100)
+    parser.add_argument("--sft-steps", type=int, default=20)
+    parser.add_argument("--eval-prompts", type=int, default=40, help="40: the prompts the base model's run used")
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run"
-        summary, rows = run_job("ppo", RECIPE, [f"output_dir={out}", f"ppo.iterations={args.iterations}",
-                                                f"ppo.eval_prompts={args.eval_prompts}", "checkpoint.every_steps=0"],
-                                timeout=3 * 3600)
-    curves = [r for r in rows if "env/episode_reward" in r]
-    result = {"summary": summary, "curves": [{k: r.get(k) for k in ("step", "env/episode_reward",
-                                                                    "env/tool_calls_per_episode",
-                                                                    "env/tool_call_validity",
-                                                                    "env/turns_per_episode", "time/iteration")}
-                                              for r in curves]}
+        summary, _ = run_job("pipeline", RECIPE, [
+            f"output_dir={out}", f"sft.train.max_steps={args.sft_steps}", f"ppo.ppo.iterations={args.iterations}",
+            f"ppo.ppo.eval_prompts={args.eval_prompts}", "ppo.checkpoint.every_steps=0"], timeout=3 * 3600)
+        rows = [json.loads(line) for line in (out / "ppo/metrics.jsonl").read_text().splitlines()]
+    curves = [{k: r.get(k) for k in CURVE_KEYS} for r in rows if "env/episode_reward" in r]
+    result = {"sft": summary["sft"], "summary": summary["ppo"], "curves": curves}
     (ROOT / "benchmarks/results").mkdir(exist_ok=True)
     (ROOT / "benchmarks/results/calculator.json").write_text(json.dumps(result, indent=2))
-    text = render(result, args)
+    base = json.loads(BASE.read_text())["summary"] if BASE.is_file() else {}
+    text = render(result, base, args)
     print(text)
     if args.write:
         write_section(args.write, SECTION, text)
@@ -54,19 +58,25 @@ def fmt(value) -> str:
     return "n/a" if value is None or value != value else f"{value:.3f}"
 
 
-def render(result: dict, args) -> str:
-    s, curves = result["summary"], result["curves"]
+def render(result: dict, base: dict, args) -> str:
+    s, curves, sft = result["summary"], result["curves"], result["sft"]
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'vllm', 'transformers')}. Date: {today()}.", "",
-             f"Command: `python benchmarks/bench_calculator.py --iterations {args.iterations} --eval-prompts "
-             f"{args.eval_prompts} --write docs/benchmarks.md` "
-             f"(the recipe `configs/recipes/smollm2-calculator-grpo.yaml`, {args.iterations} iterations of 8 prompts x "
-             f"4 episodes, up to 3 turns each; {s.get('eval_prompts')} held-out prompts). One run.", "",
-             "| held-out | greedy before | greedy after | sampled before | sampled after |", "|---|---|---|---|---|"]
-    for key in KEYS:
-        lines.append(f"| {key.replace('_', ' ')} | {fmt(s.get(f'{key}_before'))} | {fmt(s.get(f'{key}_after'))} | "
-                     f"{fmt(s.get(f'sampled_{key}_before'))} | {fmt(s.get(f'sampled_{key}_after'))} |")
-    lines += ["", "Training rollouts (episode reward = share of episodes answered right):", "",
+             f"Command: `python benchmarks/bench_calculator.py --iterations {args.iterations} --sft-steps "
+             f"{args.sft_steps} --eval-prompts {args.eval_prompts} --write docs/benchmarks.md` (the pipeline "
+             f"`configs/recipes/smollm2-calculator.yaml`: SFT {args.sft_steps} steps of 8 worked tool-use "
+             f"conversations, then GRPO {args.iterations} iterations of 8 prompts x 4 episodes, up to 3 turns each; "
+             f"{s.get('eval_prompts')} held-out prompts, never trained on by either stage). One run. Base model: "
+             f"the held-out numbers of the earlier run without SFT (`{BASE.relative_to(ROOT)}`, same prompts).", "",
+             f"SFT: held-out loss {fmt(sft.get('eval_loss_first'))} -> {fmt(sft.get('eval_loss_last'))}; "
+             f"{fmt(sft.get('seconds'))} s. GRPO: {fmt(s.get('seconds'))} s.", "",
+             "| held-out | base model | after SFT | after SFT + GRPO |", "|---|---|---|---|"]
+    for prefix, how in (("", "greedy"), ("sampled_", "sampled")):
+        for key in KEYS:
+            k = f"{prefix}{key}"
+            lines.append(f"| {key.replace('_', ' ')} ({how}) | {fmt(base.get(f'{k}_before'))} | "
+                         f"{fmt(s.get(f'{k}_before'))} | {fmt(s.get(f'{k}_after'))} |")
+    lines += ["", "GRPO training rollouts (episode reward = share of episodes answered right):", "",
               "| iteration | episode reward | tool calls / episode | tool-call validity | turns / episode |",
               "|---|---|---|---|---|"]
     for r in curves:
@@ -76,9 +86,10 @@ def render(result: dict, args) -> str:
     if plt is not None and curves:
         fig, ax = plt.subplots(figsize=(6, 3.2))
         steps = [r["step"] for r in curves]
-        for key, label in (("env/episode_reward", "episode reward"), ("env/tool_calls_per_episode", "tool calls")):
+        for key, label in (("env/episode_reward", "episode reward"), ("env/tool_calls_per_episode", "tool calls"),
+                           ("env/tool_call_validity", "tool-call validity")):
             ax.plot(steps, [r[key] for r in curves], marker="o", label=label)
-        ax.set_xlabel("iteration")
+        ax.set_xlabel("GRPO iteration")
         ax.legend()
         lines += ["", save_figure(fig, ROOT / "docs/benchmarks.md", "calculator_grpo.png")]
     return "\n".join(lines) + "\n"

@@ -77,7 +77,8 @@ def run_job(kind: str, config: Path, overrides: list[str], env: dict[str, str] |
     proc = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-4000:]}")
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    log = out / "metrics.jsonl"  # a pipeline writes one per stage, in the stage's folder
+    metrics = [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
     return json.loads((out / "summary.json").read_text()), metrics
 
 

@@ -11,9 +11,9 @@ CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 ONE_GPU = {  # the headers' placements for one GPU
     "smollm2-grpo.yaml": ["policy.placement.num_gpus=0.5", "generation.placement.num_gpus=0.4",
                           "reference.placement.num_gpus=0.1", "generation.vllm.gpu_memory_utilization=0.3"],
-    "smollm2-calculator-grpo.yaml": ["policy.placement.num_gpus=0.5", "generation.placement.num_gpus=0.4",
-                                     "reference.placement.num_gpus=0.1",
-                                     "generation.vllm.gpu_memory_utilization=0.3"],
+    "smollm2-calculator.yaml": ["sft.placement.num_gpus=1", "ppo.policy.placement.num_gpus=0.5",
+                                "ppo.generation.placement.num_gpus=0.4", "ppo.reference.placement.num_gpus=0.1",
+                                "ppo.generation.vllm.gpu_memory_utilization=0.3"],
     "smollm2-ppo.yaml": ["policy.placement.num_gpus=0.35", "critic.placement.num_gpus=0.2",
                          "generation.placement.num_gpus=0.35", "reference.placement.num_gpus=0.1",
                          "generation.vllm.gpu_memory_utilization=0.3"],

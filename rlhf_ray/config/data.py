@@ -44,6 +44,11 @@ class DatasetFormatSpec(StrictModel):
     string using `{prompt}`, e.g. "### Question: {prompt}\\n### Answer:"."""
     answer_template: str | None = None
     """Format string using `{answer}` for dschat and custom templates; default " {answer}" (leading space)."""
+    messages_field: str | None = None
+    """Field holding a whole conversation, a list of {role, content} messages (the OpenAI / TRL chat format), instead
+    of prompt and answer fields: SFT trains on every assistant message, the other messages (system, user, tool) are
+    context; PPO takes the conversation before the first assistant message as its prompt. Rendered with the
+    tokenizer's chat template, so `template` must be `chat_template` or left out."""
     columns: dict[str, str] = Field(default_factory=dict)
     """Further fields carried with each prompt to reward functions, as keyword arguments: {keyword: field path},
     e.g. `{answer: solution.final}` gives a function `answer=[...]` (one value per answer scored). A missing field
@@ -70,6 +75,11 @@ class DatasetFormatSpec(StrictModel):
         if self.answer_template is not None and self.template in ("raw", "chat_template"):
             raise FieldProblem("answer_template", f"template {self.template!r} uses the answers as they are; "
                                                   "drop answer_template or use dschat / a format string")
+        if self.messages_field is not None:
+            if "template" in self.model_fields_set and self.template != "chat_template":
+                raise FieldProblem("template", "a messages_field conversation is rendered with the chat template: "
+                                               "set template: chat_template or leave it out")
+            self.template = "chat_template"
         return self
 
 

@@ -418,7 +418,8 @@ def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) ->
 
 
 class PipelineJob(JobBase):
-    """SFT -> RM -> PPO, or SFT -> DPO, optionally after continued pretraining. Stage outputs default to
+    """SFT -> RM -> PPO, SFT -> PPO with a reward function or server (no reward model to train), or SFT -> DPO,
+    optionally after continued pretraining. Stage outputs default to
     `<output_dir>/{pretrain,sft,rm,ppo,dpo}`; SFT starts from the pretrain stage's model when there is one, the reward
     model from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
     and reward model from the RM, unless a path is given; DPO starts from the SFT model."""
@@ -430,7 +431,8 @@ class PipelineJob(JobBase):
     sft: SFTJob
     """Stage 1, as in an sft config (`kind` and `output_dir` may be left out)."""
     rm: RMJob | None = None
-    """Stage 2, as in an rm config; `model.path` left unset takes the SFT output."""
+    """Stage 2, as in an rm config; `model.path` left unset takes the SFT output. Leave it out when PPO's reward is a
+    function or a server."""
     ppo: PPOJob | None = None
     """Stage 3, as in a ppo config; model paths left unset take the SFT / RM outputs."""
     dpo: DPOJob | None = None
@@ -440,9 +442,9 @@ class PipelineJob(JobBase):
     def _one_route(self) -> "PipelineJob":
         if self.dpo is not None and (self.rm is not None or self.ppo is not None):
             raise FieldProblem("dpo", "a pipeline runs either rm and ppo after sft, or dpo: remove one route")
-        if self.dpo is None and (self.rm is None or self.ppo is None):
-            missing = " and ".join(s for s in ("rm", "ppo") if getattr(self, s) is None)
-            raise FieldProblem(missing.split()[0], f"no {missing} stage: give rm and ppo sections, or a dpo one")
+        if self.dpo is None and self.ppo is None:
+            raise FieldProblem("ppo", "no stage after sft: give a ppo section (with an rm section when its reward is "
+                                      "a reward model), or a dpo one")
         return self
 
     @model_validator(mode="before")
@@ -470,9 +472,11 @@ class PipelineJob(JobBase):
             if stage in stages:
                 _with_default(stages[stage], ("model", "path"), sft_model)
         if "ppo" in stages:
-            rm_model = f"{stages.get('rm', {}).get('output_dir', f'{root}/rm')}/{FINAL_MODEL_DIR}"
             _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
-            if not (isinstance(stages["ppo"].get("reward"), dict) and stages["ppo"]["reward"].get("function")):
+        if "ppo" in stages and "rm" in stages:  # without an rm stage the reward is a function or a server
+            rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
+            reward = stages["ppo"].get("reward")
+            if not (isinstance(reward, dict) and (reward.get("function") or reward.get("http"))):
                 _with_default(stages["ppo"], ("reward", "model", "path"), rm_model)
             if isinstance(stages["ppo"].get("critic"), dict):
                 _with_default(stages["ppo"], ("critic", "model", "path"), rm_model)
@@ -484,7 +488,8 @@ class PipelineJob(JobBase):
 
     def stages(self) -> list[JobBase]:
         first = [self.pretrain] if self.pretrain is not None else []
-        return first + ([self.sft, self.dpo] if self.dpo is not None else [self.sft, self.rm, self.ppo])
+        later = [self.dpo] if self.dpo is not None else [self.rm, self.ppo]
+        return first + [self.sft] + [stage for stage in later if stage is not None]
 
 
 JOB_KINDS: dict[str, type[JobBase]] = {"pretrain": PretrainJob, "sft": SFTJob, "rm": RMJob, "dpo": DPOJob,

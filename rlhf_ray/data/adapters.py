@@ -272,8 +272,9 @@ class FormatAdapter(Adapter):
     def __init__(self, name: str, spec: DatasetFormatSpec):
         self.name = name  # type: ignore[misc]  # one instance per configured dataset
         self.spec = spec
-        self.fields = tuple(f for f in (spec.prompt_field, spec.chosen_field, spec.rejected_field) if f) + tuple(
-            spec.columns.values())
+        named = (spec.messages_field,) if spec.messages_field else (spec.prompt_field, spec.chosen_field,
+                                                                       spec.rejected_field)
+        self.fields = tuple(f for f in named if f) + tuple(spec.columns.values())
         if spec.template == "dschat":
             self._prompt, self._answer = " Human: {prompt} Assistant:", spec.answer_template or " {answer}"
         elif spec.template in ("raw", "chat_template"):
@@ -286,12 +287,31 @@ class FormatAdapter(Adapter):
         return None if text is None else self._answer.format(answer=text)
 
     def convert(self, row: Mapping[str, Any]) -> RawSample | Skip:
+        columns = {name: field(row, path, kind=(str, int, float, bool)) for name, path in self.spec.columns.items()}
+        if self.spec.messages_field:
+            return RawSample("", columns=columns, messages=read_messages(row, self.spec.messages_field))
         prompt = field(row, self.spec.prompt_field, nullable=True)
         if prompt is None:
             return Skip("null prompt")
-        columns = {name: field(row, path, kind=(str, int, float, bool)) for name, path in self.spec.columns.items()}
         return RawSample(self._prompt.format(prompt=prompt), self._wrap_answer(row, self.spec.chosen_field),
                          self._wrap_answer(row, self.spec.rejected_field), columns)
+
+
+def read_messages(row: Mapping[str, Any], path: str) -> tuple[dict[str, str], ...]:
+    """A conversation field: a non-empty list of {role, content} records with string values (FieldError naming the
+    first bad item, e.g. `messages.2.content`)."""
+    items = field(row, path, kind=list)
+    if not items:
+        raise FieldError(path, "is an empty conversation")
+    messages = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise FieldError(f"{path}.{i}", f"is {type(item).__name__}, expected a {{role, content}} record")
+        try:
+            messages.append({key: field(item, key) for key in ("role", "content")})
+        except FieldError as exc:
+            raise FieldError(f"{path}.{i}.{exc.field}", exc.problem) from None
+    return tuple(messages)
 
 
 class ChatTokenizer(Protocol):
@@ -318,10 +338,15 @@ def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSampl
     The prompt becomes the rendered conversation (DeepSpeed-Chat turns split into messages) plus the generation
     prompt; each answer becomes what the template puts after that (the reply and the template's own end-of-turn
     marker), so prompt + answer is exactly the rendered conversation. The tokenising step places the tokenizer's
-    BOS only where the template did not already write it, and appends no second end-of-turn."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')} has no chat template; set "
-                         f"chat_template: false for this dataset (or give the tokenizer a template)")
+    BOS only where the template did not already write it, and appends no second end-of-turn. A `messages` sample
+    keeps its conversation (SFT renders it turn by turn, `conversation_pieces`); its prompt becomes the
+    conversation before the first assistant message."""
+    _need_template(tokenizer)
+    if sample.messages is not None:
+        first = next((i for i, m in enumerate(sample.messages) if m["role"] == "assistant"), len(sample.messages))
+        prompt = tokenizer.apply_chat_template(list(sample.messages[:first]), tokenize=False,
+                                               add_generation_prompt=True)
+        return RawSample(prompt, columns=sample.columns, messages=sample.messages)
     user = dschat_messages(sample.prompt)
     prompt = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
 
@@ -333,6 +358,39 @@ def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSampl
         return full[len(prompt):] if full.startswith(prompt) else text
 
     return RawSample(prompt, reply(sample.chosen), reply(sample.rejected), sample.columns)
+
+
+def conversation_pieces(messages: tuple[dict[str, str], ...], tokenizer: ChatTokenizer) -> list[tuple[str, bool]]:
+    """A conversation as the chat template renders it, cut into (text, trained) pieces: each assistant message's
+    reply (what the template writes for it, its end-of-turn included) is trained; everything between (system,
+    user and tool messages, the assistant headers) is context. This is the layout of a multi-turn rollout: the
+    policy's turns, then each observation rendered after them. ValueError when the conversation has no assistant
+    message or the template does not render each turn as a continuation of the text before it."""
+    _need_template(tokenizer)
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise ValueError("the conversation starts with an assistant message; give the messages it answers first")
+        head = tokenizer.apply_chat_template(list(messages[:i]), tokenize=False, add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(list(messages[: i + 1]), tokenize=False)
+        if not head.startswith(done) or not full.startswith(head):
+            raise ValueError(f"the chat template of {getattr(tokenizer, 'name_or_path', 'the tokenizer')} rewrites "
+                             f"earlier turns when message {i} is added, so the conversation cannot be trained turn "
+                             "by turn")
+        pieces += [(head[len(done):], False), (full[len(head):], True)]
+        done = full
+    if not pieces:
+        raise ValueError("the conversation has no assistant message to train on")
+    return pieces
+
+
+def _need_template(tokenizer: ChatTokenizer) -> None:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')} has no chat template; set "
+                         f"chat_template: false for this dataset (or give the tokenizer a template)")
 
 
 ADAPTERS: tuple[type[Adapter], ...] = (

@@ -93,9 +93,9 @@ def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir
     for d in spec.datasets:
         raw = registry.load_raw(d)
         train, evaluation = phase_split(raw, shares, phase, seed, spec.eval_fraction)
-        if registry.uses_chat_template(d):
-            train = [apply_chat_template(s, tokenizer) for s in train]
-            evaluation = [apply_chat_template(s, tokenizer) for s in evaluation]
+        render = registry.uses_chat_template(d)  # conversations (`messages`) always take the chat template
+        train = [apply_chat_template(s, tokenizer) if render or s.messages else s for s in train]
+        evaluation = [apply_chat_template(s, tokenizer) if render or s.messages else s for s in evaluation]
         if not train:
             raise DataError(f"dataset {d.name}: the {phase} phase gets no training samples from split "
                             f"{spec.split!r} of {len(raw.train)} rows; give the phase a share or add data")

@@ -16,6 +16,10 @@ class RawSample:
     columns: dict = field(default_factory=dict, hash=False)
     """Further dataset columns (e.g. {"answer": "71"}: a verifiable task's ground truth). They travel with the
     prompt through the generation pool and the replay buffer to reward functions, as keyword arguments."""
+    messages: tuple[dict, ...] | None = field(default=None, hash=False)
+    """A whole conversation ({role, content} messages) instead of prompt + answers: SFT trains on every assistant
+    message of it, the rest is context; as a PPO prompt it is the conversation before its first assistant message.
+    Rendered with the tokenizer's chat template (`adapters.apply_chat_template` fills `prompt`)."""
 
     @property
     def prompt_and_chosen(self) -> str | None:

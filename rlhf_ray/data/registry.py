@@ -38,7 +38,8 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 _ADAPTERS: dict[str, Adapter] = {cls.name: cls() for cls in ADAPTERS}
 _GENERATED: dict[str, Callable[[], RawDataset]] = {demo.NAME: demo.load, demo_sort.NAME: demo_sort.load,
-                                                   word_problems.NAME: word_problems.load}
+                                                   word_problems.NAME: word_problems.load,
+                                                   word_problems.CALCULATOR_NAME: word_problems.load_calculator}
 
 
 _RULES: dict[str, Callable[..., list[float]]] = {demo.NAME: demo.score, demo_sort.NAME: demo_sort.score,

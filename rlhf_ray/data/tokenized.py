@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlhf_ray.data.adapters import conversation_pieces
 from rlhf_ray.data.raw import RawSample
 from rlhf_ray.data.tokens import TokenConventions
 
@@ -58,9 +59,17 @@ def _fit(prompt: list[int], answer: list[int], max_len: int, overlong: Overlong,
 def tokenize_sft(samples: list[RawSample], tokenizer, tokens: TokenConventions, max_seq_len: int,
                  train_on_prompt: bool = False, overlong: Overlong = "trim_prompt") -> tuple[list[dict], TokenReport]:
     """input_ids = prompt + chosen + stop; labels copy the answer (and the prompt if train_on_prompt), else
-    -100."""
+    -100. A conversation (`messages`) trains on each assistant reply (`conversation_ids`); one longer than
+    max_seq_len is dropped (its turns are not cut)."""
     report, out = TokenReport(), []
     for s in samples:
+        if s.messages is not None:
+            row = conversation_ids(s.messages, tokenizer, tokens, train_on_prompt)
+            if len(row["input_ids"]) > max_seq_len:
+                report.dropped[f"sft: conversation longer than {max_seq_len} tokens"] += 1
+            else:
+                out.append(row)
+            continue
         if s.chosen is None:
             report.dropped["no chosen answer"] += 1
             continue
@@ -73,6 +82,35 @@ def tokenize_sft(samples: list[RawSample], tokenizer, tokens: TokenConventions, 
         out.append({"input_ids": prompt + answer, "labels": labels})
     report.kept = len(out)
     return out, report
+
+
+def conversation_ids(messages: tuple[dict, ...], tokenizer, tokens: TokenConventions,
+                     train_on_prompt: bool = False) -> dict[str, list[int]]:
+    """input_ids / labels of a whole conversation, laid out as a multi-turn rollout is: each piece tokenised on its
+    own (adapters.conversation_pieces), each assistant reply ending on its stop id and carrying labels, what the
+    template writes after that stop (e.g. ChatML's newline) opening the next context piece, as the observation
+    renderer does after a sampled turn."""
+    ids: list[int] = []
+    labels: list[int] = []
+    carry = ""
+    for k, (text, trained) in enumerate(conversation_pieces(messages, tokenizer)):
+        if not trained:
+            piece = (tokens.encode_prompt(tokenizer, carry + text) if k == 0
+                     else tokenizer(carry + text, add_special_tokens=False)["input_ids"])
+            ids += piece
+            labels += piece if train_on_prompt else [IGNORE_INDEX] * len(piece)
+            continue
+        full = tokenizer(text, add_special_tokens=False)["input_ids"]
+        end = tokens.end_of(full)
+        if end is None:
+            piece, carry = full + [tokens.eos_id], ""
+        else:
+            piece, stop = full[:end], tokenizer.decode(full[end - 1:end])
+            at = text.find(stop)
+            carry = text[at + len(stop):] if stop and at >= 0 else tokenizer.decode(full[end:])
+        ids += piece
+        labels += piece
+    return {"input_ids": ids, "labels": labels}
 
 
 def pack(samples: list[dict], max_seq_len: int) -> list[dict]:

@@ -28,6 +28,8 @@ class WordProblem:
     steps: tuple[str, ...]
     """One sentence per step, each ending with its intermediate result."""
     value: int
+    expression: str
+    """The whole computation as one calculator expression, e.g. "23 + 4 * 5 - 7"."""
 
     @property
     def prompt(self) -> str:
@@ -41,7 +43,7 @@ def make_problem(rng: random.Random) -> WordProblem:
     """One problem of 1, 2 or 3 steps (equally likely): add, take away, multiply, in GSM8K-like sentences."""
     who, item = rng.choice(NAMES), rng.choice(ITEMS)
     start = rng.randint(5, 60)
-    sentences, steps, value = [f"{who} has {start} {item}."], [], start
+    sentences, steps, value, expression = [f"{who} has {start} {item}."], [], start, str(start)
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(("buy", "give", "packs"))
         if kind == "give" and value > 2:
@@ -49,32 +51,42 @@ def make_problem(rng: random.Random) -> WordProblem:
             sentences.append(f"Then {who} gives {n} {item} to a friend.")
             steps.append(f"{value} - {n} = {value - n}.")
             value -= n
+            expression += f" - {n}"
         elif kind == "packs":
             packs, each = rng.randint(2, 6), rng.randint(2, 9)
             sentences.append(f"Then {who} buys {packs} packs of {item} with {each} {item} in each pack.")
             steps.append(f"{packs} x {each} = {packs * each}, and {value} + {packs * each} = {value + packs * each}.")
             value += packs * each
+            expression += f" + {packs} * {each}"
         else:
             n = rng.randint(2, 40)
             sentences.append(f"Then {who} finds {n} more {item}.")
             steps.append(f"{value} + {n} = {value + n}.")
             value += n
+            expression += f" + {n}"
     question = " ".join(sentences) + f" How many {item} does {who} have now?"
-    return WordProblem(question, tuple(steps), value)
+    return WordProblem(question, tuple(steps), value, expression)
 
 
 def wrong_value(value: int, rng: random.Random) -> int:
     return rng.choice([v for v in (value - 1, value + 1, value - 10, value + 10) if v >= 0 and v != value])
 
 
-def load(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:
-    """The task as a RawDataset: distinct questions, eval first then train, the same on every machine."""
-    rng, seen, problems = random.Random(f"{NAME}:{seed}"), set(), []
-    while len(problems) < n_train + n_eval:
+def problems(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> tuple[list[WordProblem],
+                                                                                            list[WordProblem]]:
+    """(train, eval) problems: distinct questions, the same on every machine."""
+    rng, seen, drawn = random.Random(f"{NAME}:{seed}"), set(), []
+    while len(drawn) < n_train + n_eval:
         problem = make_problem(rng)
         if problem.question not in seen:
             seen.add(problem.question)
-            problems.append(problem)
+            drawn.append(problem)
+    return drawn[n_eval:], drawn[:n_eval]
+
+
+def load(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:
+    """The task as a RawDataset: eval first then train, the same on every machine."""
+    train, held_out = problems(seed, n_train, n_eval)
     wrong = random.Random(f"{NAME}:rejected:{seed}")
 
     def samples(part: list[WordProblem]) -> list[RawSample]:
@@ -82,5 +94,34 @@ def load(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -
                 for p in part]
 
     key = f"{NAME}:v{VERSION}:seed{seed}:{n_train}+{n_eval}"
-    return RawDataset(name=NAME, train=samples(problems[n_eval:]), eval=samples(problems[:n_eval]),
+    return RawDataset(name=NAME, train=samples(train), eval=samples(held_out),
+                      fingerprint=hashlib.sha256(key.encode()).hexdigest())
+
+
+CALCULATOR_NAME = "demo/word-problems-calculator"
+CALCULATOR_VERSION = 1
+
+
+def calculator_conversation(problem: WordProblem) -> tuple[dict[str, str], ...]:
+    """One worked tool-use episode of the calculator environment: its own first message for this problem, one
+    `<calc>` call with the whole computation, the calculator's result, the final answer."""
+    from rlhf_ray.envs.calculator import CalculatorEnv, show, calculate
+
+    first = CalculatorEnv().reset({"prompt": problem.prompt, "answer": problem.value})
+    return (*first, {"role": "assistant", "content": f"<calc>{problem.expression}</calc>"},
+            {"role": "tool", "content": show(calculate(problem.expression))},
+            {"role": "assistant", "content": f"The answer is {problem.value}."})
+
+
+def load_calculator(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:
+    """`demo/word-problems-calculator`: the same problems and splits as demo/word-problems, each as a conversation
+    that solves it with the calculator environment (rlhf_ray.envs.calculator): SFT data that shows a model the
+    tool before GRPO trains it with the environment. The held-out problems are demo/word-problems' held-out ones."""
+    train, held_out = problems(seed, n_train, n_eval)
+
+    def samples(part: list[WordProblem]) -> list[RawSample]:
+        return [RawSample("", columns={"answer": str(p.value)}, messages=calculator_conversation(p)) for p in part]
+
+    key = f"{CALCULATOR_NAME}:v{CALCULATOR_VERSION}:seed{seed}:{n_train}+{n_eval}"
+    return RawDataset(name=CALCULATOR_NAME, train=samples(train), eval=samples(held_out),
                       fingerprint=hashlib.sha256(key.encode()).hexdigest())
