@@ -99,6 +99,34 @@ def test_word_problems_are_deterministic_disjoint_and_right():
     assert task_rule("demo/word-problems") is last_number_reward
 
 
+def test_word_problems_stay_the_same_and_their_calculator_conversations_solve_them():
+    """demo/word-problems' samples are pinned (a changed generator would silently change every benchmark on them);
+    demo/word-problems-calculator holds the same problems in the same splits, each solved through the calculator
+    environment: its first message is the environment's for that problem, its call computes the answer, and the
+    environment scores its final reply 1."""
+    import hashlib
+    import json
+
+    from rlhf_ray.config.data import DatasetSpec
+    from rlhf_ray.data.registry import load_raw
+    from rlhf_ray.envs.calculator import CalculatorEnv
+
+    plain = load_raw(DatasetSpec(name="demo/word-problems"))
+    pinned = json.dumps([(s.prompt, s.chosen, s.rejected, s.columns) for s in plain.train + plain.eval])
+    assert hashlib.sha256(pinned.encode()).hexdigest().startswith("8c56d4fc9dbfaa9f")
+    tools = load_raw(DatasetSpec(name="demo/word-problems-calculator"))
+    assert [s.columns for s in tools.train] == [s.columns for s in plain.train]
+    assert [s.columns for s in tools.eval] == [s.columns for s in plain.eval]
+    for plain_sample, sample in zip(plain.eval[:50], tools.eval[:50]):
+        first, call, result, final = sample.messages[:-3], *sample.messages[-3:]
+        env = CalculatorEnv()
+        assert list(first) == env.reset({"prompt": plain_sample.prompt, "answer": plain_sample.columns["answer"]})
+        step = env.step(call["content"])
+        assert step.valid_call and result == {"role": "tool", "content": step.observation}
+        assert step.observation == plain_sample.columns["answer"]
+        assert env.step(final["content"]).reward == 1.0
+
+
 def test_the_task_accuracy_rule_is_the_named_function_else_the_datasets_own():
     from rlhf_ray.config import ConfigError, load_job
     from rlhf_ray.data import demo

@@ -357,6 +357,16 @@ def test_a_pipeline_runs_sft_then_dpo_or_rm_and_ppo_not_both(write_yaml):
     assert "ppo" in problem and "or a dpo one" in problem
 
 
+def test_a_pipeline_goes_from_sft_to_ppo_without_an_rm_stage_when_the_reward_is_a_function(write_yaml):
+    job = load_job(ROOT / "configs/recipes/smollm2-calculator.yaml")
+    assert [s.kind for s in job.stages()] == ["sft", "ppo"]
+    assert job.ppo.policy.model.path == f"{job.sft.output_dir}/{FINAL_MODEL_DIR}" and job.ppo.critic is None
+    assert job.sft.data.datasets[0].name == "demo/word-problems-calculator"
+    # a reward model with no rm stage to train it (and no path) is refused, naming the field
+    (problem,) = problems_of(write_yaml("kind: pipeline\nsft: {model: {path: m}}\nppo: {}\n"))
+    assert "ppo.reward.model.path" in problem and "no reward" in problem
+
+
 def test_lora_adapter_sync_is_refused_where_it_cannot_work_naming_the_field():
     config = ROOT / "configs/quickstart/ppo.yaml"
     lora = ["policy.model.lora.rank=8", "policy.model.lora.target_modules=[q_proj]"]

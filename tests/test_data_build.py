@@ -119,3 +119,57 @@ def test_a_phase_with_no_share_is_an_error_before_training(tok, tmp_path):
     spec = DataSpec(datasets=[DatasetSpec(name="demo/sort")], split="1,0,0")
     with pytest.raises(DataError, match="demo/sort: the rm phase gets no training samples"):
         build_phase_data(spec, tok, "rm", seed=0, cache_dir=tmp_path)
+
+
+def test_conversations_train_on_assistant_replies_and_name_a_bad_message(tmp_path, tiny_model):
+    """A `format: {messages_field: ...}` dataset: every assistant reply carries labels (its stop id included),
+    user turns are context; a conversation too long for max_seq_len is dropped and counted; a malformed message is
+    refused naming file, line and the message's field."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    talk = [{"role": "user", "content": "sort 3 1 2"}, {"role": "assistant", "content": "3 1 2"},
+            {"role": "user", "content": "That is not right. Try again."}, {"role": "assistant", "content": "1 2 3"}]
+    rows = [{"messages": talk, "id": i} for i in range(12)]
+    (tmp_path / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    spec = DataSpec.model_validate({"datasets": [{"name": "custom", "path": str(tmp_path / "train.jsonl"),
+                                                  "format": {"messages_field": "messages"}}],
+                                    "split": "1,0,0", "max_seq_len": 64})
+    data = build_phase_data(spec, tokenizer, "sft", seed=1, cache_dir=tmp_path / "cache")
+    row = data.train[0]
+    text = tokenizer.decode([t for t in row["labels"] if t != IGNORE_INDEX])
+    eos = tokenizer.eos_token
+    assert text == f" 3 1 2{eos} 1 2 3{eos}", text  # both replies, each with its stop id; no user turn
+    assert tokenizer.decode(row["input_ids"]) == tokenizer.apply_chat_template(talk, tokenize=False)
+
+    with pytest.raises(DataError, match="conversation longer than 12 tokens"):
+        build_phase_data(spec.model_copy(update={"max_seq_len": 12}), tokenizer, "sft", seed=1,
+                         cache_dir=tmp_path / "cache")
+
+    bad = [*rows[:3], {"messages": [talk[0], {"role": "assistant", "content": 7}]}]
+    (tmp_path / "bad.jsonl").write_text("\n".join(json.dumps(r) for r in bad))
+    spec_bad = spec.model_copy(update={"datasets": [spec.datasets[0].model_copy(
+        update={"path": str(tmp_path / "bad.jsonl")})]})
+    with pytest.raises(DataError, match=r"bad.jsonl:4: field .messages\.1\.content"):
+        build_phase_data(spec_bad, tokenizer, "sft", seed=1, cache_dir=tmp_path / "cache")
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_for_conversations():
+    """Some templates drop or change earlier turns as the conversation grows (e.g. reasoning models that strip past
+    thinking): such a conversation cannot be trained turn by turn, and the error says so."""
+    from rlhf_ray.data.adapters import conversation_pieces
+
+    class Forgetful:  # renders only the last assistant reply in full
+        chat_template = "x"
+        name_or_path = "forgetful"
+
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+            last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+            text = "".join(f"<{m['role']}>{m['content'] if m['role'] != 'assistant' or i == last else ''}</>"
+                           for i, m in enumerate(messages))
+            return text + ("<assistant>" if add_generation_prompt else "")
+
+    talk = ({"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"})
+    with pytest.raises(ValueError, match="forgetful rewrites earlier turns when message 3 is added"):
+        conversation_pieces(talk, Forgetful())
+    with pytest.raises(ValueError, match="no assistant message"):
+        conversation_pieces(talk[:1], Forgetful())

@@ -168,3 +168,42 @@ def test_real_engine_episodes_continue_from_their_own_ids(sft_model):
     for turn, sent in enumerate(calls):
         for p, e, prompt in zip(prompts, episodes, sent):
             assert prompt == p + e["answer_ids"][: len(prompt) - len(p)]
+
+
+def test_sft_conversations_are_laid_out_token_for_token_as_rollouts(smollm2):
+    """A worked conversation of demo/word-problems-calculator, tokenised for SFT, is the very sequence a calculator
+    episode plays when the policy samples those replies: same prompt ids, the replies ending on their stop id and
+    trained, the calculator's message (rendered by the observation renderer) masked; and its first message is the
+    one CalculatorEnv renders for the PPO prompt of the same problem. A layout that tokenised the whole rendered
+    conversation at once, or kept ChatML's newline after <|im_end|> in the trained reply, fails here."""
+    from rlhf_ray.data import word_problems
+    from rlhf_ray.data.tokenized import IGNORE_INDEX, conversation_ids
+    from rlhf_ray.data.tokens import TokenConventions
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    tokens = TokenConventions.from_tokenizer(tokenizer, smollm2)
+    train, _ = word_problems.problems()
+    problem = next(p for p in train if p.expression.count(" ") >= 4)  # a two-step problem
+    row = conversation_ids(word_problems.calculator_conversation(problem), tokenizer, tokens)
+
+    replies = [tokens.encode_answer(tokenizer, f"<calc>{problem.expression}</calc>"),
+               tokens.encode_answer(tokenizer, f"The answer is {problem.value}.")]
+    calls = []
+
+    def generate(prompts):
+        calls.append(prompts)
+        return [{"answer_ids": replies[len(calls) - 1], "logprobs": [0.0] * len(replies[len(calls) - 1]),
+                 "finished": True}]
+
+    env = CalculatorEnv(max_calls=2)
+    ppo_prompt = tokenizer.decode(tokens.encode_prompt(tokenizer, problem.prompt), skip_special_tokens=True)
+    first = env.reset({"prompt": ppo_prompt, "answer": problem.value})  # what the episode runner does
+    prompt = tokens.encode_prompt(tokenizer, tokenizer.apply_chat_template(first, tokenize=False,
+                                                                             add_generation_prompt=True))
+    (episode,) = run_episodes(generate, [env], [prompt], tokenizer, ObservationRenderer(tokenizer, "tool"),
+                              max_turns=3, max_answer_tokens=256)
+    assert episode["reward"] == 1.0 and episode["valid_calls"] == 1
+    assert row["input_ids"] == prompt + episode["answer_ids"]
+    trained = [label != IGNORE_INDEX for label in row["labels"]]
+    assert trained == [False] * len(prompt) + [bool(m) for m in episode["answer_mask"]]
+    assert [t for t, keep in zip(row["labels"], trained) if keep] == replies[0] + replies[1]

@@ -5,9 +5,12 @@ torch.distributed group of its own."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 
 def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_model):
@@ -128,3 +131,21 @@ def test_a_non_finite_gradient_skips_the_step_keeps_the_weights_and_is_counted(t
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_an_arch_specific_cuda_arch_list_is_made_plain_for_deepspeeds_fused_adam_build(monkeypatch):
+    """TORCH_CUDA_ARCH_LIST=9.0a (set on Hopper images) made DeepSpeed's FusedAdam JIT build raise ValueError
+    ("invalid literal for int() with base 10: '0a'") in every GPU learner's setup; the learner now passes it the
+    plain architectures. DeepSpeed's own parser is the judge."""
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    from rlhf_ray.learners.engine import plain_cuda_arch_list
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a 10.0a+PTX")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    plain_cuda_arch_list()
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0 10.0+PTX"
+    builder.compute_capability_args()  # parses now

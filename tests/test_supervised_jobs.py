@@ -49,6 +49,24 @@ def test_sft_lowers_eval_loss_and_exports_a_plain_hf_model(tmp_path, tiny_model,
     assert len(norms) == steps and all(0 < n < float("inf") for n in norms), norms
 
 
+def test_sft_on_conversations_trains_every_assistant_turn(tmp_path, tiny_model):
+    """SFT on a `messages` dataset (a wrong sort, "That is not right. Try again.", the right sort): the loss, on
+    the assistant turns only, falls, on a job configured as a user would (a jsonl file and `format.messages_field`)."""
+    from rlhf_ray.data import demo_sort
+
+    raw = demo_sort.load()
+    for split, samples in (("train", raw.train[:600]), ("test", raw.eval[:64])):
+        rows = [{"messages": [{"role": "user", "content": s.prompt.removeprefix(" Human: ").removesuffix(" Assistant:")},
+                              {"role": "assistant", "content": s.rejected.strip()},
+                              {"role": "user", "content": "That is not right. Try again."},
+                              {"role": "assistant", "content": s.chosen.strip()}]} for s in samples]
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    sft = job("sft", tmp_path, tiny_model, "train.max_steps=20", "data.split=1,0,0", "data.max_seq_len=64",
+              f"data.datasets=[{{name: custom, path: {tmp_path}, format: {{messages_field: messages}}}}]")
+    summary = run_supervised(sft)
+    assert summary["eval_loss_last"] < summary["eval_loss_first"] - 1.0, summary
+
+
 def test_reward_model_beats_chance_on_held_out_pairs(tmp_path, tiny_model):
     summary = run_supervised(job("rm", tmp_path, tiny_model))
     assert summary["eval_accuracy"] >= 0.65, summary

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from string import Formatter
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -75,12 +75,17 @@ class DatasetFormatSpec(StrictModel):
         if self.answer_template is not None and self.template in ("raw", "chat_template"):
             raise FieldProblem("answer_template", f"template {self.template!r} uses the answers as they are; "
                                                   "drop answer_template or use dschat / a format string")
-        if self.messages_field is not None:
-            if "template" in self.model_fields_set and self.template != "chat_template":
-                raise FieldProblem("template", "a messages_field conversation is rendered with the chat template: "
-                                               "set template: chat_template or leave it out")
-            self.template = "chat_template"
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _conversations_take_the_chat_template(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("messages_field") is None:
+            return data
+        if data.get("template", "chat_template") != "chat_template":
+            raise FieldProblem("template", "a messages_field conversation is rendered with the chat template: "
+                                           "set template: chat_template or leave it out")
+        return {**data, "template": "chat_template"}
 
 
 class DatasetSpec(StrictModel):

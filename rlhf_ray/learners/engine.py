@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import re
 import socket
 from collections.abc import Callable
 
@@ -12,6 +14,8 @@ import torch
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
+
+log = logging.getLogger(__name__)
 
 
 def on_gpu() -> bool:
@@ -122,8 +126,20 @@ def make_optimizer(model: torch.nn.Module, optim: OptimizerSpec, ds: DeepSpeedSp
     if on_gpu():
         from deepspeed.ops.adam import FusedAdam
 
+        plain_cuda_arch_list()
         return FusedAdam(groups, adam_w_mode=True, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def plain_cuda_arch_list() -> None:
+    """Drop architecture-specific suffixes (Hopper's `9.0a`) from TORCH_CUDA_ARCH_LIST before DeepSpeed JIT-builds
+    FusedAdam: DeepSpeed 0.19 reads every entry as numbers and fails on `9.0a` (seen on an H200 image that sets it),
+    and the fused optimizer needs no architecture-specific instructions."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    plain = re.sub(r"(\d)[a-z]+\b", r"\1", value)
+    if plain != value:
+        log.info("TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's JIT build of FusedAdam", value, plain)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = plain
 
 
 def apply_lora(model: torch.nn.Module, spec: ModelSpec) -> torch.nn.Module:

@@ -11,6 +11,7 @@ and skips them all; run them whenever a GPU is lent, and write the results in do
 - A tensor-parallel engine (tensor_parallel_size 2) receiving updates (two GPUs or more).
 - vLLM sleep / wake (`vllm.sleep_when_idle`): engines free their GPU memory while the learners train on the same
   GPU and wake with the new weights.
+- The same one-GPU PPO with the HF engine (`generation.engine: hf`; needs no vLLM).
 
 Each check is the CPU weight-sync test (tests/test_ppo_job.py) with GPU placements: same models, same assertion
 (greedy decoding of the engines equals the learner's own copy after every sync).
@@ -58,3 +59,10 @@ def test_tensor_parallel_engine_receives_updates(tmp_path, sft_model, rm_model):
 def test_engines_sleep_while_learners_train_and_wake_with_the_new_weights(tmp_path, sft_model, rm_model):
     engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *ONE_GPU, "generation.vllm.sleep_when_idle=true",
                                     "generation.weight_sync.transport=object_store")
+
+
+def test_every_role_on_one_gpu_with_the_hf_engine(tmp_path, sft_model, rm_model):
+    hf = [o for o in ONE_GPU if not o.startswith("generation.vllm") and o != "generation.engine=vllm"]
+    run = engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *hf, "generation.engine=hf",
+                                          "generation.weight_sync.transport=auto")
+    assert run["transport"] == "object_store"
