@@ -75,6 +75,24 @@ def test_reward_model_beats_chance_on_held_out_pairs(tmp_path, tiny_model):
     assert rm.config.num_labels == 1 and rm.score.weight.shape[0] == 1  # the head is saved with it
 
 
+def test_a_zero3_reward_model_on_two_ranks_evaluates_an_uneven_eval_split(tmp_path, tiny_model):
+    """129 held-out pairs over 2 ZeRO-3 ranks in batches of 64: one rank has 65 pairs (2 batches), the other 64 (1).
+    Every ZeRO-3 forward gathers parameters from both ranks, so before the fix the rank with one batch went on to
+    the metrics' all-reduce while the other waited in its second forward, and the job hung until the call timeout.
+    Now the short rank runs a discarded forward; every pair is counted once."""
+    from rlhf_ray.learners.schedule import eval_batches_in_step
+
+    assert eval_batches_in_step(129, 0, 2, 64) == [list(range(0, 128, 2)), [128]]
+    assert eval_batches_in_step(129, 1, 2, 64) == [list(range(1, 129, 2)), None]
+    assert eval_batches_in_step(1, 1, 2, 64) == [None]  # a rank with no row still keeps in step
+    summary = run_supervised(job("rm", tmp_path, tiny_model, "deepspeed.zero_stage=3", "data.split=1,3,3",
+                                 "train.max_steps=2", "train.eval_batch_size=64", "cluster.call_timeout_s=120"))
+    assert summary["steps"] == 2
+    evals = [r for r in map(json.loads, (tmp_path / "rm" / "metrics.jsonl").read_text().splitlines())
+             if "eval_pairs" in r]
+    assert len(evals) == 2 and all(r["eval_pairs"] == 129 for r in evals), evals  # at the start and the end
+
+
 def test_lora_with_checkpointing_trains_only_adapters_and_exports_merged(tmp_path, tiny_model):
     sft = job("sft", tmp_path, tiny_model, "model.lora.rank=8", "model.lora.target_modules=[q_proj, v_proj]",
               "model.gradient_checkpointing=true",

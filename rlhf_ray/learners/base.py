@@ -242,7 +242,11 @@ class SupervisedRank(LearnerRank):
     def step_micro_batches(self, step: int) -> list[list[dict]]:
         return [[self.train_rows[i] for i in idx] for idx in self.step_indices(step)]
 
-    def eval_batches(self) -> list[list[dict]]:
-        """This rank's share of the eval split, in eval-sized batches."""
-        shard = self.eval_rows[self.rank::self.world_size]
-        return [shard[i: i + self.eval_batch_size] for i in range(0, len(shard), self.eval_batch_size)]
+    def eval_batches(self) -> list[tuple[list[int], bool]]:
+        """This rank's share of the eval split as (indices, counted) batches, eval_batch_size at most: every rank gets
+        as many batches (ZeRO-3 gathers parameters in each forward), the ones past its share are a discarded copy of
+        the first row (counted False)."""
+        from rlhf_ray.learners.schedule import eval_batches_in_step
+
+        plan = eval_batches_in_step(len(self.eval_rows), self.rank, self.world_size, self.eval_batch_size)
+        return [(indices, True) if indices is not None else ([0], False) for indices in plan]

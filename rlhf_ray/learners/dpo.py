@@ -79,13 +79,15 @@ class DPOLearner(SupervisedRank):
         the start); the model's own preference accuracy (share of pairs whose chosen answer it finds likelier:
         the SFT model's at the start); the mean margin, implicit rewards and log-probs."""
         self.engine.eval()
-        shard = list(range(self.rank, len(self.eval_rows), self.world_size))
         keys = ("loss", "accuracy", "logp_accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_logp",
                 "rejected_logp")
         sums = dict.fromkeys(keys, 0.0)
-        for start in range(0, len(shard), self.eval_batch_size):
-            indices = shard[start: start + self.eval_batch_size]
+        pairs = 0
+        for indices, counted in self.eval_batches():
             loss, metrics, pair = self._loss("eval", indices, [self.eval_rows[i] for i in indices])
+            if not counted:
+                continue
+            pairs += len(indices)
             n, margins = len(indices), pair["margin"]
             tie = margins.abs() <= TIE
             for key, value in (("loss", loss.item() * n),
@@ -96,6 +98,6 @@ class DPOLearner(SupervisedRank):
                                ("chosen_logp", metrics["logps/chosen"].item() * n),
                                ("rejected_logp", metrics["logps/rejected"].item() * n)):
                 sums[key] += value
-        *totals, n = self.all_reduce_sum([sums[k] for k in keys] + [float(len(shard))])
+        *totals, n = self.all_reduce_sum([sums[k] for k in keys] + [float(pairs)])
         n = max(n, 1.0)
         return {**{f"eval_{k}": v / n for k, v in zip(keys, totals)}, "eval_pairs": n}

@@ -50,10 +50,12 @@ class RewardLearner(SupervisedRank):
         """Pair accuracy (chosen scored above rejected) and mean end scores over the whole eval split."""
         self.engine.eval()
         loss, correct, chosen_sum, rejected_sum, count = 0.0, 0.0, 0.0, 0.0, 0
-        for rows in self.eval_batches():
-            count += len(rows)
-            batch_loss, chosen, rejected = self._forward(rows)
-            loss += batch_loss.item() * len(rows)
+        for indices, counted in self.eval_batches():
+            batch_loss, chosen, rejected = self._forward([self.eval_rows[i] for i in indices])
+            if not counted:
+                continue
+            count += len(indices)
+            loss += batch_loss.item() * len(indices)
             correct += (chosen > rejected).float().sum().item()
             chosen_sum += chosen.sum().item()
             rejected_sum += rejected.sum().item()

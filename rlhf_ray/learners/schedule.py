@@ -34,3 +34,13 @@ def eval_share(num_rows: int, rank: int, world_size: int) -> tuple[list[int], in
     rank that stopped early would leave the others waiting."""
     mine = list(range(rank, num_rows, world_size))
     return mine, -(-num_rows // world_size) - len(mine)
+
+
+def eval_batches_in_step(num_rows: int, rank: int, world_size: int, batch_size: int) -> list[list[int] | None]:
+    """This rank's evaluation rows in batches of indices, then None for each forward it runs only to keep in step
+    with the rank that has the most batches (a discarded forward of any row; see eval_share). For evaluations
+    whose rows cannot be made loss-free (pairs)."""
+    mine, fill = eval_share(num_rows, rank, world_size)
+    batches: list[list[int] | None] = [mine[i: i + batch_size] for i in range(0, len(mine), batch_size)]
+    most = -(-(len(mine) + fill) // batch_size)
+    return batches + [None] * (most - len(batches))
