@@ -35,9 +35,11 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=20)
     parser.add_argument("--eval-prompts", type=int, default=40, help="40: the prompts the base model's run used")
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
+    parser.add_argument("--output-dir", type=Path, help="keep the run here (default: a temporary folder); a finished "
+                        "SFT stage there with the same settings is reused, as a pipeline does")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "run"
+        out = args.output_dir or Path(tmp) / "run"
         summary, _ = run_job("pipeline", RECIPE, [
             f"output_dir={out}", f"sft.train.max_steps={args.sft_steps}", f"ppo.ppo.iterations={args.iterations}",
             f"ppo.ppo.eval_prompts={args.eval_prompts}", "ppo.checkpoint.every_steps=0"], timeout=3 * 3600)
@@ -59,15 +61,21 @@ def fmt(value) -> str:
 
 
 def render(result: dict, base: dict, args) -> str:
+    from rlhf_ray.config import load_job
+
     s, curves, sft = result["summary"], result["curves"], result["sft"]
+    ppo = load_job(RECIPE).ppo
+    shape = (f"{ppo.ppo.rollout_batch_size} prompts x {ppo.generation.sampling.n_samples_per_prompt} episodes, lr "
+             f"{ppo.policy.optim.lr:g}")
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'vllm', 'transformers')}. Date: {today()}.", "",
              f"Command: `python benchmarks/bench_calculator.py --iterations {args.iterations} --sft-steps "
              f"{args.sft_steps} --eval-prompts {args.eval_prompts} --write docs/benchmarks.md` (the pipeline "
              f"`configs/recipes/smollm2-calculator.yaml`: SFT {args.sft_steps} steps of 8 worked tool-use "
-             f"conversations, then GRPO {args.iterations} iterations of 8 prompts x 4 episodes, up to 3 turns each; "
+             f"conversations, then GRPO {args.iterations} iterations of {shape}, up to 3 turns each; "
              f"{s.get('eval_prompts')} held-out prompts, never trained on by either stage). One run. Base model: "
-             f"the held-out numbers of the earlier run without SFT (`{BASE.relative_to(ROOT)}`, same prompts).", "",
+             f"the held-out numbers of the earlier run without SFT (`{BASE.relative_to(ROOT)}`, on the first "
+             f"{base.get('eval_prompts', 'n/a')} of these prompts).", "",
              f"SFT: held-out loss {fmt(sft.get('eval_loss_first'))} -> {fmt(sft.get('eval_loss_last'))}; "
              f"{fmt(sft.get('seconds'))} s. GRPO: {fmt(s.get('seconds'))} s.", "",
              "| held-out | base model | after SFT | after SFT + GRPO |", "|---|---|---|---|"]
