@@ -7,7 +7,7 @@ per episode, tool-call validity (well-formed calls / calls), turns per episode a
 the episode against the ground truth), greedy and sampled; the base model's, from the run without SFT
 (benchmarks/results/calculator_no_warm_start.json, same held-out prompts); and the per-rollout training curves.
 
-Run: python benchmarks/bench_calculator.py [--iterations 12] [--sft-steps 20] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_calculator.py [--iterations 12] [--sft-steps 20] [--seed 1] [--write docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ def main() -> int:
     parser.add_argument("--sft-steps", type=int, default=20)
     parser.add_argument("--eval-prompts", type=int, default=40, help="40: the prompts the base model's run used")
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
+    parser.add_argument("--seed", type=int, default=1, help="the GRPO stage's seed (SFT keeps the recipe's)")
     parser.add_argument("--output-dir", type=Path, help="keep the run here (default: a temporary folder); a finished "
                         "SFT stage there with the same settings is reused, as a pipeline does")
     args = parser.parse_args()
@@ -42,14 +43,16 @@ def main() -> int:
         out = args.output_dir or Path(tmp) / "run"
         summary, _ = run_job("pipeline", RECIPE, [
             f"output_dir={out}", f"sft.train.max_steps={args.sft_steps}", f"ppo.ppo.iterations={args.iterations}",
-            f"ppo.ppo.eval_prompts={args.eval_prompts}", "ppo.checkpoint.every_steps=0"], timeout=3 * 3600)
+            f"ppo.ppo.eval_prompts={args.eval_prompts}", "ppo.checkpoint.every_steps=0", f"ppo.seed={args.seed}"],
+            timeout=3 * 3600)
         rows = [json.loads(line) for line in (out / "ppo/metrics.jsonl").read_text().splitlines()]
     curves = [{k: r.get(k) for k in CURVE_KEYS} for r in rows if "env/episode_reward" in r]
-    result = {"sft": summary["sft"], "summary": summary["ppo"], "curves": curves}
+    result = {"sft": summary["sft"], "summary": summary["ppo"], "curves": curves, "seed": args.seed,
+              "sft_steps": args.sft_steps, "iterations": args.iterations}
     (ROOT / "benchmarks/results").mkdir(exist_ok=True)
-    (ROOT / "benchmarks/results/calculator.json").write_text(json.dumps(result, indent=2))
+    (ROOT / f"benchmarks/results/calculator_seed{args.seed}.json").write_text(json.dumps(result, indent=2))
     base = json.loads(BASE.read_text())["summary"] if BASE.is_file() else {}
-    text = render(result, base, args)
+    text = render(result, base, args) + seeds_table()
     print(text)
     if args.write:
         write_section(args.write, SECTION, text)
@@ -100,6 +103,23 @@ def render(result: dict, base: dict, args) -> str:
         ax.set_xlabel("GRPO iteration")
         ax.legend()
         lines += ["", save_figure(fig, ROOT / "docs/benchmarks.md", "calculator_grpo.png")]
+    return "\n".join(lines) + "\n"
+
+
+def seeds_table() -> str:
+    """Every GRPO seed run so far (benchmarks/results/calculator_seed*.json) on one line each."""
+    runs = [json.loads(f.read_text()) for f in sorted((ROOT / "benchmarks/results").glob("calculator_seed*.json"))]
+    if len(runs) < 2:
+        return ""
+    lines = ["", "Every GRPO seed (same SFT model, same held-out prompts):", "",
+             "| GRPO seed | greedy accuracy | sampled accuracy | sampled tool-call validity | GRPO s |",
+             "|---:|---|---|---|---:|"]
+    for r in runs:
+        s = r["summary"]
+        lines.append(f"| {r['seed']} | {fmt(s.get('task_accuracy_before'))} -> {fmt(s.get('task_accuracy_after'))} | "
+                     f"{fmt(s.get('sampled_task_accuracy_before'))} -> {fmt(s.get('sampled_task_accuracy_after'))} | "
+                     f"{fmt(s.get('sampled_tool_call_validity_before'))} -> "
+                     f"{fmt(s.get('sampled_tool_call_validity_after'))} | {s.get('seconds', 0):.0f} |")
     return "\n".join(lines) + "\n"
 
 
