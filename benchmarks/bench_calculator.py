@@ -73,12 +73,12 @@ def render(result: dict, base: dict, args) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'vllm', 'transformers')}. Date: {today()}.", "",
              f"Command: `python benchmarks/bench_calculator.py --iterations {args.iterations} --sft-steps "
-             f"{args.sft_steps} --eval-prompts {args.eval_prompts} --write docs/benchmarks.md` (the pipeline "
-             f"`configs/recipes/smollm2-calculator.yaml`: SFT {args.sft_steps} steps of 8 worked tool-use "
-             f"conversations, then GRPO {args.iterations} iterations of {shape}, up to 3 turns each; "
-             f"{s.get('eval_prompts')} held-out prompts, never trained on by either stage). One run. Base model: "
-             f"the held-out numbers of the earlier run without SFT (`{BASE.relative_to(ROOT)}`, on the first "
-             f"{base.get('eval_prompts', 'n/a')} of these prompts).", "",
+             f"{args.sft_steps} --eval-prompts {args.eval_prompts} --seed {args.seed} --write docs/benchmarks.md` "
+             f"(the pipeline `configs/recipes/smollm2-calculator.yaml`: SFT {args.sft_steps} steps of 8 worked "
+             f"tool-use conversations, then GRPO {args.iterations} iterations of {shape}, up to 3 turns each; "
+             f"{s.get('eval_prompts')} held-out prompts, never trained on by either stage). One run (GRPO seed "
+             f"{args.seed}). Base model: the held-out numbers of the earlier run without SFT "
+             f"(`{BASE.relative_to(ROOT)}`: the first {base.get('eval_prompts', 'n/a')} of seed 1's prompts).", "",
              f"SFT: held-out loss {fmt(sft.get('eval_loss_first'))} -> {fmt(sft.get('eval_loss_last'))}; "
              f"{fmt(sft.get('seconds'))} s. GRPO: {fmt(s.get('seconds'))} s.", "",
              "| held-out | base model | after SFT | after SFT + GRPO |", "|---|---|---|---|"]
@@ -111,7 +111,8 @@ def seeds_table() -> str:
     runs = [json.loads(f.read_text()) for f in sorted((ROOT / "benchmarks/results").glob("calculator_seed*.json"))]
     if len(runs) < 2:
         return ""
-    lines = ["", "Every GRPO seed (same SFT model, same held-out prompts):", "",
+    lines = ["", "Every GRPO seed (the same SFT model; each seed's own held-out prompts, since the held-out order is "
+             "shuffled by the seed):", "",
              "| GRPO seed | greedy accuracy | sampled accuracy | sampled tool-call validity | GRPO s |",
              "|---:|---|---|---|---:|"]
     for r in runs:
