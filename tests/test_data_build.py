@@ -173,3 +173,10 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_for_conversations():
         conversation_pieces(talk, Forgetful())
     with pytest.raises(ValueError, match="no assistant message"):
         conversation_pieces(talk[:1], Forgetful())
+
+    class NoTemplate:
+        chat_template = None
+        name_or_path = "plain"
+
+    with pytest.raises(ValueError, match="plain has no chat template, and conversation rows"):
+        conversation_pieces(talk, NoTemplate())

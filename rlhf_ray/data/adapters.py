@@ -341,7 +341,7 @@ def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSampl
     BOS only where the template did not already write it, and appends no second end-of-turn. A `messages` sample
     keeps its conversation (SFT renders it turn by turn, `conversation_pieces`); its prompt becomes the
     conversation before the first assistant message."""
-    _need_template(tokenizer)
+    _need_template(tokenizer, conversation=sample.messages is not None)
     if sample.messages is not None:
         first = next((i for i, m in enumerate(sample.messages) if m["role"] == "assistant"), len(sample.messages))
         prompt = tokenizer.apply_chat_template(list(sample.messages[:first]), tokenize=False,
@@ -366,7 +366,7 @@ def conversation_pieces(messages: tuple[dict[str, str], ...], tokenizer: ChatTok
     user and tool messages, the assistant headers) is context. This is the layout of a multi-turn rollout: the
     policy's turns, then each observation rendered after them. ValueError when the conversation has no assistant
     message or the template does not render each turn as a continuation of the text before it."""
-    _need_template(tokenizer)
+    _need_template(tokenizer, conversation=True)
     pieces: list[tuple[str, bool]] = []
     done = ""
     for i, message in enumerate(messages):
@@ -387,10 +387,15 @@ def conversation_pieces(messages: tuple[dict[str, str], ...], tokenizer: ChatTok
     return pieces
 
 
-def _need_template(tokenizer: ChatTokenizer) -> None:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(f"{getattr(tokenizer, 'name_or_path', 'the tokenizer')} has no chat template; set "
-                         f"chat_template: false for this dataset (or give the tokenizer a template)")
+def _need_template(tokenizer: ChatTokenizer, conversation: bool = False) -> None:
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return
+    name = getattr(tokenizer, "name_or_path", "the tokenizer")
+    if conversation:
+        raise ValueError(f"{name} has no chat template, and conversation rows (messages) are rendered with one: give "
+                         "the tokenizer a template (tokenizer_config.json's chat_template) or train another model")
+    raise ValueError(f"{name} has no chat template; set chat_template: false for this dataset (or give the tokenizer "
+                     "a template)")
 
 
 ADAPTERS: tuple[type[Adapter], ...] = (
