@@ -16,6 +16,8 @@ import logging
 import os
 from pathlib import Path
 
+from rlhf_ray.models.gguf_tokens import (apply_to_tokenizer, disagreements, generation_config,
+                                         read_gguf_tokens, write_tokenizer_flags)
 from rlhf_ray.models.tiny import write_model_folder
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,12 @@ def _content_key(file: Path) -> str:
 
 
 def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
-    """Dequantise a GGUF model into a plain HF folder (fp32 safetensors, tokenizer, generation config). Written in
-    a temporary folder beside `out_dir` and renamed into place, so a crash never leaves half a model."""
+    """Dequantise a GGUF model into a plain HF folder (fp32 safetensors, tokenizer, generation config). The GGUF's
+    special-token metadata is kept (add BOS / EOS, every stop id, named chat templates: models/gguf_tokens.py), so
+    plain transformers loads the folder with the behaviour the file describes. Written in a temporary folder beside
+    `out_dir` and renamed into place, so a crash never leaves half a model."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     file = Path(gguf_file).resolve()
     info = check_gguf(file)
@@ -116,10 +120,14 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     model.load_state_dict(loaded.state_dict(), strict=True)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
-                                               eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id)
-    return write_model_folder(model, tokenizer, out)
+    # transformers drops the GGUF's add-BOS / add-EOS flags, end-of-turn ids and named templates: carry them over
+    special = read_gguf_tokens(file)
+    apply_to_tokenizer(tokenizer, special)
+    if problems := disagreements(tokenizer, special):
+        raise ModelSourceError(f"{file}: the converted tokenizer does not behave as the GGUF's metadata says: "
+                               f"{'; '.join(problems)}")
+    model.generation_config = generation_config(special, tokenizer)
+    return write_model_folder(model, tokenizer, out, finish=lambda folder: write_tokenizer_flags(folder, special))
 
 
 PACKAGE_PREFIX = "package:"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -96,14 +96,17 @@ def build_tiny_model(out_dir: str | Path, preset: str = "tiny", seed: int = 0, c
     return write_model_folder(model, tokenizer, out)
 
 
-def write_model_folder(model, tokenizer, out: Path) -> Path:
+def write_model_folder(model, tokenizer, out: Path, finish: Callable[[Path], None] | None = None) -> Path:
     """Save an HF model and its tokenizer into `out`, written in a temporary folder beside it and renamed into
-    place, so a crash never leaves half a model (an existing `out` is replaced)."""
+    place, so a crash never leaves half a model (an existing `out` is replaced). `finish(folder)` may edit the
+    written files before the rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if finish is not None:
+            finish(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
