@@ -8,8 +8,8 @@ from fractions import Fraction
 import pytest
 
 from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
-from rlhf_ray.data.answers import (boxed, boxed_reward, exact_match_reward, last_number, last_number_reward,
-                                         normalize, same_answer)
+from rlhf_ray.data.answers import (boxed, boxed_reward, exact_match_reward, first_line_number_reward, last_number,
+                                   last_number_reward, normalize, same_answer)
 
 
 @pytest.mark.parametrize("text,value", [
@@ -46,6 +46,10 @@ def test_reward_functions_compare_with_the_ground_truth_column():
     assert last_number_reward([], ["7"], answer=["8"]) == [0.0]  # the same text scores by its own truth
     with pytest.raises(ValueError, match="2 answers but 1 ground-truth"):
         last_number_reward([], ["1", "2"], answer=["1"])
+    # a base model answers on its first line and goes on with the next question
+    rambling = [" 12 + 7 = 19\nQuestion: What is 3 + 4", "\n\n 19.\n20", " 18\n19"]
+    assert first_line_number_reward([], rambling, answer=["19"] * 3) == [1.0, 1.0, 0.0]
+    assert last_number_reward([], rambling, answer=["19"] * 3) == [0.0, 0.0, 1.0]
 
 
 def test_columns_become_keyword_arguments_and_a_missing_one_is_named():

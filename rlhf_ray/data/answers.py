@@ -83,6 +83,17 @@ def last_number_reward(prompts: Sequence[str], answers: Sequence[str], answer: S
     return _check(answers, answer, last_number)
 
 
+def first_line_number_reward(prompts: Sequence[str], answers: Sequence[str], answer: Sequence, **_) -> list[float]:
+    """1 when the last number on the answer's first non-empty line equals the ground truth, else 0: for base models,
+    which answer on one line ("Answer: 12 + 7 = 19") and then go on writing the next question."""
+    return _check(answers, answer, lambda text: last_number(first_line(text)))
+
+
+def first_line(text: str) -> str:
+    """The first line of a text that is not blank ("" when there is none)."""
+    return next((line for line in text.splitlines() if line.strip()), "")
+
+
 def boxed_reward(prompts: Sequence[str], answers: Sequence[str], answer: Sequence, **_) -> list[float]:
     """1 when the last `\\boxed{}` of the answer holds the ground truth, else 0."""
     return _check(answers, answer, boxed)

@@ -1,7 +1,7 @@
 """Tiny random models of the common chat-model families, built offline with each family's real config class and
 special-token conventions: whether the tokenizer writes a BOS, which ids stop an answer (several for Llama 3
 Instruct, Qwen, Gemma and Phi-3), whether there is a pad token and whether it is the end-of-text, tied or untied
-embeddings, and a chat template in the family's style. The architecture tests train, score, sample and export
+embeddings, and a chat template in the family's style (none for the Gemma 3 base model, like the real 270M). The architecture tests train, score, sample and export
 each of them, so what holds for Llama 3 or OPT does not rest on the one tiny Llama the quickstart uses."""
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ def _config(family: Family, vocab: int, ids: dict[str, int]):
     if name == "Gemma2ForCausalLM":
         return transformers.Gemma2Config(num_key_value_heads=1, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
                                          sliding_window=256, **llama_like)
+    if name == "Gemma3ForCausalLM":  # one sliding-window layer and one global one, as Gemma 3 alternates them
+        return transformers.Gemma3TextConfig(num_key_value_heads=1, head_dim=HEAD_DIM, query_pre_attn_scalar=HEAD_DIM,
+                                             sliding_window=256, layer_types=["sliding_attention", "full_attention"],
+                                             **llama_like)
     if name == "Phi3ForCausalLM":
         return transformers.Phi3Config(num_key_value_heads=HEADS, **llama_like)
     if name == "OPTForCausalLM":
@@ -100,6 +104,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma2", "Gemma2ForCausalLM", ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
            eos="<eos>", stops=("<eos>", "<end_of_turn>"), bos="<bos>", adds_bos=True, pad="<pad>",
            chat_template=GEMMA_TEMPLATE, tied=True),
+    Family("gemma3", "Gemma3ForCausalLM", ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"),
+           eos="<eos>", stops=("<eos>",), bos="<bos>", adds_bos=True, pad="<pad>", tied=True),  # a base model
     Family("phi3", "Phi3ForCausalLM", ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"),
            eos="<|endoftext|>", stops=("<|endoftext|>", "<|assistant|>", "<|end|>"), bos="<s>",
            pad="<|endoftext|>", chat_template=PHI3_TEMPLATE),
