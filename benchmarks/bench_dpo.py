@@ -48,7 +48,7 @@ def greedy_accuracy(model_dir: str, job, prompts: int, max_new_tokens: int) -> f
     """The dataset's rule on greedy answers to the held-out prompts of the PPO share of `job`'s split."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_ray.actors.reward_function import column_arguments
+    from rlhf_ray.functions import column_arguments
     from rlhf_ray.config.model import ModelSpec
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.data.collate import collate_prompts

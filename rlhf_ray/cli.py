@@ -13,24 +13,14 @@ from typing import Callable, Sequence
 import yaml
 from rich.console import Console
 
-from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob, job_schema, validate_job
+from rlhf_ray.config import JOB_KINDS, ConfigError, ConfigSource, job_schema, validate_job
+from rlhf_ray.exit_codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT
+from rlhf_ray.jobs.kinds import run_job
+from rlhf_ray.jobs.preflight import check_plan, preflight
 from rlhf_ray.models.packaged import PACKAGED, packaged_gguf
-from rlhf_ray.preflight import preflight
 
 console = Console(stderr=True, soft_wrap=True)
 out = Console(soft_wrap=True)
-
-EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, EXIT_BAD_CONFIG, EXIT_NOT_IMPLEMENTED = 0, 1, 2, 3
-
-JobRunner = Callable[[JobBase], dict]
-
-
-def job_runners() -> dict[str, JobRunner]:
-    """Job kinds whose driver exists. A kind missing here is refused honestly after validation."""
-    from rlhf_ray.jobs.pipeline import run_pipeline, stage_runners
-
-    return {**stage_runners(), "pipeline": run_pipeline}
-
 
 def _add_config_args(parser: argparse.ArgumentParser, positional: bool) -> None:
     if positional:
@@ -59,12 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     schema.add_argument("--format", choices=["json", "markdown"], default="json",
                         help="json: JSON schema; markdown: the field reference in docs/configuration.md")
 
-    for kind, what in (("pretrain", "continued pretraining on mmap corpora"), ("sft", "supervised fine-tuning"), ("rm", "reward-model training"),
-                       ("dpo", "direct preference optimisation"), ("ppo", "PPO (actor/learner service)"),
-                       ("pipeline", "(pretrain ->) SFT -> RM -> PPO, or SFT -> DPO")):
-        job = sub.add_parser(kind, help=f"run {what}")
+    for kind, config in JOB_KINDS.items():
+        job = sub.add_parser(kind, help=f"run {config.summary}")
         _add_config_args(job, positional=False)
-        if kind in ("pretrain", "sft", "rm", "dpo"):
+        if config.steps_resume:
             job.add_argument("--stop-after", type=int, metavar="STEP",
                              help="checkpoint at this optimizer step and exit; run again to resume")
 
@@ -108,47 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _plans(job: JobBase) -> list[tuple[str, JobBase]]:
-    return [(stage.kind, stage) for stage in job.stages()] if isinstance(job, PipelineJob) else [(job.kind, job)]
-
-
-def _cluster_nodes(job: JobBase, live: bool) -> tuple[list[dict[str, float]], str]:
-    """Nodes to check the plan against, and a phrase saying which cluster that is."""
-    from rlhf_ray import cluster
-    from rlhf_ray.plan import nodes_from_shape
-
-    spec = job.cluster
-    if spec.shape is not None and not live:
-        return nodes_from_shape(spec.shape), "the cluster shape declared in cluster.shape"
-    if spec.address or os.environ.get("RAY_ADDRESS"):
-        with cluster.connect(spec) as handle:
-            return handle.nodes(), f"the live Ray cluster at {spec.address or os.environ['RAY_ADDRESS']}"
-    return cluster.local_nodes(spec), "this machine (an embedded local Ray)"
-
-
-def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]:
-    """Every stage's resource plan against the cluster it would run on; problems prefixed by stage."""
-    from rlhf_ray.memory.budget import check_memory, written_shapes
-    from rlhf_ray.plan import ResourcePlan, describe_nodes
-
-    nodes, which = _cluster_nodes(job, live)
-    problems: list[str] = []
-    derived: dict = {}  # shapes of the models earlier stages write
-    for stage, stage_job in _plans(job):
-        plan = ResourcePlan.from_roles(stage_job.placement_roles())
-        if show:
-            out.print(plan.render(title=f"{stage}: resource plan"))
-        problems += [f"{stage}: {p}" for p in plan.check_fits(nodes)]
-        memory, too_big = check_memory(stage_job, plan, nodes, derived)
-        derived.update(written_shapes(stage_job, derived))
-        if show:
-            out.print(memory)
-        problems += [f"{stage}: {p}" for p in too_big]
-    if show:
-        out.print(f"checked against {which}: {describe_nodes(nodes)}")
-    return problems
-
-
 def cmd_validate(args: argparse.Namespace) -> int:
     source = ConfigSource.from_file(args.config).override(args.overrides)
     job = validate_job(source)
@@ -179,30 +126,14 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_job(args: argparse.Namespace) -> int:
     source = ConfigSource.from_file(args.config).override(args.overrides)
     job = validate_job(source, expect=args.command)
-    runner = job_runners().get(job.kind)
-    if runner is None:
-        console.print(f"rlhf-ray {job.kind}: {args.config} is valid, but the {job.kind} job is not implemented in "
-                      f"this version yet; nothing was started.")
-        return EXIT_NOT_IMPLEMENTED
     problems = check_plan(job, live=True, show=False)
     if problems:
         console.print("[red]refusing to start: the plan does not fit the cluster:[/red]\n  " + "\n  ".join(problems))
         return EXIT_PLAN_DOES_NOT_FIT
     preflight(job, source)  # every file the job reads, before Ray starts
-    stop_after = getattr(args, "stop_after", None)
-    summary = runner(job, stop_after=stop_after) if stop_after is not None else runner(job)
+    summary = run_job(job, stop_after=getattr(args, "stop_after", None))
     out.print_json(data=summary)
-    if _unfinished(summary):
-        console.print(f"rlhf-ray {job.kind}: stages not implemented in this version were skipped: "
-                      f"{', '.join(_unfinished(summary))}")
-        return EXIT_NOT_IMPLEMENTED
     return EXIT_OK
-
-
-def _unfinished(summary: dict) -> list[str]:
-    from rlhf_ray.jobs.pipeline import NOT_IMPLEMENTED
-
-    return [k for k, v in summary.items() if isinstance(v, dict) and v.get("status") == NOT_IMPLEMENTED]
 
 
 def cmd_init_model(args: argparse.Namespace) -> int:

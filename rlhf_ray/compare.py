@@ -3,8 +3,7 @@ with the rule-based score of each answer when a scoring function is given."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from rich.console import Console
@@ -13,17 +12,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_ray.data.collate import collate_prompts
 from rlhf_ray.data.tokens import TokenConventions
-
-
-def load_function(path: str) -> Callable:
-    """`package.module:function` -> the function, with an error that says which part was not found."""
-    module_name, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"expected 'package.module:function', got {path!r}")
-    try:
-        return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {path!r}: {exc}") from None
 
 
 @torch.no_grad()

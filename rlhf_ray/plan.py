@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from rlhf_ray.config.base import FieldProblem
-from rlhf_ray.config.placement import NodeShape, PlacementSpec
+from rlhf_ray.config.placement import NodeShape, PlacementSpec, colocation_root
 
 Resources = dict[str, float]
 KINDS = ("CPU", "GPU")
@@ -73,36 +73,6 @@ def _take(free: Resources, need: Resources) -> None:
         free[k] = free.get(k, 0.0) - v
 
 
-def _root(roles: dict[str, PlacementSpec], role: str) -> str:
-    """The role that owns the bundles `role` colocates with, or a FieldProblem that says what to fix."""
-    path = f"{role}.placement.colocate_with"
-    target = roles[role].colocate_with
-    assert target is not None
-    if target == role:
-        raise FieldProblem(path, f"role `{role}` cannot colocate with itself; remove colocate_with")
-    if target not in roles:
-        known = ", ".join(sorted(r for r in roles if r != role)) or "none"
-        raise FieldProblem(path, f"unknown role `{target}`; known roles: {known}")
-    if roles[target].colocate_with is not None:
-        chain, seen = [role, target], {role, target}
-        while (nxt := roles[chain[-1]].colocate_with) is not None and nxt in roles and nxt not in seen:
-            chain.append(nxt)
-            seen.add(nxt)
-        if nxt in seen:
-            cycle = " -> ".join([*chain, nxt])
-            raise FieldProblem(path, f"colocation cycle {cycle}; one of these roles must own the bundles "
-                               "(no colocate_with) and the others point at it")
-        root = chain[-1]
-        raise FieldProblem(path, f"`{target}` is itself colocated with `{roles[target].colocate_with}`; "
-                           f"colocation is one level deep: point `{role}` at the root role `{root}` instead")
-    a, b = roles[role].replicas, roles[target].replicas
-    if a != b:
-        raise FieldProblem(path, f"`{role}` has {a} replicas but `{target}` has {b}; colocated roles share "
-                           f"bundles one replica each, so set {role}.placement.replicas to {b} "
-                           "or remove colocate_with")
-    return target
-
-
 class ResourcePlan:
     """All placement groups of a job, in role order, plus where each role's replicas sit."""
 
@@ -112,7 +82,7 @@ class ResourcePlan:
 
     @classmethod
     def from_roles(cls, roles: dict[str, PlacementSpec]) -> ResourcePlan:
-        owners = {r: (_root(roles, r) if s.colocate_with else r) for r, s in roles.items()}
+        owners = {r: (colocation_root(roles, r) if s.colocate_with else r) for r, s in roles.items()}
         groups: list[GroupPlan] = []
         slots: dict[str, RoleSlot] = {}
         for owner, spec in roles.items():

@@ -10,14 +10,14 @@ from pathlib import Path
 from rich.console import Console
 
 from rlhf_ray.config import ConfigError, ConfigSource, PipelineJob, PPOJob, load_job, validate_job
-from rlhf_ray.preflight import preflight
+from rlhf_ray.exit_codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT
+from rlhf_ray.jobs.kinds import run_job
+from rlhf_ray.jobs.preflight import check_plan, preflight
 
 console = Console(soft_wrap=True)
 
 
 def run_quickstart(configs: Path, pipeline: bool = False) -> int:
-    from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, check_plan, job_runners
-
     files = sorted(configs.glob("*.yaml"))
     if not files:
         console.print(f"[red]no quickstart configs in {configs}[/red]")
@@ -51,11 +51,11 @@ def run_quickstart(configs: Path, pipeline: bool = False) -> int:
 
     if pipeline:
         console.print(f"[{steps}/{steps}] running the pipeline on the tiny model: SFT -> RM -> PPO")
-        summary = job_runners()["pipeline"](job)
+        summary = run_job(job)
     else:
         console.print(f"[{steps}/{steps}] GRPO on SmolLM2-135M-Instruct ({configs / 'grpo.yaml'}): "
                       f"{job.ppo.iterations} iterations, then the held-out prompts again")
-        summary = {"grpo": job_runners()["ppo"](job)}
+        summary = {"grpo": run_job(job)}
     console.print_json(data=summary)
     _report(summary)
     return EXIT_OK

@@ -15,8 +15,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from rlhf_ray.actors.reward_function import column_arguments
-from rlhf_ray.compare import load_function
+from rlhf_ray.functions import column_arguments, load_function
 
 
 def make_server(function, host: str = "127.0.0.1", port: int = 0) -> ThreadingHTTPServer:

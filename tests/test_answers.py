@@ -7,7 +7,7 @@ from fractions import Fraction
 
 import pytest
 
-from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
+from rlhf_ray.functions import RewardFunctionError, column_arguments
 from rlhf_ray.data.answers import (boxed, boxed_reward, exact_match_reward, first_line_number_reward, last_number,
                                    last_number_reward, normalize, same_answer)
 

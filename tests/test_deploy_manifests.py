@@ -257,7 +257,7 @@ def test_entrypoint_runs_a_config_of_this_repository(job: Manifest) -> None:
 
 @pytest.mark.parametrize("job", ray_manifests("RayJob"))
 def test_entrypoint_config_loads_and_its_plan_fits_the_cluster(job: Manifest) -> None:
-    from rlhf_ray.preflight import check_datasets, stages as job_stages
+    from rlhf_ray.jobs.preflight import check_datasets, stages as job_stages
     from rlhf_ray.config import ConfigSource, PipelineJob, validate_job
     from rlhf_ray.plan import ResourcePlan
 

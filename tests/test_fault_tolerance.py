@@ -18,7 +18,8 @@ import pytest
 import ray
 import torch
 
-from rlhf_ray.actors.reward_function import RewardFunctionError, RewardFunctionWorker
+from rlhf_ray.actors.reward_function import RewardFunctionWorker
+from rlhf_ray.functions import RewardFunctionError
 from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
 from tests.test_ppo_job import ppo_job
 

@@ -20,7 +20,8 @@ def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_
         from rlhf_ray.config.deepspeed import DeepSpeedSpec
         from rlhf_ray.config.model import ModelSpec
         from rlhf_ray.config.optim import OptimizerSpec
-        from rlhf_ray.learners.engine import build_engine, init_process_group, listen
+        from rlhf_ray.distributed import init_process_group, listen
+        from rlhf_ray.learners.engine import build_engine
         from rlhf_ray.models.loading import load_causal_lm
 
         sock = listen("127.0.0.1")
@@ -54,7 +55,8 @@ def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
         from rlhf_ray.config.deepspeed import DeepSpeedSpec
         from rlhf_ray.config.model import ModelSpec
         from rlhf_ray.config.optim import OptimizerSpec
-        from rlhf_ray.learners.engine import build_engine, init_process_group, listen
+        from rlhf_ray.distributed import init_process_group, listen
+        from rlhf_ray.learners.engine import build_engine
         from rlhf_ray.models.loading import load_causal_lm
 
         sock = listen("127.0.0.1")
@@ -102,7 +104,8 @@ def test_a_non_finite_gradient_skips_the_step_keeps_the_weights_and_is_counted(t
         from rlhf_ray.config.model import ModelSpec
         from rlhf_ray.config.optim import OptimizerSpec
         from rlhf_ray.learners.base import LearnerRank
-        from rlhf_ray.learners.engine import build_engine, init_process_group, listen
+        from rlhf_ray.distributed import init_process_group, listen
+        from rlhf_ray.learners.engine import build_engine
         from rlhf_ray.models.loading import load_causal_lm
 
         sock = listen("127.0.0.1")

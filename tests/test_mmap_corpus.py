@@ -17,7 +17,8 @@ from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.mmap_corpus import CorpusWriter, MMapCorpus
 from rlhf_ray.data.preprocess import (add_preprocess_arguments, pack_lengths, preprocess, run_preprocess,
                                       split_sentences)
-from rlhf_ray.data.sampler import MixedCorpus, ProportionalSampler, batch_counts, shard
+from rlhf_ray.config.pretrain import batch_counts
+from rlhf_ray.data.sampler import MixedCorpus, ProportionalSampler, shard
 
 WORDS = "alpha beta gamma delta token corpus sample packing memory stream sentence reader writer".split()
 CJK = ["你好", "世界", "数据", "模型", "训练"]

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.system
 def _sharded_group(cls, **kwargs):
     from rlhf_ray.actors.group import ActorGroup
     from rlhf_ray.config.placement import PlacementSpec
-    from rlhf_ray.learners.group import actor_env, rendezvous
+    from rlhf_ray.distributed import actor_env
+    from rlhf_ray.learners.group import rendezvous
 
     group = ActorGroup(cls, cls.__name__.lower(), 2, num_cpus=0.5, kwargs={**kwargs, "sharded": True},
                        env_vars=actor_env(PlacementSpec(num_cpus=0.5)), call_timeout_s=300)

@@ -19,7 +19,7 @@ from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
-from rlhf_ray.learners.group import threads
+from rlhf_ray.distributed import threads
 
 log = logging.getLogger(__name__)
 

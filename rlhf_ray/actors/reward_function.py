@@ -4,7 +4,6 @@ arguments (one list per column, as TRL does: `answer=[...]`), and returns one sc
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -12,28 +11,7 @@ import torch
 from rlhf_ray.actors.http_reward import RemoteRewardError
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import unpack_rollouts
-from rlhf_ray.compare import load_function
-
-
-class RewardFunctionError(RuntimeError):
-    """The reward function raised or returned something unusable; the message shows the sample."""
-
-
-def column_arguments(function, columns: list[dict]) -> dict[str, list]:
-    """The columns `function` takes as keyword arguments (all of them when it has **kwargs), one value per answer.
-    A required parameter no sample carries is a RewardFunctionError naming the function and the columns there are."""
-    params = list(inspect.signature(function).parameters.values())[2:]  # after (prompts, answers)
-    names = set().union(*(c.keys() for c in columns)) if columns else set()
-    wants_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
-    missing = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-               and p.default is inspect.Parameter.empty and p.name not in names]
-    if missing:
-        raise RewardFunctionError(f"reward function {getattr(function, '__qualname__', function)} needs the dataset "
-                                  f"column(s) {missing}, but the samples carry {sorted(names) or 'none'}; give the "
-                                  f"dataset those columns (format.columns) or use another function")
-    chosen = names if wants_all else names & named
-    return {name: [c.get(name) for c in columns] for name in sorted(chosen)}
+from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
 
 
 class RewardFunctionWorker:

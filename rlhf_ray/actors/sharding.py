@@ -17,7 +17,7 @@ import torch
 
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
 from rlhf_ray.config.model import ModelSpec
-from rlhf_ray.learners.engine import RendezvousHost, build_inference_engine, init_process_group
+from rlhf_ray.distributed import RendezvousHost, build_inference_engine, init_process_group
 
 
 def device() -> torch.device:

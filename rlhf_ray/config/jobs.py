@@ -13,8 +13,8 @@ from rlhf_ray.config.dpo import DPOSpec
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
-from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
-from rlhf_ray.config.pretrain import PretrainDataSpec
+from rlhf_ray.config.placement import ClusterSpec, PlacementSpec, colocation_root
+from rlhf_ray.config.pretrain import PretrainDataSpec, batch_counts
 from rlhf_ray.config.ppo import CRITIC_FREE, PPOSpec
 from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
 
@@ -41,7 +41,17 @@ def check_global_batch(global_field: str, global_batch: int, micro_field: str, m
 
 
 class JobBase(StrictModel):
-    """What every job has: where it writes, its seed, its cluster, logging and checkpoints."""
+    """What every job has: where it writes, its seed, its cluster, logging and checkpoints.
+
+    A job kind is registered once, here: its class in JOB_KINDS, and on the class what the rest of the project
+    finds from there: `summary` (its CLI command's help), `runner` (the function that runs it, by import path: the
+    jobs live above the configs), `steps_resume` (its CLI command takes --stop-after) and `memory` (the function
+    that sizes its roles for `validate`)."""
+
+    summary: ClassVar[str]
+    runner: ClassVar[str]
+    memory: ClassVar[str | None] = None
+    steps_resume: ClassVar[bool] = False
 
     kind: str
     """Job kind: pretrain, sft, rm, dpo, ppo or pipeline. Picks which model validates the rest of the file."""
@@ -57,18 +67,22 @@ class JobBase(StrictModel):
         """Role name -> placement, for the resource plan."""
         raise NotImplementedError
 
+    def stages(self) -> list[JobBase]:
+        """The jobs this one runs, in order: itself (a pipeline: its stages)."""
+        return [self]
+
     @model_validator(mode="after")
     def _placement_is_consistent(self) -> "JobBase":
         """A colocated role takes its host's replica count unless given; then the plan must be buildable
         (colocation targets exist, no chains, equal replicas)."""
-        from rlhf_ray.plan import ResourcePlan
-
         roles = self.placement_roles()
         for spec in roles.values():
             host = roles.get(spec.colocate_with or "")
             if host is not None and "replicas" not in spec.model_fields_set:
                 spec.replicas = host.replicas
-        ResourcePlan.from_roles(roles)
+        for role, spec in roles.items():
+            if spec.colocate_with:
+                colocation_root(roles, role)
         return self
 
 
@@ -137,6 +151,10 @@ class PretrainJob(_LearnerJob):
     """Continued pretraining: the causal-LM loss on every token of mmap corpora (`rlhf-ray preprocess` output), mixed
     by weight, with held-out perplexity per corpus; e.g. to adapt a model to a domain before SFT."""
 
+    summary: ClassVar[str] = "continued pretraining on mmap corpora"
+    runner: ClassVar[str] = "rlhf_ray.jobs.pretrain:run_pretrain"
+    memory: ClassVar[str | None] = "rlhf_ray.memory.budget:learner_memory_roles"
+    steps_resume: ClassVar[bool] = True
     kind: Literal["pretrain"] = "pretrain"
     model: ModelSpec
     """The model to continue training."""
@@ -144,8 +162,6 @@ class PretrainJob(_LearnerJob):
 
     @model_validator(mode="after")
     def _every_corpus_in_every_batch(self) -> "PretrainJob":
-        from rlhf_ray.data.sampler import batch_counts
-
         weights = [c.weight for c in self.data.corpora]
         for i, count in enumerate(batch_counts(weights, self.global_batch_size)):
             if count == 0:
@@ -165,12 +181,20 @@ class _SupervisedJob(_LearnerJob):
 class SFTJob(_SupervisedJob):
     """Step 1: supervised fine-tuning on prompt + chosen answer."""
 
+    summary: ClassVar[str] = "supervised fine-tuning"
+    runner: ClassVar[str] = "rlhf_ray.jobs.supervised:run_supervised"
+    memory: ClassVar[str | None] = "rlhf_ray.memory.budget:learner_memory_roles"
+    steps_resume: ClassVar[bool] = True
     kind: Literal["sft"] = "sft"
 
 
 class RMJob(_SupervisedJob):
     """Step 2: a reward model (backbone + scalar head) trained on preference pairs."""
 
+    summary: ClassVar[str] = "reward-model training"
+    runner: ClassVar[str] = "rlhf_ray.jobs.supervised:run_supervised"
+    memory: ClassVar[str | None] = "rlhf_ray.memory.budget:learner_memory_roles"
+    steps_resume: ClassVar[bool] = True
     kind: Literal["rm"] = "rm"
     loss: Literal["pairwise", "divergence_window"] = "pairwise"
     """pairwise: -logsigmoid(r_chosen - r_rejected) at the last real token; divergence_window: DeepSpeed-Chat's
@@ -181,6 +205,10 @@ class DPOJob(_SupervisedJob):
     """Direct preference optimisation: the policy learns from preference pairs against a frozen reference, without
     a reward model or sampling. Trains on the pairs share of `data.split` (the RM phase's)."""
 
+    summary: ClassVar[str] = "direct preference optimisation"
+    runner: ClassVar[str] = "rlhf_ray.jobs.dpo:run_dpo"
+    memory: ClassVar[str | None] = "rlhf_ray.memory.budget:dpo_memory_roles"
+    steps_resume: ClassVar[bool] = True
     kind: Literal["dpo"] = "dpo"
     dpo: DPOSpec = Field(default_factory=DPOSpec)
 
@@ -260,6 +288,9 @@ class PPOJob(JobBase):
     """Step 3: PPO (or GRPO / RLOO / REINFORCE++) with separate policy, critic, reference, reward and generation
     groups."""
 
+    summary: ClassVar[str] = "PPO (actor/learner service)"
+    runner: ClassVar[str] = "rlhf_ray.jobs.ppo:run_ppo"
+    memory: ClassVar[str | None] = "rlhf_ray.memory.budget:ppo_memory_roles"
     kind: Literal["ppo"] = "ppo"
     data: DataSpec = Field(default_factory=DataSpec)
     policy: LearnerRoleSpec = Field(default_factory=LearnerRoleSpec)
@@ -424,6 +455,8 @@ class PipelineJob(JobBase):
     model from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
     and reward model from the RM, unless a path is given; DPO starts from the SFT model."""
 
+    summary: ClassVar[str] = "(pretrain ->) SFT -> RM -> PPO, or SFT -> DPO"
+    runner: ClassVar[str] = "rlhf_ray.jobs.pipeline:run_pipeline"
     kind: Literal["pipeline"] = "pipeline"
     pretrain: PretrainJob | None = None
     """Optional stage 0, as in a pretrain config: continued pretraining on mmap corpora, whose model SFT starts from
@@ -492,5 +525,6 @@ class PipelineJob(JobBase):
         return first + [self.sft] + [stage for stage in later if stage is not None]
 
 
-JOB_KINDS: dict[str, type[JobBase]] = {"pretrain": PretrainJob, "sft": SFTJob, "rm": RMJob, "dpo": DPOJob,
-                                       "ppo": PPOJob, "pipeline": PipelineJob}
+JOB_KINDS: dict[str, type[JobBase]] = {cls.model_fields["kind"].default: cls for cls in (
+    PretrainJob, SFTJob, RMJob, DPOJob, PPOJob, PipelineJob)}
+"""Every job kind, by its `kind:` (the loader's discriminator). Adding a kind: its config class here; see JobBase."""

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from rlhf_ray.config.base import StrictModel
+from rlhf_ray.config.base import FieldProblem, StrictModel
 
 Strategy = Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"]
 
@@ -80,3 +80,33 @@ class ClusterSpec(StrictModel):
     without it, so the job removes all its actors and starts them again from the last checkpoint, by itself, up
     to this many times (counted in metrics as `actors/learner_restarts`); 0 stops the job instead (run it again
     to resume)."""
+
+
+def colocation_root(roles: dict[str, PlacementSpec], role: str) -> str:
+    """The role that owns the bundles `role` colocates with, or a FieldProblem that says what to fix."""
+    path = f"{role}.placement.colocate_with"
+    target = roles[role].colocate_with
+    assert target is not None
+    if target == role:
+        raise FieldProblem(path, f"role `{role}` cannot colocate with itself; remove colocate_with")
+    if target not in roles:
+        known = ", ".join(sorted(r for r in roles if r != role)) or "none"
+        raise FieldProblem(path, f"unknown role `{target}`; known roles: {known}")
+    if roles[target].colocate_with is not None:
+        chain, seen = [role, target], {role, target}
+        while (nxt := roles[chain[-1]].colocate_with) is not None and nxt in roles and nxt not in seen:
+            chain.append(nxt)
+            seen.add(nxt)
+        if nxt in seen:
+            cycle = " -> ".join([*chain, nxt])
+            raise FieldProblem(path, f"colocation cycle {cycle}; one of these roles must own the bundles "
+                               "(no colocate_with) and the others point at it")
+        root = chain[-1]
+        raise FieldProblem(path, f"`{target}` is itself colocated with `{roles[target].colocate_with}`; "
+                           f"colocation is one level deep: point `{role}` at the root role `{root}` instead")
+    a, b = roles[role].replicas, roles[target].replicas
+    if a != b:
+        raise FieldProblem(path, f"`{role}` has {a} replicas but `{target}` has {b}; colocated roles share "
+                           f"bundles one replica each, so set {role}.placement.replicas to {b} "
+                           "or remove colocate_with")
+    return target

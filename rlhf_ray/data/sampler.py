@@ -25,30 +25,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from rlhf_ray.config.pretrain import batch_counts
 from rlhf_ray.data.mmap_corpus import MMapCorpus
 
 Batch = list[tuple[int, int]]
-
-
-def batch_counts(weights: Sequence[float], global_batch_size: int) -> list[int]:
-    """Largest-remainder rounding: each corpus first gets ``floor(w_j / sum(w) * B)``; the seats still missing
-    go one each to the corpora with the largest fractional parts (ties: the lower corpus index). Computed on
-    the decimal values of the weights (``Fraction(str(w))``) so 0.1/0.2/0.7 round as written, not as binary
-    floats."""
-    if global_batch_size < 1:
-        raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-    try:
-        fracs = [Fraction(str(w)) for w in weights]
-    except (ValueError, TypeError):
-        raise ValueError(f"weights must be finite numbers, got {list(weights)}") from None
-    if not fracs or any(f < 0 for f in fracs) or sum(fracs) == 0:
-        raise ValueError(f"weights must be >= 0 with a positive sum, got {list(weights)}")
-    quotas = [f / sum(fracs) * global_batch_size for f in fracs]
-    counts = [int(q) for q in quotas]  # floor: quotas are non-negative
-    order = sorted(range(len(quotas)), key=lambda j: (-(quotas[j] - counts[j]), j))
-    for j in order[:global_batch_size - sum(counts)]:
-        counts[j] += 1
-    return counts
 
 
 def interleave(counts: Sequence[int]) -> list[int]:

@@ -11,6 +11,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
+from rlhf_ray.data.calculator import calculate, first_message, show
 from rlhf_ray.data.raw import RawDataset, RawSample
 
 NAME = "demo/word-problems"
@@ -105,10 +106,7 @@ CALCULATOR_VERSION = 1
 def calculator_conversation(problem: WordProblem) -> tuple[dict[str, str], ...]:
     """One worked tool-use episode of the calculator environment: its own first message for this problem, one
     `<calc>` call with the whole computation, the calculator's result, the final answer."""
-    from rlhf_ray.envs.calculator import CalculatorEnv, show, calculate
-
-    first = CalculatorEnv().reset({"prompt": problem.prompt, "answer": problem.value})
-    return (*first, {"role": "assistant", "content": f"<calc>{problem.expression}</calc>"},
+    return (first_message(problem.prompt), {"role": "assistant", "content": f"<calc>{problem.expression}</calc>"},
             {"role": "tool", "content": show(calculate(problem.expression))},
             {"role": "assistant", "content": f"The answer is {problem.value}."})
 

@@ -112,7 +112,7 @@ class EpisodeRunner:
     prompt, and plays the episodes on the engine (n samples of a prompt are n episodes)."""
 
     def __init__(self, spec, tokenizer, tokens, sampling):
-        from rlhf_ray.compare import load_function
+        from rlhf_ray.functions import load_function
 
         self.spec, self.tokenizer, self.tokens = spec, tokenizer, tokens
         self.env_class = load_function(spec.path)

@@ -10,14 +10,14 @@ from rlhf_ray.envs.base import Environment, Step
 class RetryEnv(Environment):
     def __init__(self, rule: str = "rlhf_ray.data.answers:last_number_reward",
                  reply: str = "That is not right. Try again."):
-        from rlhf_ray.compare import load_function
+        from rlhf_ray.functions import load_function
 
         self.rule, self.reply = load_function(rule), reply
         self.prompt, self.columns = "", {}
 
     def reset(self, sample: dict) -> list[dict[str, str]]:
         """The dataset's prompt as the first user message (its ' Human: ... Assistant:' wrapper removed)."""
-        from rlhf_ray.actors.reward_function import column_arguments
+        from rlhf_ray.functions import column_arguments
 
         self.prompt = sample["prompt"]
         self.columns = column_arguments(self.rule, [{k: v for k, v in sample.items() if k != "prompt"}])

@@ -32,7 +32,8 @@ from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
 from rlhf_ray.jobs.supervised import learner_kwargs, prepared, train_steps
 from rlhf_ray.learners.dpo import DPOLearner
-from rlhf_ray.learners.group import actor_env, start_learner_group
+from rlhf_ray.distributed import actor_env
+from rlhf_ray.learners.group import start_learner_group
 from rlhf_ray.learners.schedule import micro_batches
 from rlhf_ray.plan import ResourcePlan
 

@@ -23,15 +23,14 @@ from tqdm import tqdm
 from rlhf_ray import cluster
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
 from rlhf_ray.actors.http_reward import HttpReward
-from rlhf_ray.actors.reward_function import RewardFunctionError, column_arguments
+from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
-from rlhf_ray.compare import load_function
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.diagnostics import Diagnostics
-from rlhf_ray.preflight import check_corpora
+from rlhf_ray.jobs.preflight import check_corpora
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo_run import PPORun, merged_metrics, sharded_roles
 from rlhf_ray.jobs.rollout_feed import RolloutFeed

@@ -16,7 +16,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlhf_ray.actors.experience import ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, gather, resilient_gather, results_lost
 from rlhf_ray.actors.pool import GenerationPool
-from rlhf_ray.actors.reward_function import RewardFunctionWorker, column_arguments
+from rlhf_ray.actors.reward_function import RewardFunctionWorker
+from rlhf_ray.functions import column_arguments
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import pack_rollouts, row_bounds
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer, TrainingPlan
@@ -27,7 +28,8 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.envs.episode import EPISODE_COLUMNS, episode_metrics
 from rlhf_ray.learners.critic import CriticLearner
-from rlhf_ray.learners.group import actor_env, rendezvous, setup_learner_group, spawn_learner_group
+from rlhf_ray.distributed import actor_env
+from rlhf_ray.learners.group import rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.models.loading import load_tokenizer

@@ -17,7 +17,8 @@ import torch
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
-from rlhf_ray.learners.engine import RendezvousHost, apply_lora, build_engine, init_process_group
+from rlhf_ray.distributed import RendezvousHost, init_process_group
+from rlhf_ray.learners.engine import apply_lora, build_engine
 from rlhf_ray.models.lora_weights import adapter_file_name, is_adapter
 from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
 from rlhf_ray.models.weight_buckets import group_by_size

@@ -1,107 +1,19 @@
-"""Process-group setup and DeepSpeed engine construction for one learner rank."""
+"""DeepSpeed engine construction for one learner rank: optimizer, LoRA, the engine itself."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import re
-import socket
-from collections.abc import Callable
 
 import torch
 
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
+from rlhf_ray.distributed import on_gpu
 
 log = logging.getLogger(__name__)
-
-
-def on_gpu() -> bool:
-    return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
-
-
-def listen(host: str) -> socket.socket:
-    """A listening socket on `host` (this node's Ray address: 127.0.0.1 on a local cluster) and a free port, for
-    a rendezvous store to take over. torch's TCPStore given only a host and port listens on every interface."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
-    sock.listen(128)
-    return sock
-
-
-class RendezvousHost:
-    """A member of a process group that may host its rendezvous (rank 0 of a learner group or of a sharded
-    inference group): it hands out its node address and a port it keeps listening on until the group's store
-    takes the socket over, so no other process can take the port meanwhile."""
-
-    _listeners: dict[int, socket.socket]
-
-    def rendezvous_address(self) -> tuple[str, int]:
-        """This rank's node address and a free port, for a process group it hosts."""
-        import ray
-
-        listener = listen(ray.util.get_node_ip_address())
-        host, port = listener.getsockname()[:2]
-        if not hasattr(self, "_listeners"):
-            self._listeners = {}
-        self._listeners[port] = listener
-        return host, port
-
-    def take_listener(self, port: int) -> socket.socket | None:
-        return getattr(self, "_listeners", {}).pop(port, None)
-
-
-def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta,
-                     listener: socket.socket | None = None):
-    """The TCPStore of a process group: rank 0 serves it on `listener` (bound to `host` only), the others connect."""
-    import torch.distributed as dist
-
-    if rank == 0:
-        if listener is None:
-            raise RuntimeError(f"rank 0 of the group at {host}:{port} has no listening socket; call "
-                               "rendezvous_address on it first")
-        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
-                             master_listen_fd=listener.detach())  # the store owns the socket from here on
-    return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
-
-
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
-                       listener: socket.socket | None = None, timeout_s: float = 1800.0) -> None:
-    """One torch.distributed world per learner group (NCCL on GPUs, gloo on CPU), its store bound to the master's
-    address only. Ray sets CUDA_VISIBLE_DEVICES to this actor's GPU, so the local device is always 0."""
-    import deepspeed
-    import torch.distributed as dist
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-    if on_gpu():
-        torch.cuda.set_device(0)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = rendezvous_store(master_addr, master_port, rank, world_size, timeout, listener)
-    backend = "nccl" if on_gpu() else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts the group above
-
-
-def build_inference_engine(load: Callable[[], torch.nn.Module], spec: ModelSpec, micro_batch_size: int,
-                           world_size: int, ds: DeepSpeedSpec | None = None):
-    """ZeRO-3 inference (no optimizer): the model's weights are partitioned over the group's ranks as they load
-    (transformers builds them under zero.Init while the returned HfDeepSpeedConfig is alive: keep it) and gathered
-    layer by layer during each forward. Returns (engine, that config)."""
-    import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-
-    ds = ds or DeepSpeedSpec(zero_stage=3)
-    config = ds.model_copy(update={"zero_stage": 3}).to_ds_config(spec.dtype, micro_batch_size, world_size)
-    hf_config = HfDeepSpeedConfig(config)
-    model = load()
-    model.requires_grad_(False)
-    engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
-    engine.eval()
-    return engine, hf_config
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:

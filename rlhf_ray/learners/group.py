@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import math
-
 from rlhf_ray.actors.group import ActorGroup, gather
 from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
-
-
-def threads(placement: PlacementSpec) -> int:
-    return placement.threads or max(1, math.floor(placement.num_cpus))
-
-
-def actor_env(placement: PlacementSpec) -> dict[str, str]:
-    """CPU ranks run DeepSpeed's CPU accelerator; torch threads match the CPUs reserved for the rank."""
-    env = {"OMP_NUM_THREADS": str(threads(placement))}
-    if placement.num_gpus == 0:
-        env["DS_ACCELERATOR"] = "cpu"
-    return env
+from rlhf_ray.distributed import actor_env
 
 
 def start_learner_group(cls: type, role: str, placement: PlacementSpec, placement_group, bundle_indices: list[int],

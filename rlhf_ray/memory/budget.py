@@ -15,6 +15,7 @@ from rich.table import Table
 
 from rlhf_ray.memory.estimate import (DTYPE_BYTES, GiB, RoleBytes, engine_bytes, gradient_bucket, inference_bytes,
                                       learner_bytes)
+from rlhf_ray.functions import load_function
 from rlhf_ray.memory.shapes import ModelShape, shape_of
 from rlhf_ray.models.packaged import packaged_model
 
@@ -90,22 +91,34 @@ def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: di
 
 def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape] | None = None
                 ) -> dict[str, RoleMemory]:
-    """Per-replica bytes of every role of one job (pretrain, SFT, RM, DPO or PPO). `derived`: shapes of model folders an
-    earlier pipeline stage writes (the SFT output has the SFT input's shape)."""
-    derived = derived or {}
-    if job.kind == "dpo":  # chosen + rejected of each pair in one forward, every answer position scored
-        seq, micro = job.data.max_seq_len, 2 * job.train.micro_batch_size
-        reference = job.dpo.reference.model_copy(update={"model": job.reference_model,
-                                                         "micro_batch_size": 2 * job.dpo.reference.micro_batch_size})
-        return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq,
-                                    job.placement.num_gpus > 0, False, derived),
-                "reference": _scorer("reference", reference, seq, seq, False, derived)}
-    if job.kind in ("sft", "rm", "pretrain"):
-        gpu = job.placement.num_gpus > 0
-        micro = job.train.micro_batch_size * (2 if job.kind == "rm" else 1)  # chosen + rejected
-        seq = _corpus_seq_len(job.data) if job.kind == "pretrain" else job.data.max_seq_len
-        return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq, gpu,
-                                    job.kind == "rm", derived)}
+    """Per-replica bytes of every role of one job, by the function its kind names (JobBase.memory). `derived`: shapes
+    of model folders an earlier pipeline stage writes (the SFT output has the SFT input's shape)."""
+    if type(job).memory is None:
+        raise ValueError(f"a {job.kind} job has no roles of its own to size (size its stages)")
+    return load_function(type(job).memory)(job, gpu_bytes, derived or {})
+
+
+def learner_memory_roles(job, gpu_bytes: int | None, derived: dict[str, ModelShape]) -> dict[str, RoleMemory]:
+    """Pretrain, SFT and RM: one learner group."""
+    gpu = job.placement.num_gpus > 0
+    micro = job.train.micro_batch_size * (2 if job.kind == "rm" else 1)  # chosen + rejected
+    seq = _corpus_seq_len(job.data) if job.kind == "pretrain" else job.data.max_seq_len
+    return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq, gpu,
+                                job.kind == "rm", derived)}
+
+
+def dpo_memory_roles(job, gpu_bytes: int | None, derived: dict[str, ModelShape]) -> dict[str, RoleMemory]:
+    """DPO: chosen + rejected of each pair in one forward, every answer position scored; the reference alike."""
+    seq, micro = job.data.max_seq_len, 2 * job.train.micro_batch_size
+    reference = job.dpo.reference.model_copy(update={"model": job.reference_model,
+                                                     "micro_batch_size": 2 * job.dpo.reference.micro_batch_size})
+    return {"learner": _learner("learner", job.model, job.deepspeed, job.placement.replicas, micro, seq, seq,
+                                job.placement.num_gpus > 0, False, derived),
+            "reference": _scorer("reference", reference, seq, seq, False, derived)}
+
+
+def ppo_memory_roles(job, gpu_bytes: int | None, derived: dict[str, ModelShape]) -> dict[str, RoleMemory]:
+    """PPO: policy, reference, critic, reward and the generation engines."""
     answer = job.generation.max_answer_tokens
     seq = job.data.max_prompt_len + answer
     policy = job.policy

@@ -21,7 +21,6 @@ def gpu_recipes(root: Path) -> list[Path]:
 
 def render(root: Path) -> str:
     from rlhf_ray.config import load_job
-    from rlhf_ray.config.jobs import PipelineJob
     from rlhf_ray.plan import ResourcePlan, nodes_from_shape
 
     lines = [HEADING, "",
@@ -35,7 +34,7 @@ def render(root: Path) -> str:
         job = load_job(path)
         nodes = nodes_from_shape(job.cluster.shape)
         derived: dict = {}
-        for stage in job.stages() if isinstance(job, PipelineJob) else [job]:
+        for stage in job.stages():
             plan = ResourcePlan.from_roles(stage.placement_roles())
             lines += [f"| `{path.name}` {row}" for row in recipe_table(stage, plan, nodes, derived)]
             derived.update(written_shapes(stage, derived))

@@ -35,7 +35,7 @@ class WeightSyncGroup:
         """Rank 0 (the learner) serves the group's store on `listener`, a socket bound to `host` only."""
         import torch.distributed as dist
 
-        from rlhf_ray.learners.engine import rendezvous_store
+        from rlhf_ray.distributed import rendezvous_store
 
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None

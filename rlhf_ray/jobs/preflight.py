@@ -13,10 +13,13 @@ from pathlib import Path
 from typing import Iterator
 
 from pydantic import BaseModel
+from rich.console import Console
 
-from rlhf_ray.config import ConfigError, ConfigSource, JobBase, PipelineJob
+from rlhf_ray.config import ConfigError, ConfigSource, JobBase
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.memory.budget import check_memory, written_shapes
+from rlhf_ray.plan import ResourcePlan, describe_nodes, nodes_from_shape
 
 Loc = tuple[str, ...]
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -24,9 +27,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?
 
 def stages(job: JobBase) -> list[tuple[Loc, JobBase]]:
     """(field prefix, job) for each stage: one for a plain job, sft / rm / ppo for a pipeline."""
-    if isinstance(job, PipelineJob):
-        return [((stage.kind,), stage) for stage in job.stages()]
-    return [((), job)]
+    return [((stage.kind,) if stage is not job else (), stage) for stage in job.stages()]
 
 
 def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
@@ -146,7 +147,7 @@ def _tokenizer_size(spec: ModelSpec) -> int | None:
 
 def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
     """`reward.function` (and `ppo.accuracy_function`) import and take (prompts, answers, **columns)."""
-    from rlhf_ray.compare import load_function
+    from rlhf_ray.functions import load_function
 
     names = [(("reward", "function"), getattr(getattr(job, "reward", None), "function", None)),
              (("ppo", "accuracy_function"), getattr(getattr(job, "ppo", None), "accuracy_function", None))]
@@ -175,7 +176,7 @@ def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
 
 def check_environment(job: JobBase) -> Iterator[tuple[Loc, str]]:
     """`generation.environment.path` imports and names an Environment class its options can build."""
-    from rlhf_ray.compare import load_function
+    from rlhf_ray.functions import load_function
     from rlhf_ray.envs.base import Environment
 
     env = getattr(getattr(job, "generation", None), "environment", None)
@@ -352,4 +353,40 @@ def check_engines(job: JobBase, source: ConfigSource, files: bool = True) -> lis
         for field, problem in model_problems(stage_job):
             loc = prefix + tuple(field.split("."))
             problems.append(f"{source.where(loc)}: {'.'.join(loc)}: {problem}")
+    return problems
+
+
+# ---- the plan against the cluster ----------------------------------------------------------------------------
+def _cluster_nodes(job: JobBase, live: bool) -> tuple[list[dict[str, float]], str]:
+    """Nodes to check the plan against, and a phrase saying which cluster that is."""
+    from rlhf_ray import cluster
+
+    spec = job.cluster
+    if spec.shape is not None and not live:
+        return nodes_from_shape(spec.shape), "the cluster shape declared in cluster.shape"
+    if spec.address or os.environ.get("RAY_ADDRESS"):
+        with cluster.connect(spec) as handle:
+            return handle.nodes(), f"the live Ray cluster at {spec.address or os.environ['RAY_ADDRESS']}"
+    return cluster.local_nodes(spec), "this machine (an embedded local Ray)"
+
+
+def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]:
+    """Every stage's resource plan against the cluster it would run on; problems prefixed by stage."""
+    out = Console(soft_wrap=True)
+    nodes, which = _cluster_nodes(job, live)
+    problems: list[str] = []
+    derived: dict = {}  # shapes of the models earlier stages write
+    for stage_job in job.stages():
+        stage = stage_job.kind
+        plan = ResourcePlan.from_roles(stage_job.placement_roles())
+        if show:
+            out.print(plan.render(title=f"{stage}: resource plan"))
+        problems += [f"{stage}: {p}" for p in plan.check_fits(nodes)]
+        memory, too_big = check_memory(stage_job, plan, nodes, derived)
+        derived.update(written_shapes(stage_job, derived))
+        if show:
+            out.print(memory)
+        problems += [f"{stage}: {p}" for p in too_big]
+    if show:
+        out.print(f"checked against {which}: {describe_nodes(nodes)}")
     return problems
