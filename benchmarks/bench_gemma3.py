@@ -101,7 +101,10 @@ def sync_parity(folder: Path, workdir: Path) -> dict:
     from rlhf_ray.config import load_job
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.data.tokens import TokenConventions
-    from rlhf_ray.jobs.ppo_run import PPORun
+    from rlhf_ray.jobs.checkpoints import Checkpoints
+    from rlhf_ray.jobs.metrics import MetricsLogger
+    from rlhf_ray.jobs.ppo.trainer import PPOTrainer
+    from rlhf_ray.jobs.ppo.workers import RoleWorkers
     from rlhf_ray.plan import ResourcePlan
 
     job = load_job(ROOT / RECIPE, [f"policy.model.path={folder}", "policy.model.gguf_file=null",
@@ -117,29 +120,35 @@ def sync_parity(folder: Path, workdir: Path) -> dict:
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
         groups = cluster.place(plan, handle.nodes(), 120)
+        workers = None
         try:
-            run = PPORun(job, plan, groups, tokenizer, tokens)
+            workers = RoleWorkers(job, plan, groups, tokenizer, tokens)
+            trainer = PPOTrainer(job, workers, data, tokenizer, metrics=MetricsLogger(job.output_dir, job.logging, "b"),
+                                 checkpoints=Checkpoints(job.output_dir, 1))
             for iteration, engine in enumerate(["hf", "vllm"]):
                 if engine == "vllm":
-                    run.pool.group.kill()
+                    workers.pool.group.kill()
                     name, bundles = plan.role_slots("generation")
-                    run.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, run.restarts)
-                    run.sync_weights(bump=False)
+                    workers.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, workers.restarts)
+                    trainer.weights.sync(bump=False)
                 rows = data.train[iteration * 4:(iteration + 1) * 4]
-                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
-                run.step(iteration, rollout, list(range(4)))
-                learner.load_state_dict(run.policy.call("gathered_state_dict")[0], strict=False)
+                rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows], seed=iteration,
+                                                                   columns=[r["columns"] for r in rows]))
+                trainer.rollouts.put(iteration, rollout, trainer.weights.version)
+                trainer.iterate(iteration)
+                learner.load_state_dict(workers.policy.call("gathered_state_dict")[0], strict=False)
                 same = 0
-                for s in run.pool.generate(probe, seed=0, greedy=True):
+                for s in workers.pool.generate(probe, seed=0, greedy=True):
                     ids = torch.tensor([s["prompt_ids"]])
                     with torch.no_grad():
                         want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                 max_new_tokens=job.generation.sampling.max_new_tokens,
                                                 eos_token_id=list(tokens.stop_ids), pad_token_id=tokens.pad_id)
                     same += s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
-                found[engine] = {"prompts": len(probe), "identical": same, "version": run.pool.versions()[0]}
-            run.kill()
+                found[engine] = {"prompts": len(probe), "identical": same, "version": workers.pool.versions()[0]}
         finally:
+            if workers is not None:
+                workers.kill()
             cluster.remove(groups)
     return found
 
@@ -192,13 +201,25 @@ def main() -> None:
     args = parser.parse_args()
     if not args.report:
         workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench_gemma3."))
-        folder, imported = import_model(workdir)
+
+        def stage(name: str, run):
+            """A stage's result, kept in the workdir: a rerun with the same --workdir reuses the finished ones."""
+            kept = workdir / f"{name}.json"
+            if kept.is_file():
+                return json.loads(kept.read_text())
+            found = run()
+            kept.write_text(json.dumps(found))
+            return found
+
+        imported = stage("import", lambda: import_model(workdir)[1])
+        folder = workdir / "gemma3"
         print(f"imported in {imported['import_s']:.0f} s", flush=True)
         result = {"date": today(), "machine": machine(), "versions": versions("torch", "transformers", "vllm"),
-                  "import": imported, "greedy": greedy_answers(folder)}
+                  "import": imported, "greedy": stage("greedy", lambda: greedy_answers(folder))}
         print(json.dumps(result["greedy"], indent=1), flush=True)
-        result["grpo"] = {e: grpo_run(e, args.iterations, args.eval_prompts, workdir) for e in ("hf", "vllm")}
-        result["parity"] = sync_parity(folder, workdir)
+        result["grpo"] = {e: stage(f"grpo-{e}", lambda e=e: grpo_run(e, args.iterations, args.eval_prompts, workdir))
+                          for e in ("hf", "vllm")}
+        result["parity"] = stage("parity", lambda: sync_parity(folder, workdir))
         RESULT.parent.mkdir(parents=True, exist_ok=True)
         RESULT.write_text(json.dumps(result, indent=1) + "\n")
     text = render(json.loads(RESULT.read_text()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -64,3 +65,49 @@ def sft_model(tmp_path_factory, tiny_model) -> Path:
 def rm_model(tmp_path_factory, sft_model) -> Path:
     """A reward model trained by the quickstart RM config on demo/sort pairs, from the SFT model as there."""
     return _quick_stage("rm", tmp_path_factory.mktemp("stages"), sft_model)
+
+
+@contextlib.contextmanager
+def placed_trainer(job, tokenizer, data, tokens=None):
+    """A PPOTrainer on its roles, placed on the job's cluster (an embedded Ray unless one is connected), as run_ppo
+    places it; every actor and placement group goes at the end. Tests drive its parts: a rollout put with
+    `trainer.rollouts.put`, then `trainer.iterate(step)`, the loop body of `fit` (one_update does both)."""
+    from rlhf_ray import cluster
+    from rlhf_ray.plan import ResourcePlan
+
+    with cluster.connect(job.cluster) as handle:
+        plan = ResourcePlan.from_roles(job.placement_roles())
+        groups = cluster.place(plan, handle.nodes(), 120)
+        try:
+            with trainer_on(job, plan, groups, tokenizer, data, tokens) as trainer:
+                yield trainer
+        finally:
+            cluster.remove(groups)
+
+
+@contextlib.contextmanager
+def trainer_on(job, plan, groups, tokenizer, data, tokens=None):
+    """A PPOTrainer whose roles start on placement groups the caller placed; its actors are killed at the end."""
+    from rlhf_ray.data.tokens import TokenConventions
+    from rlhf_ray.jobs.checkpoints import Checkpoints
+    from rlhf_ray.jobs.metrics import MetricsLogger
+    from rlhf_ray.jobs.ppo.trainer import PPOTrainer
+    from rlhf_ray.jobs.ppo.workers import RoleWorkers
+
+    tokens = tokens or TokenConventions.from_tokenizer(tokenizer, job.policy.model.path)
+    workers = None
+    metrics = MetricsLogger(job.output_dir, job.logging, run_name="test")
+    try:
+        workers = RoleWorkers(job, plan, groups, tokenizer, tokens)
+        yield PPOTrainer(job, workers, data, tokenizer, metrics=metrics,
+                         checkpoints=Checkpoints(job.output_dir, job.checkpoint.keep_last))
+    finally:
+        metrics.close()
+        if workers is not None:  # named actors go before their groups, so the next test can take the names
+            workers.kill()
+
+
+def one_update(trainer, step: int, rollout) -> dict[str, float]:
+    """Train on `rollout` (collected by the test): scored and put in the buffer, then one iteration of the loop."""
+    trainer.rollouts.put(step, rollout, trainer.weights.version)
+    return trainer.iterate(step)[1]

@@ -134,7 +134,7 @@ def test_word_problems_stay_the_same_and_their_calculator_conversations_solve_th
 def test_the_task_accuracy_rule_is_the_named_function_else_the_datasets_own():
     from rlhf_ray.config import ConfigError, load_job
     from rlhf_ray.data import demo
-    from rlhf_ray.jobs.ppo import accuracy_rule
+    from rlhf_ray.jobs.ppo.job import accuracy_rule
     from tests.conftest import ROOT
 
     def job(*overrides):

@@ -87,7 +87,7 @@ def test_vllm_dtype_is_the_policys_unless_set():
 def test_weight_sync_over_nccl_only_where_every_member_has_a_gpu_of_its_own():
     """One GPU shared by fractional bundles (configs/recipes/opt-1.3b-single-gpu.yaml: policy 0.35, engine 0.35)
     cannot host an NCCL group: `auto` takes the object store there, an explicit `collective` is refused by name."""
-    from rlhf_ray.jobs.ppo_run import collective_or_object_store
+    from rlhf_ray.jobs.ppo.weight_sync import collective_or_object_store
     from rlhf_ray.models.weight_transport import gpus_shared
 
     one_gpu = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [0])}

@@ -40,47 +40,41 @@ def assert_no_half_written_checkpoint(out: Path) -> None:
 
 @contextlib.contextmanager
 def two_engine_run(tmp_path, sft_model, rm_model, *overrides):
-    """A PPORun with two engines on an embedded Ray, one iteration done; yields (run, 32 training prompts)."""
+    """A PPO trainer with two engines on an embedded Ray, one iteration done; yields (trainer, 32 training prompts)."""
     from transformers import AutoTokenizer
 
-    from rlhf_ray import cluster
     from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.ppo_run import PPORun
-    from rlhf_ray.plan import ResourcePlan
+    from tests.conftest import one_update, placed_trainer
 
     job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
                   "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25", *overrides)
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     prompts = [r["prompt_ids"] for r in data.train[:32]]
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
-        try:
-            run = PPORun(job, plan, groups, tokenizer)
-            run.step(0, run.pool.collect(run.pool.submit(prompts, seed=0)), list(range(32)))
-            assert run.pool.versions() == [1, 1]
-            yield run, prompts
-        finally:
-            cluster.remove(groups)
+    with placed_trainer(job, tokenizer, data) as trainer:
+        pool = trainer.workers.pool
+        one_update(trainer, 0, pool.collect(pool.submit(prompts, seed=0)))
+        assert pool.versions() == [1, 1]
+        yield trainer, prompts
 
 
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_killed_engine_and_reward_actor_are_replaced_and_their_work_reissued(tmp_path, sft_model, rm_model, transport):
     with two_engine_run(tmp_path, sft_model, rm_model, f"generation.weight_sync.transport={transport}") as started:
-        run, prompts = started
-        pending = run.pool.submit(prompts, seed=1)
-        ray.kill(run.pool.group.actors[1], no_restart=True)  # dies while generating its half of the prompts
-        rollout = run.pool.collect(pending)
-        assert run.restarts.replaced == ["generation-1"]
-        assert rollout["samples"] == 32 and rollout["version"] == 1  # the new engine was brought to version 1
-        assert run.pool.versions() == [1, 1]
-        greedy = run.pool.generate(prompts[:4] * 2, seed=0, greedy=True)  # engine 0 and engine 1, same prompts
+        trainer, prompts = started
+        pool, restarts = trainer.workers.pool, trainer.workers.restarts
+        pending = pool.submit(prompts, seed=1)
+        ray.kill(pool.group.actors[1], no_restart=True)  # dies while generating its half of the prompts
+        rollout = pool.collect(pending)
+        assert restarts.replaced == ["generation-1"]
+        assert rollout.samples == 32 and rollout.version == 1  # the new engine was brought to version 1
+        assert pool.versions() == [1, 1]
+        greedy = pool.generate(prompts[:4] * 2, seed=0, greedy=True)  # engine 0 and engine 1, same prompts
         assert [s["answer_ids"] for s in greedy[:4]] == [s["answer_ids"] for s in greedy[4:]]
 
-        ray.kill(run.reward.actors[0], no_restart=True)
-        result = run.step(1, rollout, list(range(32)))  # the reward rows are scored again by a new actor
-        assert run.restarts.replaced == ["generation-1", "reward-0"]
+        ray.kill(trainer.workers.reward.actors[0], no_restart=True)
+        result = one_update(trainer, 1, rollout)  # the reward rows are scored again by a new actor
+        assert restarts.replaced == ["generation-1", "reward-0"]
         assert result["actors/restarts"] == 2 and result["policy_version"] == 2
 
 
@@ -93,21 +87,22 @@ def test_hung_engine_and_reward_actor_are_detected_named_and_replaced(tmp_path, 
     and its share of the work is done again."""
     stopped = []
     with two_engine_run(tmp_path, sft_model, rm_model, "cluster.call_timeout_s=15") as started:
-        run, prompts = started
+        trainer, prompts = started
+        pool, restarts = trainer.workers.pool, trainer.workers.restarts
         try:
-            stopped.append(actor_pid(run.pool.group.actors[1]))
+            stopped.append(actor_pid(pool.group.actors[1]))
             os.kill(stopped[-1], signal.SIGSTOP)
             start = time.monotonic()
-            rollout = run.pool.collect(run.pool.submit(prompts, seed=1))
-            assert run.restarts.replaced == ["generation-1"]
+            rollout = pool.collect(pool.submit(prompts, seed=1))
+            assert restarts.replaced == ["generation-1"]
             assert 15 <= time.monotonic() - start < 90
-            assert rollout["samples"] == 32 and run.pool.versions() == [1, 1]
+            assert rollout.samples == 32 and pool.versions() == [1, 1]
             assert "generation-1 hangs" in caplog.text
 
-            stopped.append(actor_pid(run.reward.actors[0]))
+            stopped.append(actor_pid(trainer.workers.reward.actors[0]))
             os.kill(stopped[-1], signal.SIGSTOP)
-            result = run.step(1, rollout, list(range(32)))
-            assert run.restarts.replaced == ["generation-1", "reward-0"]
+            result = one_update(trainer, 1, rollout)
+            assert restarts.replaced == ["generation-1", "reward-0"]
             assert result["policy_version"] == 2 and "reward-0 hangs" in caplog.text
         finally:
             for pid in stopped:  # a stopped process would not even die of SIGTERM

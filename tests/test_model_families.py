@@ -151,11 +151,11 @@ def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
         learners.kill()
 
 
-def _check_greedy(run, prompts, learner, tokens, max_new_tokens) -> None:
+def _check_greedy(workers, prompts, learner, tokens, max_new_tokens) -> None:
     """After a weight sync the engines decode like the learner's weights, token for token, stop ids included."""
-    state = run.policy.call("gathered_state_dict")[0]
+    state = workers.policy.call("gathered_state_dict")[0]
     learner.load_state_dict(state, strict=False)
-    for s in run.pool.generate(prompts, seed=0, greedy=True):
+    for s in workers.pool.generate(prompts, seed=0, greedy=True):
         ids = torch.tensor([s["prompt_ids"]])
         want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                 max_new_tokens=max_new_tokens, eos_token_id=list(tokens.stop_ids),
@@ -186,8 +186,8 @@ class TestEndToEnd:
         from rlhf_ray import cluster
         from rlhf_ray.actors.pool import GenerationPool
         from rlhf_ray.data.build import build_phase_data
-        from rlhf_ray.jobs.ppo_run import PPORun
         from rlhf_ray.plan import ResourcePlan
+        from tests.conftest import one_update, trainer_on
 
         path = family_models[name]
         common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
@@ -218,25 +218,25 @@ class TestEndToEnd:
 
         plan = ResourcePlan.from_roles(ppo_job.placement_roles())
         groups = cluster.place(plan, local_ray.nodes(), 120)
-        run = None
         try:
-            run = PPORun(ppo_job, plan, groups, tokenizer, tokens)
-            for iteration, engine in enumerate(["hf", "vllm"]):
-                if engine == "vllm":  # the same learners, reference and reward; a vLLM engine on the same bundle
-                    run.pool.group.kill()
-                    run.pool = GenerationPool.start(vllm_job, *_slots(plan, groups), tokens, run.restarts)
-                    run.sync_weights(bump=False)
-                assert run.pool.group.call("engine_name") == [engine]
-                rows = data.train[iteration * 8:(iteration + 1) * 8]
-                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
-                result = run.step(iteration, rollout, list(range(8)))
-                assert run.pool.versions() == [iteration + 1] and torch.isfinite(torch.tensor(result["reward/mean"]))
-                assert result["reward/std"] > 0  # the reward model scored the answers differently
-                _check_greedy(run, probe, learner, tokens, max_new)
-            run.policy.call("export_hf", str(tmp_path / "export"))
+            with trainer_on(ppo_job, plan, groups, tokenizer, data, tokens) as trainer:
+                workers = trainer.workers
+                for iteration, engine in enumerate(["hf", "vllm"]):
+                    if engine == "vllm":  # the same learners, reference and reward; a vLLM engine on the same bundle
+                        workers.pool.group.kill()
+                        workers.pool = GenerationPool.start(vllm_job, *_slots(plan, groups), tokens, workers.restarts)
+                        trainer.weights.sync(bump=False)
+                    assert workers.pool.group.call("engine_name") == [engine]
+                    rows = data.train[iteration * 8:(iteration + 1) * 8]
+                    rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
+                                                                       seed=iteration))
+                    result = one_update(trainer, iteration, rollout)
+                    assert workers.pool.versions() == [iteration + 1]
+                    assert torch.isfinite(torch.tensor(result["reward/mean"]))
+                    assert result["reward/std"] > 0  # the reward model scored the answers differently
+                    _check_greedy(workers, probe, learner, tokens, max_new)
+                workers.policy.call("export_hf", str(tmp_path / "export"))
         finally:
-            if run is not None:  # named actors go before their groups, so the next family can take the names
-                run.kill()
             cluster.remove(groups)
         assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())  # it trained
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")

@@ -127,43 +127,36 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlhf_ray import cluster
     from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.ppo import PPORun
-    from rlhf_ray.plan import ResourcePlan
+    from tests.conftest import one_update, placed_trainer
 
     job = ppo_job(tmp_path, sft, rm, *SYNC_CHECK, *overrides)
     tokenizer = AutoTokenizer.from_pretrained(sft)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     probe = data.eval[:6]
     learner_copy = AutoModelForCausalLM.from_pretrained(sft).eval()
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
-        try:
-            run = PPORun(job, plan, groups, tokenizer)
-            if run.transport == "collective":  # every store is up: DeepSpeed's and the weight-sync one
-                assert not sockets_off_loopback(), sockets_off_loopback()
-            for iteration in range(2):
-                rows = data.train[iteration * 32:(iteration + 1) * 32]
-                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
-                result = run.step(iteration, rollout, list(range(32)))
-                assert run.pool.versions() == [iteration + 1] * len(run.pool.group)
-                state = {k: v.cpu() for k, v in run.policy.call("gathered_state_dict")[0].items()}
-                assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
-                learner_copy.load_state_dict(state, strict=False)
-                samples = run.pool.generate([r["prompt_ids"] for r in probe], seed=0, greedy=True)
-                for s in samples:
-                    ids = torch.tensor([s["prompt_ids"]])
-                    want = learner_copy.generate(ids, max_new_tokens=job.generation.sampling.max_new_tokens,
-                                                 do_sample=False, eos_token_id=tokenizer.eos_token_id,
-                                                 pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
-                    if tokenizer.eos_token_id in want:
-                        want = want[: want.index(tokenizer.eos_token_id) + 1]
-                    assert s["answer_ids"] == want
-            return {"transport": run.transport}
-        finally:
-            cluster.remove(groups)
+    with placed_trainer(job, tokenizer, data) as trainer:
+        pool, policy = trainer.workers.pool, trainer.workers.policy
+        if trainer.weights.transport == "collective":  # every store is up: DeepSpeed's and the weight-sync one
+            assert not sockets_off_loopback(), sockets_off_loopback()
+        for iteration in range(2):
+            rows = data.train[iteration * 32:(iteration + 1) * 32]
+            rollout = pool.collect(pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
+            result = one_update(trainer, iteration, rollout)
+            assert pool.versions() == [iteration + 1] * len(pool.group)
+            state = {k: v.cpu() for k, v in policy.call("gathered_state_dict")[0].items()}
+            assert result["sync/bytes"] == sum(t.numel() * t.element_size() for t in state.values())
+            learner_copy.load_state_dict(state, strict=False)
+            samples = pool.generate([r["prompt_ids"] for r in probe], seed=0, greedy=True)
+            for s in samples:
+                ids = torch.tensor([s["prompt_ids"]])
+                want = learner_copy.generate(ids, max_new_tokens=job.generation.sampling.max_new_tokens,
+                                             do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                             pad_token_id=tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+                if tokenizer.eos_token_id in want:
+                    want = want[: want.index(tokenizer.eos_token_id) + 1]
+                assert s["answer_ids"] == want
+        return {"transport": trainer.weights.transport}
 
 
 @pytest.mark.parametrize("engine,zero_stage,transport", [("hf", 2, "object_store"), ("vllm", 3, "object_store"),
@@ -338,12 +331,10 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
     import torch
     from transformers import AutoTokenizer
 
-    from rlhf_ray import cluster
     from rlhf_ray.data.answers import last_number_reward
     from rlhf_ray.data import demo
     from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.ppo_run import PPORun
-    from rlhf_ray.plan import ResourcePlan
+    from tests.conftest import one_update, placed_trainer
 
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "critic=null", "reward.model.path=null",
@@ -354,30 +345,23 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
                   "ppo.rollout_batch_size=8", "policy.micro_batch_size=16", "data.datasets=[{name: demo/arithmetic}]")
     tokenizer = AutoTokenizer.from_pretrained(sft)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
-        try:
-            run = PPORun(job, plan, groups, tokenizer)
-            for iteration in range(2):
-                rows = data.train[iteration * 8:(iteration + 1) * 8]
-                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration,
-                                                           columns=[r["columns"] for r in rows]))
-                (assembler,) = run.assembler.actors
-                batch_ref = assembler.batch.remote(rollout["refs"])
-                batch = ray.get(batch_ref)
-                width = int(batch["prompt_width"])
-                prompts = [tokenizer.decode(s[:width][m[:width].bool()]) for s, m in
-                           zip(batch["sequences"], batch["attention_mask"])]
-                answers = [tokenizer.decode(s[width:][m[width:].bool()], skip_special_tokens=True) for s, m in
-                           zip(batch["sequences"], batch["attention_mask"])]
-                truth = [c["answer"] for c in batch["columns"]]
-                assert truth == [str(demo.parse_prompt(p).value) for p in prompts]  # each row's own ground truth
-                parts = run._split_gather(run.reward, "score", run._split_submit(run.reward, "score", batch_ref,
-                                                                                   len(truth)))
-                scores = torch.cat(ray.get([p["ref"] for p in parts]))
-                assert scores.tolist() == last_number_reward(prompts, answers, answer=truth)
-                result = run.step(iteration, rollout, list(range(8)))
-                assert run.pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()
-        finally:
-            cluster.remove(groups)
+    with placed_trainer(job, tokenizer, data) as trainer:
+        pool = trainer.workers.pool
+        for iteration in range(2):
+            rows = data.train[iteration * 8:(iteration + 1) * 8]
+            rollout = pool.collect(pool.submit([r["prompt_ids"] for r in rows], seed=iteration,
+                                               columns=[r["columns"] for r in rows]))
+            (assembler,) = trainer.workers.assembler.actors
+            batch_ref = assembler.batch.remote(rollout.refs)
+            batch = ray.get(batch_ref)
+            width = int(batch["prompt_width"])
+            prompts = [tokenizer.decode(s[:width][m[:width].bool()]) for s, m in
+                       zip(batch["sequences"], batch["attention_mask"])]
+            answers = [tokenizer.decode(s[width:][m[width:].bool()], skip_special_tokens=True) for s, m in
+                       zip(batch["sequences"], batch["attention_mask"])]
+            truth = [c["answer"] for c in batch["columns"]]
+            assert truth == [str(demo.parse_prompt(p).value) for p in prompts]  # each row's own ground truth
+            scores = trainer.workers.reward_scores(batch_ref, len(truth))
+            assert scores.tolist() == last_number_reward(prompts, answers, answer=truth)
+            result = one_update(trainer, iteration, rollout)
+            assert pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()

@@ -7,10 +7,10 @@ import pytest
 import ray
 
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError, results_lost
-from rlhf_ray.jobs.ppo_run import ResultsLost
-from rlhf_ray.jobs.rollout_feed import _put_redoing_lost_results
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.jobs.ppo.workers import ResultsLost, Scored
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
+from tests.ppo_standins import FakeRollout, Workers, feed
 
 
 def test_a_dead_or_hung_rank_of_a_learner_group_is_named_with_the_checkpoint_to_resume_from(tmp_path):
@@ -55,35 +55,40 @@ def lost_with_node() -> RemoteCallError:
                            ray.exceptions.OwnerDiedError("00" * 28, b"", ""))
 
 
-class StepsUntilResultsSurvive:
-    """A PPORun stand-in whose scoring fails `losses` times because a node took results with it."""
+class ScoringLosesResults(Workers):
+    """Role workers whose scoring fails `losses` times because a node took results with it."""
 
     def __init__(self, losses: int):
+        super().__init__(capacity=4, max_staleness=4)
         self.losses, self.rollouts = losses, []
 
-    def put_experience(self, index, rollout, prompt_indices):
+    def score(self, rollout, keep_samples: int = 0) -> Scored:
         self.rollouts.append(rollout)
         if len(self.rollouts) <= self.losses:
             raise ResultsLost(str(lost_with_node()))
-        return {"reward/mean": 1.0}
+        return Scored(rollout.index, rollout.samples, {"reward/mean": 1.0}, {})
 
 
 def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_again():
     assert results_lost(lost_with_node())
     assert not results_lost(RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError()))
-    run, fresh = StepsUntilResultsSurvive(losses=2), iter(["rollout-b", "rollout-c"])
-    metrics = _put_redoing_lost_results(run, 4, "rollout-a", [1, 2], lambda: next(fresh), limit=3)
-    assert metrics == {"reward/mean": 1.0}
-    assert run.rollouts == ["rollout-a", "rollout-b", "rollout-c"]
+    workers, first = ScoringLosesResults(losses=2), FakeRollout(4, 0)
+    rollouts = feed(workers, ahead=0, redo_limit=3)
+    rollouts.put(4, first, 0)
+    assert rollouts.puts[4].scored.metrics == {"reward/mean": 1.0}
+    assert workers.rollouts[0] is first and workers.events == ["start 4", "start 4"]  # generated again, twice
+    assert len(workers.rollouts) == 3
     with pytest.raises(ResultsLost, match="OwnerDiedError"):  # bounded: a node that keeps taking results
-        _put_redoing_lost_results(StepsUntilResultsSurvive(losses=5), 4, "a", [1], lambda: "again", limit=2)
+        feed(ScoringLosesResults(losses=5), ahead=0, redo_limit=2).put(4, first, 0)
 
-    class RewardFails:
-        def put_experience(self, index, rollout, prompt_indices):
+    class RewardFails(Workers):
+        def score(self, rollout, keep_samples: int = 0):
             raise RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError())
 
+    failing = RewardFails(capacity=4, max_staleness=4)
     with pytest.raises(RemoteCallError, match="ValueError"):  # any other failure is the job's, not retried
-        _put_redoing_lost_results(RewardFails(), 4, "a", [1], lambda: pytest.fail("regenerated"), limit=2)
+        feed(failing, ahead=0, redo_limit=2).put(4, first, 0)
+    assert failing.events == []  # nothing was generated again
 
 
 NODE_DIED = ("The actor died because its node has died. Node Id: 300bbe81\n\tthe actor's node was terminated "

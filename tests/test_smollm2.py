@@ -94,8 +94,8 @@ def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tm
     from rlhf_ray import cluster
     from rlhf_ray.actors.pool import GenerationPool
     from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.jobs.ppo_run import PPORun
     from rlhf_ray.plan import ResourcePlan
+    from tests.conftest import one_update, trainer_on
 
     job = load_job(ROOT / "configs/quickstart/ppo.yaml",
                    [f"policy.model.path={smollm2}", f"output_dir={tmp_path / 'ppo'}", "cluster.dashboard=false",
@@ -117,25 +117,27 @@ def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tm
         plan = ResourcePlan.from_roles(job.placement_roles())
         groups = cluster.place(plan, handle.nodes(), 120)
         try:
-            run = PPORun(job, plan, groups, tokenizer, tokens)
-            for iteration, engine in enumerate(["hf", "vllm"]):
-                if engine == "vllm":
-                    run.pool.group.kill()
-                    name, bundles = plan.role_slots("generation")
-                    run.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, run.restarts)
-                    run.sync_weights(bump=False)
-                rows = data.train[iteration * 4:(iteration + 1) * 4]
-                rollout = run.pool.collect(run.pool.submit([r["prompt_ids"] for r in rows], seed=iteration))
-                result = run.step(iteration, rollout, list(range(4)))
-                assert run.pool.versions() == [iteration + 1]
-                assert 0 <= result["generate/logprob_gap"] < 0.05  # fp32 engines sample the trained distribution
-                learner.load_state_dict(run.policy.call("gathered_state_dict")[0], strict=False)
-                for s in run.pool.generate(probe, seed=0, greedy=True):
-                    ids = torch.tensor([s["prompt_ids"]])
-                    want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                            max_new_tokens=16, eos_token_id=list(tokens.stop_ids),
-                                            pad_token_id=tokens.pad_id)
-                    assert s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
+            with trainer_on(job, plan, groups, tokenizer, data, tokens) as trainer:
+                workers = trainer.workers
+                for iteration, engine in enumerate(["hf", "vllm"]):
+                    if engine == "vllm":
+                        workers.pool.group.kill()
+                        name, bundles = plan.role_slots("generation")
+                        workers.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, workers.restarts)
+                        trainer.weights.sync(bump=False)
+                    rows = data.train[iteration * 4:(iteration + 1) * 4]
+                    rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
+                                                                       seed=iteration))
+                    result = one_update(trainer, iteration, rollout)
+                    assert workers.pool.versions() == [iteration + 1]
+                    assert 0 <= result["generate/logprob_gap"] < 0.05  # fp32 engines sample the trained distribution
+                    learner.load_state_dict(workers.policy.call("gathered_state_dict")[0], strict=False)
+                    for s in workers.pool.generate(probe, seed=0, greedy=True):
+                        ids = torch.tensor([s["prompt_ids"]])
+                        want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                max_new_tokens=16, eos_token_id=list(tokens.stop_ids),
+                                                pad_token_id=tokens.pad_id)
+                        assert s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
         finally:
             cluster.remove(groups)
     assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())

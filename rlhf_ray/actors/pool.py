@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 
 import ray
 
@@ -32,6 +33,26 @@ def with_model_len(job) -> "GenerationSpec":
         return spec
     limit = max(16, job.data.max_prompt_len + spec.max_answer_tokens)
     return spec.model_copy(update={"vllm": spec.vllm.model_copy(update={"max_model_len": limit})})
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """One batch of prompts answered by the engines: references to each engine's samples (engine order = prompt
+    order; the driver never holds them) and what the metrics need."""
+
+    refs: list
+    version: int
+    """The oldest policy version among the engines that sampled it."""
+    samples: int
+    tokens: int
+    """Answer tokens generated."""
+    engine_seconds: float
+    """The slowest engine's generation time."""
+    engine_busy_seconds: float
+    """Generation time summed over engines."""
+    episodes: dict[str, float] = field(default_factory=dict)
+    """Multi-turn episodes' totals (turns, tool calls, ...: EPISODE_COLUMNS) summed over samples; empty without
+    an environment."""
 
 
 class GenerationPool:
@@ -102,15 +123,16 @@ class GenerationPool:
         done, _ = ray.wait(pending["refs"], num_returns=len(pending["refs"]), timeout=0)
         return len(done) == len(pending["refs"])
 
-    def collect(self, pending: dict) -> dict:
-        """References to each engine's samples (engine order = prompt order) and what the metrics need."""
+    def collect(self, pending: dict) -> Rollout:
+        """The submitted rollout, once every engine has answered its share (an engine that died meanwhile is
+        replaced and answers again)."""
         parts = self._call("rollout", pending["args"], pending["refs"])
-        return {"refs": [p["ref"] for p in parts], "version": min(p["version"] for p in parts),
-                "samples": sum(p["samples"] for p in parts), "tokens": sum(p["tokens"] for p in parts),
-                "engine_seconds": max(p["seconds"] for p in parts),
-                "engine_busy_seconds": sum(p["seconds"] for p in parts), "restarts": len(self.budget.replaced),
-                "episodes": {k: sum(p["episodes"][k] for p in parts if p.get("episodes"))
-                             for k in EPISODE_COLUMNS if any(p.get("episodes") for p in parts)}}
+        return Rollout(refs=[p["ref"] for p in parts], version=min(p["version"] for p in parts),
+                       samples=sum(p["samples"] for p in parts), tokens=sum(p["tokens"] for p in parts),
+                       engine_seconds=max(p["seconds"] for p in parts),
+                       engine_busy_seconds=sum(p["seconds"] for p in parts),
+                       episodes={k: sum(p["episodes"][k] for p in parts if p.get("episodes"))
+                                 for k in EPISODE_COLUMNS if any(p.get("episodes") for p in parts)})
 
     def broadcast(self, bucket_refs: list, version: int) -> dict[str, float]:
         """Every engine loads the same buckets (object refs; the driver never holds the tensors)."""

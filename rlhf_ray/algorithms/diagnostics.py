@@ -18,7 +18,7 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def reward_hacking_signs(before: dict[str, float], now: dict[str, float], margin: float = 0.02) -> list[str]:
-    """What held-out evaluations say (the keys of PPORun.evaluate): for greedy and sampled answers, the reward's
+    """What held-out evaluations say (the keys of Evaluator.evaluate): for greedy and sampled answers, the reward's
     score rose while the rule accuracy fell, each by more than `margin`. [] when nothing looks wrong, or when the
     evaluation has no rule accuracy."""
     signs = []

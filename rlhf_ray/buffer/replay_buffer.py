@@ -46,6 +46,17 @@ class TrainingPlan:
     """The buffer's metrics after this take (saves the trainer a round trip)."""
 
 
+@dataclass(frozen=True)
+class PutResult:
+    """The buffer's answer to a put: whether it kept the entry, and how many it holds now."""
+
+    accepted: bool
+    entries: int
+
+    def __bool__(self) -> bool:
+        return self.accepted
+
+
 class ReplayBuffer:
     def __init__(self, *, rank: int = 0, world_size: int = 1, capacity: int, max_staleness: int):
         self.capacity, self.max_staleness = capacity, max_staleness
@@ -57,20 +68,20 @@ class ReplayBuffer:
     def _stale(self, meta: ExperienceMeta) -> bool:
         return self.learner_version - meta.version > self.max_staleness
 
-    def put(self, refs: list, meta: dict, learner_version: int) -> bool:
-        """Add one experience reference; False if it is already too stale to ever be used (then it is dropped).
-        A full buffer drops its oldest entry to make room."""
+    def put(self, refs: list, meta: dict, learner_version: int) -> PutResult:
+        """Add one experience reference, unless it is already too stale to ever be used (then it is dropped). A full
+        buffer drops its oldest entry to make room."""
         self.learner_version = max(self.learner_version, learner_version)
         entry = ExperienceMeta(**meta)
         if self._stale(entry):
             self.counts["refused_stale"] += 1
-            return False
+            return PutResult(False, len(self.entries))
         if len(self.entries) >= self.capacity:
             self.entries.popleft()
             self.counts["evicted"] += 1
         self.entries.append((refs, entry))
         self.counts["put"] += 1
-        return True
+        return PutResult(True, len(self.entries))
 
     def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> TrainingPlan | None:
         """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batch plan.

@@ -94,13 +94,13 @@ def episode_reward(prompts: list[str], answers: list[str], episode_reward: list[
     return [float(r) for r in episode_reward]
 
 
-def episode_metrics(rollout: dict) -> dict[str, float]:
-    """A rollout's episode statistics (summed by the engines) as means: turns and tool calls per episode, the share
-    of tool calls that were well formed (nan without calls), the mean episode reward. Empty without episodes."""
-    totals = rollout.get("episodes") or {}
+def episode_metrics(totals: dict[str, float], samples: int) -> dict[str, float]:
+    """Episode statistics summed over `samples` episodes (EPISODE_COLUMNS, as the engines sum them) as means: turns
+    and tool calls per episode, the share of tool calls that were well formed (nan without calls), the mean episode
+    reward. Empty without episodes."""
     if not totals:
         return {}
-    n = max(rollout["samples"], 1)
+    n = max(samples, 1)
     calls = totals["tool_calls"]
     return {"env/turns_per_episode": totals["turns"] / n, "env/tool_calls_per_episode": calls / n,
             "env/tool_call_validity": totals["valid_calls"] / calls if calls else float("nan"),

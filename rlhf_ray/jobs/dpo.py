@@ -125,7 +125,7 @@ def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
     key, saved_file = reference_key(job, data.cache_file, steps), out / REFERENCE_FILE
     started = time.time()
 
-    def attempt(groups: dict, plan: ResourcePlan, restarts: int) -> dict:
+    def attempt(job, groups: dict, plan: ResourcePlan, restarts: int) -> dict:
         learners = reference = None
         try:
             reference = ReferenceScores(job, plan, groups, tokens.pad_id)

@@ -9,8 +9,10 @@ import logging
 import time
 from typing import Callable, TypeVar
 
+from rlhf_ray import cluster
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, node_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -72,20 +74,21 @@ def with_learner_restarts(limit: int, checkpoints: Checkpoints, attempt: Callabl
             time.sleep(1.0)
 
 
-def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[[dict, "ResourcePlan", int], T]) -> T:
-    """Connect to the job's cluster, then run `attempt(placement groups, plan, restarts)` on freshly placed
+def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..., T],
+                    adapt: Callable | None = None) -> T:
+    """Connect to the job's cluster, then run `attempt(job, placement groups, plan, restarts)` on freshly placed
     groups, again after each learner restart (with_learner_restarts); the groups are removed after every attempt
-    and the metrics logger is closed at the end. The attempt kills the actors it started (before the groups go)."""
-    from rlhf_ray import cluster
-    from rlhf_ray.plan import ResourcePlan
-
+    and the metrics logger is closed at the end. The attempt kills the actors it started (before the groups go).
+    `adapt(job, nodes)`, given, returns the job fitted to the cluster's nodes before the plan is made."""
     with cluster.connect(job.cluster) as handle:
+        if adapt is not None:
+            job = adapt(job, handle.nodes())
         plan = ResourcePlan.from_roles(job.placement_roles())
 
         def placed(restarts: int) -> T:
             groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
             try:
-                return attempt(groups, plan, restarts)
+                return attempt(job, groups, plan, restarts)
             finally:
                 cluster.remove(groups)
 

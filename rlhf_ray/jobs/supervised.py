@@ -101,7 +101,7 @@ def run_learner_group(job: _LearnerJob, phase: str, learner_cls: type, steps: in
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
 
-    def attempt(groups: dict, plan, restarts: int) -> dict:
+    def attempt(job, groups: dict, plan, restarts: int) -> dict:
         learners = None
         try:
             group_name, bundles = plan.role_slots("learner")

@@ -1,0 +1,41 @@
+"""One update's metrics line (metrics.jsonl, TensorBoard, the Ray dashboard), built here and nowhere else: the
+experience it trained on (from when that was scored), the update, the weight sync, and where the iteration's time
+went."""
+
+from __future__ import annotations
+
+from rlhf_ray.envs.episode import episode_metrics
+from rlhf_ray.jobs.ppo.rollouts import Taken
+from rlhf_ray.jobs.ppo.weight_sync import SyncResult
+from rlhf_ray.jobs.ppo.workers import Trained
+
+
+def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapsed: float, engines: int,
+                      restarts: int, learner_restarts: int) -> dict[str, float]:
+    """`elapsed`: the iteration's wall time; `engines`: generation replicas; `restarts`: actors replaced so far;
+    `learner_restarts`: times the job restarted every role after a learner rank died."""
+    put, plan = taken.put, taken.plan
+    rollout, scored = put.rollout, put.scored
+    roles = {f"compute/{role}_seconds": seconds for role, seconds in scored.role_seconds.items()}
+    experience_compute = max(roles.values()) + scored.metrics["compute/advantages_seconds"]  # the roles run at once
+    line = {**scored.metrics, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
+            **plan.stats,
+            "compute/experience_seconds": experience_compute, "time/experience": put.seconds,
+            "time/engine_generate": rollout.engine_seconds, "time/engine_busy": rollout.engine_busy_seconds,
+            "generate/tokens": rollout.tokens,
+            "time/train": trained.wall, "time/sync": synced.seconds, "compute/train_seconds": trained.seconds,
+            "compute/sync_seconds": synced.learner_gather_seconds + synced.engine_load_seconds,
+            "sync/bytes": synced.bytes, "sync/gather_seconds": synced.gather_seconds,
+            "sync/load_seconds": synced.load_seconds, "policy_version": synced.version,
+            "experience/staleness": plan.staleness, "actors/restarts": restarts,
+            "actors/learner_restarts": learner_restarts}
+    # without old log-probs in the experience, the policy measures KL and the engine gap in its training forward
+    line.setdefault("kl/mean", line["policy/kl"])
+    if "policy/engine_logprob_gap" in line:
+        line.setdefault("generate/logprob_gap", line["policy/engine_logprob_gap"])
+        line.setdefault("generate/mismatch_kl", line["policy/engine_mismatch_kl"])
+    compute = rollout.engine_seconds + experience_compute + trained.seconds + line["compute/sync_seconds"]
+    return line | {"time/generate_wait": taken.wait_seconds, "time/iteration": elapsed,
+                   "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,
+                   "generate/tokens_per_s": rollout.tokens / max(rollout.engine_seconds, 1e-9),
+                   "generate/engine_utilisation": rollout.engine_busy_seconds / (engines * elapsed)}

@@ -1,0 +1,132 @@
+"""The PPO loop, as docs/architecture.md draws it: rollouts into the replay buffer, the oldest fresh experience out,
+PPO epochs on policy and critic, the new weights to the engines; then log, evaluate, checkpoint. Each part owns its
+state: the role workers (workers.py), the rollout feed (rollouts.py), the weight sync (weight_sync.py) and the
+evaluation (evaluation.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
+from rlhf_ray.data.build import PhaseData
+from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.jobs.diagnostics import Diagnostics
+from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
+from rlhf_ray.jobs.ppo.evaluation import Evaluator
+from rlhf_ray.jobs.ppo.iteration_metrics import iteration_metrics
+from rlhf_ray.jobs.ppo.rollouts import PromptSchedule, RolloutFeed, Taken
+from rlhf_ray.jobs.ppo.weight_sync import WeightSync
+from rlhf_ray.jobs.ppo.workers import RoleWorkers
+
+log = logging.getLogger(__name__)
+
+
+class PPOTrainer:
+    def __init__(self, job: PPOJob, workers: RoleWorkers, data: PhaseData, tokenizer, *, rule=None,
+                 metrics: MetricsLogger, checkpoints: Checkpoints, stop_after: int | None = None,
+                 learner_restarts: int = 0, started: float | None = None):
+        ppo = job.ppo
+        self.job, self.workers, self.tokenizer = job, workers, tokenizer
+        self.metrics, self.checkpoints, self.learner_restarts = metrics, checkpoints, learner_restarts
+        self.started = started or time.time()
+        self.end = min(ppo.iterations, stop_after) if stop_after is not None else ppo.iterations
+        self.weights = WeightSync(job, workers)
+        self.rollouts = RolloutFeed(workers, PromptSchedule(data.train, ppo.prompts_per_rollout, job.seed),
+                                    ahead=ppo.rollouts_ahead if ppo.mode == "async" else 0,
+                                    redo_limit=job.cluster.max_actor_restarts, train_batch_size=job.train_batch_size,
+                                    epochs=ppo.ppo_epochs, seed=job.seed,
+                                    keep_samples=job.logging.samples_per_iteration,
+                                    sleep_engines=job.generation.vllm.sleep_when_idle and ppo.mode == "sync")
+        self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)
+        self.before: dict[str, float] = {}
+        self.watch = Diagnostics({}, ppo.entropy_warning_ratio)
+
+    def fit(self) -> dict:
+        """From the newest checkpoint (or the start) to the end of the job, or to `stop_after`."""
+        start = self.start()
+        for step in tqdm(range(start, self.end), desc="ppo", initial=start, total=self.job.ppo.iterations,
+                         disable=not self.job.logging.progress):
+            taken, metrics = self.iterate(step)
+            self.log(step + 1, metrics, taken)
+            self.maybe_evaluate(step + 1)
+            self.maybe_checkpoint(step + 1)
+        return self.finish()
+
+    def iterate(self, step: int) -> tuple[Taken, dict[str, float]]:
+        """One update: the oldest fresh experience (rollouts generated, scored and buffered as far ahead as the mode
+        allows) -> PPO epochs on policy and critic -> the new weights to the engines (policy version + 1)."""
+        began = time.perf_counter()
+        taken = self.rollouts.take(self.weights.version, updates_left=self.end - step)
+        trained = self.workers.train(taken.plan)
+        synced = self.weights.sync() if trained.steps_applied else self.weights.unchanged(taken.plan)
+        return taken, iteration_metrics(taken, trained, synced, time.perf_counter() - began,
+                                        len(self.workers.pool.group), len(self.workers.restarts.replaced),
+                                        self.learner_restarts)
+
+    # ---- around the loop ------------------------------------------------------------------------------------------
+    def start(self) -> int:
+        """Resume from the newest checkpoint: weights, optimizer, policy version, the next rollout; or evaluate the
+        starting policy. Returns the first step to run."""
+        latest = self.checkpoints.resumable(self.job.checkpoint.resume)
+        if latest is None:
+            self.metrics.rewind(-1)  # a fresh start: lines a previous run left in this output_dir are not this run's
+            self.before = self.evaluator.evaluate()
+            self.metrics.log(0, {f"eval/{k}": v for k, v in self.before.items()})
+            first = 0
+        else:
+            state = Checkpoints.state(latest)
+            self.workers.restore(latest)
+            self.weights.version = state["policy_version"]
+            self.weights.sync(bump=False)
+            self.before, first = state["eval_before"], state["step"]
+            self.rollouts.resume_at(state.get("rollout", first))  # rollouts after the last trained on: generated again
+            log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, first, self.weights.version)
+            self.metrics.rewind(first)  # the iterations after the checkpoint are redone: their old lines go
+        self.watch = Diagnostics(self.before, self.job.ppo.entropy_warning_ratio)
+        return first
+
+    def log(self, step: int, metrics: dict[str, float], taken: Taken) -> None:
+        if step % self.job.logging.log_every_steps == 0:
+            self.metrics.log(step, metrics)
+            write_samples(Path(self.job.output_dir) / SAMPLES_FILE, step, taken.put.scored.samples, self.tokenizer)
+        self.watch.iteration(step, metrics)
+
+    def maybe_evaluate(self, step: int) -> None:
+        every = self.job.ppo.eval_every
+        if every and step % every == 0 and step < self.job.ppo.iterations:  # the last one: in finish()
+            now = self.evaluator.evaluate()
+            self.metrics.log(step, {f"eval/{k}": v for k, v in now.items()} | self.watch.evaluation(step, now))
+
+    def maybe_checkpoint(self, step: int) -> None:
+        every = self.job.checkpoint.every_steps
+        if (every and step % every == 0) or step == self.end:
+            staging = self.checkpoints.staging(step)
+            self.workers.save(staging, step)
+            self.checkpoints.commit(staging, step, {"policy_version": self.weights.version,
+                                                    "eval_before": self.before,
+                                                    "rollout": self.rollouts.next_after_taken})
+
+    def finish(self) -> dict:
+        """Evaluate the trained policy, export it, write summary.json (a run stopped early: only where it stopped)."""
+        iterations = self.job.ppo.iterations
+        if self.end < iterations:
+            return {"stopped_at_iteration": self.end, "iterations": iterations}
+        after = self.evaluator.evaluate()
+        self.metrics.log(iterations, {f"eval/{k}": v for k, v in after.items()} | self.watch.evaluation(iterations,
+                                                                                                        after))
+        out = Path(self.job.output_dir)
+        self.workers.policy.call("export_hf", str(out / FINAL_MODEL_DIR))
+        if self.job.ppo.ema.enabled:
+            self.workers.policy.call("export_ema", str(out / EMA_MODEL_DIR))
+        summary = {"iterations": iterations, "seconds": round(time.time() - self.started, 2),
+                   "reward_before": self.before.get("reward"), "reward_after": after.get("reward"),
+                   "eval_prompts": len(self.evaluator.rows)}
+        for key in sorted(self.before.keys() - {"reward"}):  # task accuracy, sampled_*, episodes' turns and tool calls
+            summary.update({f"{key}_before": self.before[key], f"{key}_after": after[key]})
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary

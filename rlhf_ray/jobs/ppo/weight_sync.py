@@ -1,0 +1,134 @@
+"""New policy weights to every generation engine, and the policy version they carry. The transport is chosen once,
+when the run starts: buckets through Ray's object store, or a broadcast over a process group of policy rank 0 and
+the engines (NCCL between GPUs, gloo on CPU)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from rlhf_ray.actors.group import gather
+from rlhf_ray.buffer.replay_buffer import TrainingPlan
+from rlhf_ray.config.jobs import PPOJob
+from rlhf_ray.jobs.ppo.workers import RoleWorkers
+from rlhf_ray.learners.group import rendezvous
+from rlhf_ray.models.weight_transport import gpus_shared
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SyncResult:
+    """One weight sync (all zeros when nothing was sent)."""
+
+    version: int
+    """The policy version the engines hold after it."""
+    bytes: float = 0.0
+    seconds: float = 0.0
+    """Wall time at the driver, gathering to loaded."""
+    gather_seconds: float = 0.0
+    """Until the learner had packed (object store) or sent (collective) every bucket, at the driver."""
+    learner_gather_seconds: float = 0.0
+    """The learner's own time gathering and packing."""
+    load_seconds: float = 0.0
+    """Until every engine had loaded the weights, at the driver (collective: the whole pipelined transfer)."""
+    engine_load_seconds: float = 0.0
+    """The slowest engine's own loading time."""
+
+
+def weight_transport(job: PPOJob) -> str:
+    """auto: the collective transport when policy and engines have GPUs (NCCL), the object store otherwise."""
+    chosen = job.generation.weight_sync.transport
+    if chosen == "auto":
+        gpus = job.policy.placement.num_gpus > 0 and job.generation.placement.num_gpus > 0
+        chosen = "collective" if gpus else "object_store"
+    return chosen
+
+
+def collective_or_object_store(requested: str, shared: list[str]) -> str:
+    """The transport once the weight-sync group's GPUs are known: NCCL cannot put two ranks on one device, so
+    where members share a GPU (`shared`, from gpus_shared) `auto` falls back to the object store and an explicit
+    `collective` is refused naming them."""
+    if not shared:
+        return "collective"
+    if requested == "collective":
+        raise ValueError(f"generation.weight_sync.transport: collective needs policy rank 0 and every engine on a "
+                         f"GPU of its own (NCCL cannot put two ranks on one device), but {'; '.join(shared)}. Use "
+                         "transport: auto (the object store here) or whole GPUs (placement.num_gpus: 1)")
+    log.info("weight sync: object store (%s; NCCL needs a GPU per member)", "; ".join(shared))
+    return "object_store"
+
+
+def _node_and_gpus(_actor) -> tuple[str, list]:
+    """Run in an actor (`__ray_call__`): its node id and the GPU ids Ray assigned it."""
+    return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
+
+
+class WeightSync:
+    def __init__(self, job: PPOJob, workers: RoleWorkers, version: int = 0):
+        self.job, self.workers, self.version = job, workers, version
+        spec = job.generation.weight_sync
+        self.bucket_bytes, self.adapters_only = int(spec.bucket_mb * 2**20), spec.lora == "adapter"
+        self.transport = weight_transport(job)
+        if self.transport == "collective":
+            self.transport = collective_or_object_store(spec.transport, self._gpus_shared())
+        if self.transport == "collective":
+            self._form_group()
+            workers.pool.on_replaced = self._rejoin
+
+    def sync(self, bump: bool = True) -> SyncResult:
+        """Policy weights -> every engine, bucket by bucket; the policy version goes up by one (unless `bump` is
+        false: a re-sync after an engine was replaced, or after a resume)."""
+        start = time.perf_counter()
+        self.version += int(bump)
+        policy, pool = self.workers.policy, self.workers.pool
+        if self.transport == "collective":
+            learner = policy.submit("broadcast_weights", self.bucket_bytes, self.adapters_only)
+            engines = pool.receive(self.version)
+            sent = policy.gather(learner, "broadcast_weights")[0]
+            loaded = pool.group.gather(engines, "receive_weights")
+            if stale := [n for n, r in zip(pool.group.names, loaded) if r["version"] != self.version]:
+                raise RuntimeError(f"{', '.join(stale)} did not reach policy version {self.version}")
+            seconds = time.perf_counter() - start  # one pipelined transfer: all of it counts as gathering
+            return SyncResult(self.version, float(sent["bytes"]), seconds, seconds, sent["seconds"], seconds, 0.0)
+        published = policy.call("publish_weights", self.bucket_bytes, self.adapters_only)[0]
+        gathered = time.perf_counter()
+        loaded = pool.broadcast(published["refs"], self.version)
+        return SyncResult(self.version, float(published["bytes"]), time.perf_counter() - start, gathered - start,
+                          published["seconds"], loaded["seconds"], loaded["engine_seconds"])
+
+    def unchanged(self, plan: TrainingPlan) -> SyncResult:
+        """An update whose every policy step was skipped (non-finite gradients): same weights, same version, nothing
+        to send."""
+        log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the policy "
+                    "stays at version %d and no weights are sent", plan.meta.rollout + 1, self.version)
+        return SyncResult(self.version)
+
+    def _form_group(self) -> None:
+        """Policy rank 0 and every engine join a fresh weight-sync process group (again after an engine is
+        replaced)."""
+        timeout = self.job.cluster.call_timeout_s
+        policy, pool = self.workers.policy, self.workers.pool
+        address = rendezvous(policy, timeout)
+        world = len(pool.group) + 1
+        learner = policy.submit("join_weight_sync", *address, world, timeout)
+        engines = [actor.join_weight_sync.remote(*address, rank + 1, world, timeout)
+                   for rank, actor in enumerate(pool.group.actors)]
+        policy.gather(learner, "join_weight_sync")
+        pool.group.gather(engines, "join_weight_sync")
+
+    def _gpus_shared(self) -> list[str]:
+        """Members of the weight-sync group (policy rank 0, every engine) on the same GPU as another."""
+        policy, pool = self.workers.policy, self.workers.pool
+        members = [(policy.names[0], policy.actors[0])] + list(zip(pool.group.names, pool.group.actors))
+        found = gather([actor.__ray_call__.remote(_node_and_gpus) for _, actor in members], [n for n, _ in members],
+                       self.job.cluster.call_timeout_s, "GPU ids")
+        return gpus_shared(dict(zip([n for n, _ in members], found)))
+
+    def _rejoin(self, rank: int) -> None:
+        """Collective transport: a replacement engine joins a new group with everyone, then all get the weights."""
+        self._form_group()
+        self.sync(bump=False)

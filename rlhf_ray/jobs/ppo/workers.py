@@ -1,0 +1,263 @@
+"""The actor groups of one PPO run, started and killed together: the policy and critic learner groups, the reference
+and reward replicas, the generation pool, and, on the driver's node, the experience assembler and the replay buffer.
+Scoring a rollout on every role at once and training the learners on a take from the buffer are done here; the
+driver passes references, the tensors move from actor to actor in the object store."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlhf_ray.actors.experience import ExperienceWorker
+from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, resilient_gather, results_lost
+from rlhf_ray.actors.pool import GenerationPool, Rollout
+from rlhf_ray.actors.reward_function import RewardFunctionWorker
+from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
+from rlhf_ray.algorithms.experience import row_bounds
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer, TrainingPlan
+from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
+from rlhf_ray.data.build import same_tokenizer
+from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.distributed import actor_env
+from rlhf_ray.learners.critic import CriticLearner
+from rlhf_ray.learners.group import rendezvous, setup_learner_group, spawn_learner_group
+from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.learners.resharding import load_group_checkpoint
+from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.plan import ResourcePlan
+
+log = logging.getLogger(__name__)
+
+
+class ResultsLost(RuntimeError):
+    """A rollout or its scores died with a node before its experience was assembled (nothing changed yet): generate
+    and score it again."""
+
+
+def sharded_roles(job: PPOJob) -> tuple[str, ...]:
+    """Forward-only roles whose replicas hold shards of one model (ZeRO-3 inference): a dead replica ends the
+    attempt, as a dead learner rank does."""
+    return tuple(role for role in ("reference", "reward") if getattr(job, role).sharded)
+
+
+def learner_groups(job: PPOJob) -> tuple[str, ...]:
+    """The roles whose ranks form a ZeRO group (a dead rank ends the attempt): the learners and sharded roles."""
+    return ("policy", "critic", *sharded_roles(job))
+
+
+@dataclass
+class Scored:
+    """A rollout scored into experience by every role."""
+
+    experience: object
+    """Reference to the experience batch in the object store."""
+    rows: int
+    """Its rows: the rollout's samples (fewer with dynamic sampling)."""
+    metrics: dict[str, float]
+    """The experience worker's: reward, answer length, KL to the reference, engine/learner log-prob gap."""
+    role_seconds: dict[str, float]
+    """Compute seconds of each role (reference, reward, policy, critic), the slowest replica's."""
+    samples: list[dict] = field(default_factory=list)
+    """Its first `logging.samples_per_iteration` rows: token ids, score, dataset columns (for samples.jsonl)."""
+
+
+@dataclass
+class Trained:
+    """The learners' report of one update: their metrics (`policy/...`, `critic/...`) and compute time."""
+
+    metrics: dict[str, float]
+    seconds: float
+    """The slowest rank's compute seconds."""
+    wall: float
+    """From the call to the last result, at the driver."""
+
+    @property
+    def steps_applied(self) -> float:
+        """Policy optimizer steps that changed the weights (0: every one was skipped for a non-finite gradient)."""
+        return self.metrics["policy/steps_applied"]
+
+
+def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
+    accumulation = role.accumulation_steps(job.train_batch_size)
+    deepspeed = role.deepspeed.model_copy(update={"gradient_accumulation_steps": accumulation})
+    return dict(model=role.model.model_dump(), optim=role.optim.model_dump(), deepspeed=deepspeed.model_dump(),
+                micro_batch_size=role.micro_batch_size, seed=job.seed,
+                temperature=job.generation.sampling.temperature)
+
+
+class RoleWorkers:
+    def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer, tokens: TokenConventions):
+        """Start every role's processes at once (imports and model loads overlap), then wait for each."""
+        self.job, self.tokens = job, tokens
+        pad, cluster, ppo = tokens.pad_id, job.cluster, job.ppo
+        updates = ppo.iterations * ppo.ppo_epochs * (job.samples_per_iteration // job.train_batch_size)
+
+        def slots(role):
+            name, bundles = plan.role_slots(role)
+            return groups[name], bundles
+
+        self.sharded = sharded_roles(job)
+        self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
+                                          clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
+                                          clip_ratio_high=ppo.clip_ratio_high, loss_aggregation=ppo.loss_aggregation,
+                                          tis_cap=ppo.tis_cap, pad_token_id=pad, train_batch_size=job.train_batch_size,
+                                          kl_loss_coef=ppo.kl_coef if ppo.kl_in_loss else 0.0,
+                                          kl_estimator=ppo.kl_estimator,
+                                          ema_beta=ppo.ema.beta if ppo.ema.enabled else None,
+                                          pretrain_data=ppo.pretrain_data, ptx_coef=ppo.ptx_coef,
+                                          **_learner_kwargs(job, job.policy))
+        self.critic = None
+        if job.critic is not None:
+            self.critic = spawn_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
+                                              cluster, clip_value=ppo.clip_value, pad_token_id=pad,
+                                              **_learner_kwargs(job, job.critic))
+        self.reference = self._inference_group(ReferenceWorker, "reference", job.reference.placement,
+                                               slots("reference"), model=job.reference.model.model_dump(),
+                                               micro_batch_size=job.reference.micro_batch_size,
+                                               temperature=job.generation.sampling.temperature,
+                                               sharded=job.reference.sharded)
+        self.reward = self._reward_group(job, tokenizer, slots("reward"))
+        self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
+        self.pool = GenerationPool.start(job, *slots("generation"), tokens, self.restarts, wait=False)
+        # The assembler owns every experience object and the buffer holds their references: both live on the
+        # driver's node, which goes only with the driver. Placed anywhere, a lost worker node would take them
+        # and the experience with them (the learners' fetch then fails with OwnerDiedError).
+        on_driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)}
+        self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
+                                    kwargs={"ppo": ppo.model_dump(), "pad_token_id": pad,
+                                            "group_size": job.generation.sampling.n_samples_per_prompt,
+                                            "max_answer_tokens": job.generation.sampling.max_new_tokens},
+                                    call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
+        self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
+                                 kwargs={"capacity": ppo.buffer_capacity, "max_staleness": ppo.max_staleness},
+                                 call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
+        setup_learner_group(self.policy, cluster, updates)
+        if self.critic is not None:
+            setup_learner_group(self.critic, cluster, updates)
+        for group in (self.reference, self.reward, self.pool.group, self.assembler, self.buffer):
+            group.wait_ready(cluster.startup_timeout_s)
+        for role in self.sharded:  # ZeRO-3 inference groups: one process group each, shards loaded together
+            group = getattr(self, role)
+            group.call("setup", *rendezvous(group, cluster.startup_timeout_s), cluster.call_timeout_s,
+                       timeout=cluster.startup_timeout_s)
+
+    def _reward_group(self, job: PPOJob, tokenizer, slot) -> ActorGroup:
+        """A reward function or server behind the same contract as a reward model (which may have a tokenizer of
+        its own: its answers are then decoded and re-tokenised for it)."""
+        if not job.reward.is_model:
+            http = job.reward.http.model_dump() if job.reward.http else None
+            return self._inference_group(RewardFunctionWorker, "reward", job.reward.placement, slot,
+                                         function=job.reward.function, http=http,
+                                         tokenizer=job.policy.model.tokenizer_path)
+        rm_tokenizer = load_tokenizer(job.reward.model)
+        bridge = None if same_tokenizer(tokenizer, rm_tokenizer) else job.policy.model.tokenizer_path
+        if bridge:
+            log.info("reward model tokenizer %s differs from the policy's %s: answers are decoded and re-tokenised "
+                     "for it", job.reward.model.tokenizer_path, bridge)
+        return self._inference_group(RewardWorker, "reward", job.reward.placement, slot,
+                                     model=job.reward.model.model_dump(), micro_batch_size=job.reward.micro_batch_size,
+                                     tokens=TokenConventions.from_tokenizer(rm_tokenizer, job.reward.model.path),
+                                     bridge_from=bridge, sharded=job.reward.sharded)
+
+    def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
+        """The role's replicas, started; the caller waits for them."""
+        cluster = self.job.cluster
+        return ActorGroup(cls, role, placement.replicas, placement_group=slot[0], bundle_indices=slot[1],
+                          num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
+                          call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
+                          env_vars=actor_env(placement))
+
+    def kill(self) -> None:
+        """Kill every actor of the run. Before its placement groups go: an actor killed by the removal of its group
+        keeps holding its name, so a restarted run could not take it again; the experience and buffer actors
+        live in no group at all."""
+        for group in (self.policy, self.critic, self.reference, self.reward, self.assembler, self.buffer,
+                      self.pool.group):
+            if group is not None:
+                group.kill()
+
+    # ---- scoring --------------------------------------------------------------------------------------------
+    def _split_submit(self, group: ActorGroup, method: str, batch_ref, rows: int) -> tuple[list, list]:
+        """Replica i scores its contiguous share of the rows; returns (per-replica args, call refs) in row order."""
+        args = [(batch_ref, lo, hi) for lo, hi in row_bounds(rows, len(group))]
+        return args, [getattr(actor, method).remote(*a) for actor, a in zip(group.actors, args)]
+
+    def _split_gather(self, group: ActorGroup, method: str, submitted: tuple[list, list]) -> list:
+        """Results of `_split_submit`; a replica that died is replaced and its rows scored again (unless it holds a
+        shard of a sharded model: then the group cannot go on, as a learner group cannot)."""
+        if group.role in self.sharded:
+            return group.gather(submitted[1], method)
+        return resilient_gather(group, method, submitted[0], submitted[1], self.restarts)
+
+    def reward_scores(self, batch_ref, rows: int) -> torch.Tensor:
+        """The reward role's score of each row of a packed batch (evaluation's answers, a test's rollout)."""
+        parts = self._split_gather(self.reward, "score", self._split_submit(self.reward, "score", batch_ref, rows))
+        return torch.cat(ray.get([p["ref"] for p in parts]))
+
+    def score(self, rollout: Rollout, keep_samples: int = 0) -> Scored:
+        """Every role scores the rollout at once (reference log-probs, rewards, the policy's old log-probs where the
+        loss needs them, critic values), then the assembler turns them into experience. ResultsLost when a node
+        took results the scoring needed (nothing changed yet: generate it again)."""
+        try:
+            return self._score(rollout, keep_samples)
+        except RemoteCallError as err:
+            if results_lost(err):
+                raise ResultsLost(str(err)) from err
+            raise
+
+    def _score(self, rollout: Rollout, keep_samples: int) -> Scored:
+        (assembler,) = self.assembler.actors
+        batch = assembler.batch.remote(rollout.refs)
+        calls = {"reference": self._split_submit(self.reference, "logprobs", batch, rollout.samples),
+                 "reward": self._split_submit(self.reward, "score", batch, rollout.samples)}
+        if not self.job.old_logprobs_from_training:
+            calls["policy"] = self.policy.submit("logprobs", batch)
+        if self.critic is not None:
+            calls["critic"] = self.critic.submit("values", batch)
+        results = {"reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
+                   "reward": self._split_gather(self.reward, "score", calls["reward"])}
+        if "policy" in calls:
+            results["policy"] = self.policy.gather(calls["policy"], "logprobs")
+        if self.critic is not None:
+            results["critic"] = self.critic.gather(calls["critic"], "values")
+        parts = {role: [r["ref"] for r in out] for role, out in results.items()}
+        (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
+                                                                    parts["reference"], parts.get("critic"),
+                                                                    keep_samples)], "experience")
+        return Scored(out["ref"], out["rows"], out["metrics"],
+                      {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"])
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def train(self, plan: TrainingPlan) -> Trained:
+        """PPO epochs on the plan's experience: policy and critic groups at once, every rank of each."""
+        began = time.perf_counter()
+        calls = [(self.policy, self.policy.submit("train", plan))]
+        if self.critic is not None:
+            calls.append((self.critic, self.critic.submit("train", plan)))
+        metrics, seconds = {}, 0.0
+        for group, refs in calls:
+            out = group.gather(refs, "train")
+            metrics |= out[0]
+            seconds = max([seconds] + [m[f"{group.role}/seconds"] for m in out])
+        return Trained(metrics, seconds, time.perf_counter() - began)
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def save(self, staging: Path, iteration: int) -> None:
+        """Policy and critic engines (weights, optimizer, scheduler, RNG) of every rank."""
+        refs = self.policy.submit("save_checkpoint", str(staging / "policy"), {"iteration": iteration})
+        if self.critic is not None:
+            self.critic.call("save_checkpoint", str(staging / "critic"), {"iteration": iteration})
+        self.policy.gather(refs, "save_checkpoint")
+
+    def restore(self, path: Path) -> None:
+        """Every rank of policy and critic loads the checkpoint (on another rank count: resharded once)."""
+        load_group_checkpoint(self.policy, path / "policy", "policy")
+        if self.critic is not None:
+            load_group_checkpoint(self.critic, path / "critic", "critic")

@@ -1,0 +1,98 @@
+"""Stand-ins for the PPO trainer's actors, for unit tests of its parts without Ray: an engine pool that finishes
+rollouts in the order they were queued, with the weights the engines had when each was queued (as an engine actor
+does: a weight update waits behind the rollouts queued before it), scoring that records what it scored, and the real
+ReplayBuffer behind an ActorGroup stand-in. Every step is recorded in `events` ("start 3", "put 3", "train 3")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer
+from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
+from rlhf_ray.jobs.ppo.workers import Scored
+
+
+class Group:
+    """An ActorGroup stand-in: `call` / `submit` run the method on a local object, `gather` returns the results."""
+
+    def __init__(self, target, role: str = ""):
+        self.target, self.role = target, role
+
+    def submit(self, method, *args):
+        return [getattr(self.target, method)(*args)]
+
+    def gather(self, refs, what):
+        return refs
+
+    def call(self, method, *args):
+        return self.submit(method, *args)
+
+
+@dataclass
+class FakeRollout:
+    index: int
+    version: int
+    samples: int = 4
+    tokens: int = 16
+    engine_seconds: float = 0.1
+    engine_busy_seconds: float = 0.1
+    episodes: dict = field(default_factory=dict)
+
+
+class Prompts:
+    """A PromptSchedule stand-in: rollout r asks prompt r."""
+
+    def indices(self, rollout: int) -> list[int]:
+        return [rollout]
+
+    def submit(self, pool, rollout: int):
+        return pool.submit(rollout)
+
+
+class Pool:
+    def __init__(self, workers, finish_at_once: bool):
+        self.workers, self.finish_at_once = workers, finish_at_once
+        self.group, self.loaded = [None], []  # one engine; the versions it loaded
+
+    def broadcast(self, refs: list, version: int) -> dict:
+        self.loaded.append(version)
+        return {"seconds": 0.0, "engine_seconds": 0.0}
+
+    def submit(self, index: int) -> FakeRollout:
+        self.workers.events.append(f"start {index}")
+        return FakeRollout(index, self.workers.version)
+
+    def finished(self, pending) -> bool:
+        return self.finish_at_once
+
+    def collect(self, pending: FakeRollout) -> FakeRollout:
+        return pending
+
+    def sleep(self) -> None:
+        pass
+
+
+class Workers:
+    """RoleWorkers' pool, buffer and scoring; `version` is the learner's policy version (what train() bumps)."""
+
+    def __init__(self, capacity: int, max_staleness: int, finish_at_once: bool = False):
+        self.events, self.version, self.trained = [], 0, []
+        self.buffer = Group(ReplayBuffer(capacity=capacity, max_staleness=max_staleness))
+        self.pool = Pool(self, finish_at_once)
+        self.restarts = SimpleNamespace(replaced=[])
+
+    def score(self, rollout: FakeRollout, keep_samples: int = 0) -> Scored:
+        self.events.append(f"put {rollout.index}")
+        return Scored(experience=rollout.index, rows=rollout.samples,
+                      metrics={"rollout": rollout.index, "compute/advantages_seconds": 0.0},
+                      role_seconds={"reward": 0.0})
+
+    def train_on(self, taken: Taken) -> None:
+        self.events.append(f"train {taken.plan.meta.rollout}")
+        self.trained.append((taken.plan.meta.rollout, taken.plan.staleness))
+        self.version += 1
+
+
+def feed(workers: Workers, ahead: int, redo_limit: int = 0) -> RolloutFeed:
+    return RolloutFeed(workers, Prompts(), ahead=ahead, redo_limit=redo_limit, train_batch_size=4, epochs=1, seed=0)
