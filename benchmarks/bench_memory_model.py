@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, today, versions, write_section  # noqa: E402
 
-from rlhf_ray.learners.group import start_learner_group  # noqa: E402
+from rlhf_ray.learners.learner_group import start_learner_group  # noqa: E402
 from rlhf_ray.learners.sft import SFTLearner  # noqa: E402
 from rlhf_ray.memory.budget import learner_memory  # noqa: E402
 from rlhf_ray.memory.shapes import shape_of  # noqa: E402

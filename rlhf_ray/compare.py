@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_ray.data.collate import collate_prompts
 from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.functions import load_function
 
 
 @torch.no_grad()

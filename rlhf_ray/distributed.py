@@ -97,7 +97,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts the group above
 
 
-def build_inference_engine(load: Callable[[], torch.nn.Module], spec: ModelSpec, micro_batch_size: int,
+def build_zero3_inference(load: Callable[[], torch.nn.Module], spec: ModelSpec, micro_batch_size: int,
                            world_size: int, ds: DeepSpeedSpec | None = None):
     """ZeRO-3 inference (no optimizer): the model's weights are partitioned over the group's ranks as they load
     (transformers builds them under zero.Init while the returned HfDeepSpeedConfig is alive: keep it) and gathered

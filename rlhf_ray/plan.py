@@ -9,7 +9,6 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from rlhf_ray.config.base import FieldProblem
 from rlhf_ray.config.placement import NodeShape, PlacementSpec, colocation_root
 
 Resources = dict[str, float]

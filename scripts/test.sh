@@ -1,6 +1,13 @@
 #!/usr/bin/env bash
-# Sets up the environment (reused when unchanged) and runs the whole test suite on CPU.
+# Sets up the environment (reused when unchanged) and runs the whole test suite on CPU (CI's command).
+#   bash scripts/test.sh            every test (~30 min on 2 cores)
+#   bash scripts/test.sh --fast     the tests that start no Ray: units of one piece each (a few minutes)
+# Further arguments go to pytest (e.g. -k pattern, -x). The slowest tests are printed at the end of every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+if [ "${1:-}" = "--fast" ]; then
+  shift
+  exec .venv/bin/python -m pytest tests -m "not system" "$@"
+fi
 exec .venv/bin/python -m pytest tests "$@"

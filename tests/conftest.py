@@ -111,3 +111,18 @@ def one_update(trainer, step: int, rollout) -> dict[str, float]:
     """Train on `rollout` (collected by the test): scored and put in the buffer, then one iteration of the loop."""
     trainer.rollouts.put(step, rollout, trainer.weights.version)
     return trainer.iterate(step)[1]
+
+
+@pytest.fixture(autouse=True)
+def no_ray_outside_system_tests(request, monkeypatch):
+    """The fast tier (`bash scripts/test.sh --fast`: every test not marked `system`) runs without Ray: a test that
+    starts one must say so with @pytest.mark.system, or it fails here, naming itself."""
+    if request.node.get_closest_marker("system") is not None:
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not marked @pytest.mark.system (the fast "
+                           "tier runs without Ray)")
+
+    monkeypatch.setattr(ray, "init", refuse)

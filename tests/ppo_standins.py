@@ -89,8 +89,8 @@ class Workers:
                       role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:
-        self.events.append(f"train {taken.plan.meta.rollout}")
-        self.trained.append((taken.plan.meta.rollout, taken.plan.staleness))
+        self.events.append(f"train {taken.minibatches.meta.rollout}")
+        self.trained.append((taken.minibatches.meta.rollout, taken.minibatches.staleness))
         self.version += 1
 
 

@@ -1,4 +1,4 @@
-"""DPO losses (rlhf_ray/algorithms/dpo.py) against golden values.
+"""DPO losses (rlhf_ray/algorithms/dpo_loss.py) against golden values.
 
 The sigmoid and IPO values were computed once (2026-11-25) with TRL 1.16's expressions from
 trl/trainer/dpo_trainer.py, DPOTrainer._compute_loss (loss_type "sigmoid": -F.logsigmoid(beta * delta_score);
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from rlhf_ray.algorithms.dpo import dpo_loss
+from rlhf_ray.algorithms.dpo_loss import dpo_loss
 
 T = torch.tensor
 CHOSEN, REJECTED = T([-5.0, -7.5, -3.0]), T([-6.0, -7.0, -9.0])
@@ -57,15 +57,15 @@ def test_the_loss_pushes_chosen_up_and_rejected_down():
 
 
 def test_pairs_are_packed_chosen_first_after_their_shared_prompt():
-    from rlhf_ray.algorithms.dpo import pack_pairs, pair_sequence_logps
+    from rlhf_ray.algorithms.dpo_loss import pack_pairs, pair_sequence_logps
 
     pairs = [{"chosen_ids": [1, 2, 3, 4], "rejected_ids": [1, 2, 3, 5, 6], "prompt_len": 3},
              {"chosen_ids": [7, 8, 9], "rejected_ids": [7, 10], "prompt_len": 1}]
     batch = pack_pairs(pairs, pad_id=0)
-    assert batch["sequences"].tolist() == [[1, 2, 3, 4, 0], [0, 0, 7, 8, 9], [1, 2, 3, 5, 6], [0, 0, 7, 10, 0]]
-    assert batch["action_mask"].tolist() == [[1, 0], [1, 1], [1, 1], [1, 0]]
+    assert batch.sequences.tolist() == [[1, 2, 3, 4, 0], [0, 0, 7, 8, 9], [1, 2, 3, 5, 6], [0, 0, 7, 10, 0]]
+    assert batch.action_mask.tolist() == [[1, 0], [1, 1], [1, 1], [1, 0]]
     token_logps = T([[-1.0, -9.0], [-2.0, -3.0], [-4.0, -0.5], [-6.0, -9.0]])
-    sums = pair_sequence_logps(token_logps, batch["action_mask"])  # padding never counts
+    sums = pair_sequence_logps(token_logps, batch.action_mask)  # padding never counts
     assert sums["chosen"].tolist() == [-1.0, -5.0] and sums["rejected"].tolist() == [-4.5, -6.0]
     assert sums["chosen_tokens"].tolist() == [1.0, 2.0] and sums["rejected_tokens"].tolist() == [2.0, 1.0]
 

@@ -246,18 +246,18 @@ def test_kl_in_the_loss_is_the_token_mean_estimate_and_pulls_towards_the_referen
 
 def test_pack_rollouts_aligns_every_answer_at_the_same_column():
     batch = pack_rollouts([[5, 6], [7]], [[8], [9, 10, 11]], pad_id=0)
-    assert batch["sequences"].tolist() == [[5, 6, 8, 0, 0], [0, 7, 9, 10, 11]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
-    assert batch["action_mask"].tolist() == [[1, 0, 0], [1, 1, 1]]
-    assert int(batch["prompt_width"]) == 2
+    assert batch.sequences.tolist() == [[5, 6, 8, 0, 0], [0, 7, 9, 10, 11]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    assert batch.action_mask.tolist() == [[1, 0, 0], [1, 1, 1]]
+    assert batch.prompt_width == 2
     # and back: what reward functions decode, what samples.jsonl logs
     assert unpack_rollouts(batch) == [([5, 6], [8]), ([7], [9, 10, 11])]
     assert unpack_rollouts(batch, 1, 2) == [([7], [9, 10, 11])]
     assert unpack_rollouts(pack_rollouts([[5]], [[]], pad_id=0)) == [([5], [])]
     # a multi-turn episode: the observation tokens (12, 13) between the policy's turns are context, not actions
     turns = pack_rollouts([[5, 6], [7]], [[8, 12, 13, 9], [9, 10]], pad_id=0, answer_masks=[[1, 0, 0, 1], None])
-    assert turns["action_mask"].tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
-    assert turns["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]  # all of it is attended to
+    assert turns.action_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
+    assert turns.attention_mask.tolist() == [[1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 0]]  # all of it is attended to
     assert unpack_rollouts(turns)[0] == ([5, 6], [8, 12, 13, 9])
     with pytest.raises(ValueError, match="answer 0: its mask has 2 entries for 4 tokens"):
         pack_rollouts([[5]], [[8, 12, 13, 9]], pad_id=0, answer_masks=[[1, 0]])
@@ -269,17 +269,17 @@ def test_make_experience_grpo_kl_in_reward_or_in_loss():
     spec = PPOSpec(advantage_estimator="grpo", kl_coef=0.5)
     out = make_experience(scores, logp, ref, None, mask, ended, spec, group_size=3)
     # sequence rewards [1, -0.5, 0]: mean 1/6, unbiased std sqrt(7/12)
-    close(out["advantages"], [[5 / 6 / math.sqrt(7 / 12)], [-2 / 3 / math.sqrt(7 / 12)], [-1 / 6 / math.sqrt(7 / 12)]],
+    close(out.advantages, [[5 / 6 / math.sqrt(7 / 12)], [-2 / 3 / math.sqrt(7 / 12)], [-1 / 6 / math.sqrt(7 / 12)]],
           1e-4)
-    close(out["kl"], [0.0, 1.0, 0.0])
-    assert out["old_logp"] is logp
+    close(out.kl, [0.0, 1.0, 0.0])
+    assert out.old_logp is logp
     # KL in the loss: the reward is the score alone ([1, 0, 0]: mean 1/3, std sqrt(1/3)), and the old log-probs
     # may be left to the learner
     spec = PPOSpec(advantage_estimator="grpo", kl_coef=0.5, kl_in_loss=True)
     out = make_experience(scores, None, ref, None, mask, ended, spec, group_size=3)
     third = math.sqrt(1 / 3)
-    close(out["advantages"], [[2 / 3 / third], [-1 / 3 / third], [-1 / 3 / third]], 1e-4)
-    assert "old_logp" not in out and "kl" not in out and out["ref_logp"] is ref
+    close(out.advantages, [[2 / 3 / third], [-1 / 3 / third], [-1 / 3 / third]], 1e-4)
+    assert out.old_logp is None and out.kl is None and out.ref_logp is ref
     with pytest.raises(ValueError, match="old log-probs"):
         make_experience(scores, None, ref, None, mask, ended, PPOSpec(advantage_estimator="grpo"), 3)
 
@@ -292,10 +292,10 @@ def test_eos_penalty_reaches_critic_free_advantages():
         options = {"whiten_advantages": False} if estimator == "rloo" else {}
         spec = PPOSpec(advantage_estimator=estimator, kl_in_loss=True, eos_penalty=-1.0, **options)
         out = make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)
-        close(out["advantages"], [[w] for w in want], 1e-4)
+        close(out.advantages, [[w] for w in want], 1e-4)
         # without the penalty the two answers are indistinguishable
         spec = PPOSpec(advantage_estimator=estimator, kl_in_loss=True, **options)
-        close(make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)["advantages"], [[0.0], [0.0]])
+        close(make_experience(scores, None, ref, None, mask, ended, spec, group_size=2).advantages, [[0.0], [0.0]])
 
 
 def test_overlong_penalty_is_soft_and_reaches_every_estimator():
@@ -310,10 +310,10 @@ def test_overlong_penalty_is_soft_and_reaches_every_estimator():
     spec = PPOSpec(advantage_estimator="grpo", kl_in_loss=True, overlong_buffer=4)
     out = make_experience(scores, None, ref, None, mask, ended, spec, group_size=2, max_answer_tokens=16)
     # sequence rewards [5, 5 - 1]: GRPO mean 4.5, unbiased std sqrt(0.5)
-    close(out["advantages"][:, 0], [0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], 1e-4)
+    close(out.advantages[:, 0], [0.5 / math.sqrt(0.5), -0.5 / math.sqrt(0.5)], 1e-4)
     gae_spec = PPOSpec(kl_coef=0.0, whiten_advantages=False, overlong_buffer=4)
     out = make_experience(scores, torch.zeros(2, 16), ref, torch.zeros(2, 16), mask, ended, gae_spec, 1, 16)
-    close(out["rewards"].sum(-1), [5.0, 4.0])  # on each answer's last token
+    close(out.rewards.sum(-1), [5.0, 4.0])  # on each answer's last token
     with pytest.raises(ValueError, match="overlong_buffer needs the answers' maximum length"):
         make_experience(scores, None, ref, None, mask, ended, spec, group_size=2)
 
@@ -323,9 +323,9 @@ def test_make_experience_gae_shapes_rewards_before_the_critic():
     logp, ref, values = T([[-1.0, -2.0, -3.0]]), T([[-1.5, -1.0, -3.0]]), T([[0.2, 0.4, 7.0]])
     out = make_experience(T([7.0]), logp, ref, values, MASK, T([True]), spec, group_size=1)
     # rewards [-0.05, 5.1, pad] (as in the shaped-rewards test); lam 1, gamma 1: returns are reward-to-go
-    close(out["rewards"], [[-0.05, 5.1, 0.0]])
-    close(out["returns"], [[5.05, 5.1, 0.0]])
-    close(out["advantages"], [[5.05 - 0.2, 5.1 - 0.4, 0.0]])
+    close(out.rewards, [[-0.05, 5.1, 0.0]])
+    close(out.returns, [[5.05, 5.1, 0.0]])
+    close(out.advantages, [[5.05 - 0.2, 5.1 - 0.4, 0.0]])
 
 
 def test_garbage_on_padding_never_reaches_losses_or_rewards():
@@ -402,24 +402,25 @@ def test_token_logprobs_keep_no_vocabulary_sized_copy_and_match_log_softmax_with
     torch.testing.assert_close(entropy(logits, 0.7), expected, rtol=0, atol=1e-5)
 
 
-def test_trim_pad_columns_drops_only_the_columns_no_row_uses():
-    from rlhf_ray.algorithms.experience import pack_rollouts, pad_answer_columns, trim_pad_columns
+def test_trimmed_drops_only_the_columns_no_row_uses():
+    from rlhf_ray.algorithms.batch import Experience, PPOTargets
+    from rlhf_ray.algorithms.experience import pack_rollouts, pad_answer_columns
 
     batch = pack_rollouts([[1, 2, 3, 4], [5, 6], [7, 8, 9]], [[10], [11, 12], []], pad_id=0)  # 4 + 2 wide
-    batch["advantages"] = torch.arange(6.0).reshape(3, 2)
-    batch["kl"] = torch.tensor([0.1, 0.2, 0.3])  # one value per row: passes through
-    rows = {k: v[1:] for k, v in batch.items() if k != "prompt_width"}  # rows 1-2: prompts of 2 and 3, answers 2, 0
-    trimmed = trim_pad_columns(rows)
-    assert trimmed["sequences"].tolist() == [[0, 5, 6, 11, 12], [7, 8, 9, 0, 0]]
-    assert trimmed["attention_mask"].tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
-    assert trimmed["action_mask"].tolist() == [[1, 1], [0, 0]]
-    assert torch.equal(trimmed["kl"], rows["kl"])
-    last = {k: v[2:] for k, v in batch.items() if k != "prompt_width"}  # one row, an empty answer
-    one = trim_pad_columns(last)
-    assert one["sequences"].tolist() == [[7, 8, 9, 0]] and one["advantages"].tolist() == [[4.0]]  # one column stays
-    assert pad_answer_columns(one["advantages"], 2).tolist() == [[4.0, 0.0]]
-    full = {k: v[:2] for k, v in batch.items() if k != "prompt_width"}  # nothing to drop: the same tensors
-    assert trim_pad_columns(full)["sequences"] is full["sequences"]
+    experience = Experience.of(batch, PPOTargets(advantages=torch.arange(6.0).reshape(3, 2), ref_logp=torch.zeros(3, 2),
+                                                 rewards=torch.zeros(3, 2),
+                                                 kl=torch.tensor([0.1, 0.2, 0.3])))  # one value per row: passes through
+    rows = experience.select(slice(1, 3))  # rows 1-2: prompts of 2 and 3, answers 2, 0
+    trimmed = rows.trimmed()
+    assert trimmed.sequences.tolist() == [[0, 5, 6, 11, 12], [7, 8, 9, 0, 0]]
+    assert trimmed.attention_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert trimmed.action_mask.tolist() == [[1, 1], [0, 0]]
+    assert torch.equal(trimmed.kl, rows.kl) and trimmed.prompt_width == 3  # answers still start at prompt_width
+    one = experience.select([2]).trimmed()  # one row, an empty answer
+    assert one.sequences.tolist() == [[7, 8, 9, 0]] and one.advantages.tolist() == [[4.0]]  # one column stays
+    assert pad_answer_columns(one.advantages, 2).tolist() == [[4.0, 0.0]]
+    full = experience.select(slice(0, 2))  # nothing to drop: the same tensors
+    assert full.trimmed().sequences is full.sequences
 
 
 def test_projected_logprobs_equal_the_logits_path_with_exact_gradients():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf_ray.algorithms.diagnostics import correlation, entropy_collapsed, reward_hacking_signs
-from rlhf_ray.jobs.diagnostics import Diagnostics
+from rlhf_ray.jobs.alerts import Diagnostics
 
 
 def test_correlation_of_reward_and_length():
@@ -38,7 +38,7 @@ def test_entropy_collapse_is_relative_to_the_first_value():
 
 def test_the_job_warns_once_for_each_sign(caplog):
     watch = Diagnostics({"reward": 1.0, "task_accuracy": 0.5}, entropy_ratio=0.1)
-    with caplog.at_level(logging.WARNING, logger="rlhf_ray.jobs.diagnostics"):
+    with caplog.at_level(logging.WARNING, logger="rlhf_ray.jobs.alerts"):
         for step, entropy in enumerate([2.0, 1.0, 0.1, 0.05], start=1):
             watch.iteration(step, {"policy/entropy": entropy})
         assert watch.evaluation(5, {"reward": 2.0, "task_accuracy": 0.2}) == {"eval/reward_hacking_signs": 1.0}

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_ray.config import load_job
-from rlhf_ray.jobs.dpo import REFERENCE_FILE, run_dpo
+from rlhf_ray.jobs.dpo_job import REFERENCE_FILE, run_dpo
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.system
@@ -57,7 +57,7 @@ def test_a_stopped_run_resumes_with_its_saved_reference_and_ends_as_an_uninterru
     _, want = precomputed
     job = dpo_job(tmp_path / "resumed", sft_model, "checkpoint.every_steps=0")
     assert run_dpo(job, stop_after=STEPS // 2)["stopped_at_step"] == STEPS // 2
-    with caplog.at_level("INFO", logger="rlhf_ray.jobs.dpo"):
+    with caplog.at_level("INFO", logger="rlhf_ray.jobs.dpo_job"):
         got = run_dpo(job)
     assert any("reference log-probs from" in r.getMessage() for r in caplog.records)  # not scored again
     for key in ("eval_accuracy", "eval_margin", "eval_loss"):

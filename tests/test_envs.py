@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf_ray.cli import main
-from rlhf_ray.envs.base import Environment, Step
-from rlhf_ray.data.calculator import calculate
+from rlhf_ray.envs.environment import Environment, Step
+from rlhf_ray.data.calculator_tool import calculate
 from rlhf_ray.envs.calculator import CalculatorEnv
 from rlhf_ray.envs.episode import run_episodes
 from rlhf_ray.envs.render import ObservationRenderer

@@ -21,6 +21,7 @@ import torch
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.functions import RewardFunctionError
 from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
+from tests.conftest import one_update
 from tests.test_ppo_job import ppo_job
 
 pytestmark = pytest.mark.system
@@ -44,7 +45,7 @@ def two_engine_run(tmp_path, sft_model, rm_model, *overrides):
     from transformers import AutoTokenizer
 
     from rlhf_ray.data.build import build_phase_data
-    from tests.conftest import one_update, placed_trainer
+    from tests.conftest import placed_trainer
 
     job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
                   "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25", *overrides)

@@ -21,7 +21,7 @@ def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_
         from rlhf_ray.config.model import ModelSpec
         from rlhf_ray.config.optim import OptimizerSpec
         from rlhf_ray.distributed import init_process_group, listen
-        from rlhf_ray.learners.engine import build_engine
+        from rlhf_ray.learners.deepspeed_setup import build_deepspeed
         from rlhf_ray.models.loading import load_causal_lm
 
         sock = listen("127.0.0.1")
@@ -31,10 +31,10 @@ def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_
         ids = torch.randint(3, plain.config.vocab_size, (2, 12))
         plain(input_ids=ids).logits.logsumexp(-1).mean().backward()
         for stage, world_size_one_skips in ((0, True), (2, False)):
-            engine, _ = build_engine(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), DeepSpeedSpec(zero_stage=stage),
+            engine, _ = build_deepspeed(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), DeepSpeedSpec(zero_stage=stage),
                                      2, 1, 10)
             assert engine.enable_backward_allreduce is (not world_size_one_skips), stage
-        engine, _ = build_engine(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), DeepSpeedSpec(zero_stage=0), 2, 1, 10)
+        engine, _ = build_deepspeed(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), DeepSpeedSpec(zero_stage=0), 2, 1, 10)
         engine.backward(engine(input_ids=ids).logits.logsumexp(-1).mean())
         for (name, a), b in zip(plain.named_parameters(), engine.module.parameters()):
             torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=name)
@@ -56,7 +56,7 @@ def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
         from rlhf_ray.config.model import ModelSpec
         from rlhf_ray.config.optim import OptimizerSpec
         from rlhf_ray.distributed import init_process_group, listen
-        from rlhf_ray.learners.engine import build_engine
+        from rlhf_ray.learners.deepspeed_setup import build_deepspeed
         from rlhf_ray.models.loading import load_causal_lm
 
         sock = listen("127.0.0.1")
@@ -64,7 +64,7 @@ def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
         spec = ModelSpec(path="{tiny_model}", dtype="fp32", disable_dropout=True)
         knobs = DeepSpeedSpec(zero_stage=2, overlap_comm=True, contiguous_gradients=False, reduce_scatter=False,
                               round_robin_gradients=True, reduce_bucket_size=123456, allgather_bucket_size=234568)
-        engine, _ = build_engine(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), knobs, 2, 1, 10)
+        engine, _ = build_deepspeed(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), knobs, 2, 1, 10)
         zero = engine.optimizer
         assert (zero.overlap_comm, zero.contiguous_gradients, zero.reduce_scatter, zero.round_robin_gradients) == \\
             (True, False, False, True), vars(zero).keys()
@@ -77,7 +77,7 @@ def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
 
         bf16 = ModelSpec(path="{tiny_model}", dtype="bf16", disable_dropout=True)
         accum = DeepSpeedSpec(zero_stage=1, grad_accum_dtype="fp32", gradient_accumulation_steps=2)
-        engine, _ = build_engine(load_causal_lm(bf16), bf16, OptimizerSpec(lr=1e-3), accum, 2, 1, 10)
+        engine, _ = build_deepspeed(load_causal_lm(bf16), bf16, OptimizerSpec(lr=1e-3), accum, 2, 1, 10)
         assert type(engine.optimizer).__name__ == "BF16_Optimizer", type(engine.optimizer)
 
         fp16 = DeepSpeedConfig(DeepSpeedSpec(zero_stage=2, initial_scale_power=12, loss_scale_window=50, hysteresis=3,
@@ -103,9 +103,9 @@ def test_a_non_finite_gradient_skips_the_step_keeps_the_weights_and_is_counted(t
         from rlhf_ray.config.deepspeed import DeepSpeedSpec
         from rlhf_ray.config.model import ModelSpec
         from rlhf_ray.config.optim import OptimizerSpec
-        from rlhf_ray.learners.base import LearnerRank
+        from rlhf_ray.learners.rank import LearnerRank
         from rlhf_ray.distributed import init_process_group, listen
-        from rlhf_ray.learners.engine import build_engine
+        from rlhf_ray.learners.deepspeed_setup import build_deepspeed
         from rlhf_ray.models.loading import load_causal_lm
 
         sock = listen("127.0.0.1")
@@ -116,20 +116,20 @@ def test_a_non_finite_gradient_skips_the_step_keeps_the_weights_and_is_counted(t
             ds = DeepSpeedSpec(zero_stage=stage)
             rank = LearnerRank(rank=0, world_size=1, model=spec.model_dump(), optim=optim.model_dump(),
                                deepspeed=ds.model_dump(), micro_batch_size=2, seed=0)
-            rank.engine, rank.scheduler = build_engine(load_causal_lm(spec), spec, optim, ds, 2, 1, 10)
-            ids = torch.randint(3, rank.engine.module.config.vocab_size, (2, 12))
-            before = [p.detach().clone() for p in rank.engine.module.parameters()]
+            rank.deepspeed, rank.scheduler = build_deepspeed(load_causal_lm(spec), spec, optim, ds, 2, 1, 10)
+            ids = torch.randint(3, rank.deepspeed.module.config.vocab_size, (2, 12))
+            before = [p.detach().clone() for p in rank.deepspeed.module.parameters()]
             lr = rank.scheduler.get_last_lr()[0]
-            rank.engine.backward(rank.engine(input_ids=ids).logits.mean() * float("inf"))
+            rank.deepspeed.backward(rank.deepspeed(input_ids=ids).logits.mean() * float("inf"))
             rank.optimizer_step()
             assert rank.step_counts == {{"applied": 0, "skipped": 1}}, (stage, rank.step_counts)
-            assert all(torch.equal(a, b) for a, b in zip(before, rank.engine.module.parameters())), stage
+            assert all(torch.equal(a, b) for a, b in zip(before, rank.deepspeed.module.parameters())), stage
             assert rank.scheduler.get_last_lr()[0] == lr and rank.step_info()["steps_skipped"] == 1
-            rank.engine.backward(rank.engine(input_ids=ids).logits.logsumexp(-1).mean())
+            rank.deepspeed.backward(rank.deepspeed(input_ids=ids).logits.logsumexp(-1).mean())
             rank.optimizer_step()
             assert rank.step_counts == {{"applied": 1, "skipped": 1}}, (stage, rank.step_counts)
-            assert any(not torch.equal(a, b) for a, b in zip(before, rank.engine.module.parameters())), stage
-            assert all(torch.isfinite(p).all() for p in rank.engine.module.parameters())
+            assert any(not torch.equal(a, b) for a, b in zip(before, rank.deepspeed.module.parameters())), stage
+            assert all(torch.isfinite(p).all() for p in rank.deepspeed.module.parameters())
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
@@ -142,7 +142,7 @@ def test_an_arch_specific_cuda_arch_list_is_made_plain_for_deepspeeds_fused_adam
     plain architectures. DeepSpeed's own parser is the judge."""
     from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
 
-    from rlhf_ray.learners.engine import plain_cuda_arch_list
+    from rlhf_ray.learners.deepspeed_setup import plain_cuda_arch_list
 
     builder = FusedAdamBuilder()
     builder.jit_mode = True

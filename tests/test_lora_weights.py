@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from rlhf_ray.config.model import ModelSpec
-from rlhf_ray.learners.engine import apply_lora
+from rlhf_ray.learners.deepspeed_setup import apply_lora
 from rlhf_ray.models.lora_weights import folded, units
 
 

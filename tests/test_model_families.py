@@ -6,6 +6,8 @@ family's own model as the reward model, after the weight sync engine greedy == l
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import replace
 
 import pytest
@@ -16,6 +18,7 @@ from rlhf_ray.config import load_job
 from rlhf_ray.data.adapters import apply_chat_template, dschat_messages
 from rlhf_ray.data.raw import RawSample
 from rlhf_ray.data.tokenized import tokenize_pairs, tokenize_prompts, tokenize_sft
+from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.families import FAMILIES, build_family_model
 from tests.conftest import ROOT
@@ -134,7 +137,7 @@ def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
 
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.jobs.supervised import learner_kwargs
-    from rlhf_ray.learners.group import start_learner_group
+    from rlhf_ray.learners.learner_group import start_learner_group
     from rlhf_ray.learners.sft import SFTLearner
 
     plan, groups = plan_groups
@@ -335,7 +338,7 @@ def test_a_bridged_reward_model_scores_its_own_tokenisation(family_models):
                   policy_tok(answers[1], add_special_tokens=False)["input_ids"]]
     batch = pack_rollouts([policy_tokens.encode_prompt(policy_tok, p) for p in prompts], answer_ids,
                           policy_tokens.pad_id)
-    batch["ended"] = torch.tensor([True, False])  # the second answer was cut at max_new_tokens
+    batch = dataclasses.replace(batch, ended=torch.tensor([True, False]))  # the second answer was cut short
     spec = ModelSpec(path=str(family_models["gpt2"]), dtype="fp32").model_dump()
     torch.manual_seed(0)  # the same (fresh) score head in both workers
     bridged = RewardWorker(rank=0, world_size=1, model=spec, micro_batch_size=4, tokens=rm_tokens,
@@ -346,7 +349,8 @@ def test_a_bridged_reward_model_scores_its_own_tokenisation(family_models):
     assert [row[m.bool()].tolist() for row, m in zip(seq, mask)] == own
     torch.manual_seed(0)
     direct = RewardWorker(rank=0, world_size=1, model=spec, micro_batch_size=4, tokens=rm_tokens)
-    plain = {"sequences": seq, "attention_mask": mask}  # what a reward model with its own data would be given
+    # what a reward model with its own data would be given: its tokens, right-padded (no prompt columns)
+    plain = RolloutBatch(sequences=seq, attention_mask=mask, action_mask=mask.float(), prompt_width=0)
     torch.testing.assert_close(bridged.score.__wrapped__(bridged, batch, 0, 2),
                                direct.score.__wrapped__(direct, plain, 0, 2))
 

@@ -328,7 +328,6 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
     reward function scores carries the `answer` column of its own prompt (through pool, experience and buffer),
     the scores are the checker's against that truth, and two GRPO iterations train on them."""
     import ray
-    import torch
     from transformers import AutoTokenizer
 
     from rlhf_ray.data.answers import last_number_reward
@@ -354,12 +353,12 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
             (assembler,) = trainer.workers.assembler.actors
             batch_ref = assembler.batch.remote(rollout.refs)
             batch = ray.get(batch_ref)
-            width = int(batch["prompt_width"])
+            width = batch.prompt_width
             prompts = [tokenizer.decode(s[:width][m[:width].bool()]) for s, m in
-                       zip(batch["sequences"], batch["attention_mask"])]
+                       zip(batch.sequences, batch.attention_mask)]
             answers = [tokenizer.decode(s[width:][m[width:].bool()], skip_special_tokens=True) for s, m in
-                       zip(batch["sequences"], batch["attention_mask"])]
-            truth = [c["answer"] for c in batch["columns"]]
+                       zip(batch.sequences, batch.attention_mask)]
+            truth = [c["answer"] for c in batch.columns]
             assert truth == [str(demo.parse_prompt(p).value) for p in prompts]  # each row's own ground truth
             scores = trainer.workers.reward_scores(batch_ref, len(truth))
             assert scores.tolist() == last_number_reward(prompts, answers, answer=truth)

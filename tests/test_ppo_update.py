@@ -20,7 +20,7 @@ def test_an_update_whose_policy_steps_were_all_skipped_keeps_the_version_and_sen
     workers = Workers(capacity=4, max_staleness=4)
     applied = iter([1, 0, 2])
     workers.policy = Group(Policy(), "policy")
-    workers.train = lambda plan: Trained({"policy/loss": 0.1, "policy/kl": 0.0, "policy/steps_applied": next(applied)},
+    workers.train = lambda minibatches: Trained({"policy/loss": 0.1, "policy/kl": 0.0, "policy/steps_applied": next(applied)},
                                          seconds=0.01, wall=0.01)
     weights = object.__new__(WeightSync)
     weights.workers, weights.version, weights.transport = workers, 0, "object_store"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from rlhf_ray.cli import EXIT_OK, main
 from rlhf_ray.config import load_job
-from rlhf_ray.jobs.pretrain import run_pretrain
+from rlhf_ray.jobs.pretrain_job import run_pretrain
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.system

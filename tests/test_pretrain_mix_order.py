@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
+from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.learners.ppo_base import PPOLearnerRank
 
@@ -38,21 +39,21 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
     mix = SimpleNamespace(micro_batches=lambda k, rank, ws, mbs: [
         {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3, dtype=torch.long),
          "labels": torch.ones(2, 3, dtype=torch.long)} for _ in range(2)])
-    rank = SimpleNamespace(engine=RecordingEngine(events), mix=mix, rank=0, world_size=1, micro_batch_size=2,
+    rank = SimpleNamespace(deepspeed=RecordingEngine(events), mix=mix, rank=0, world_size=1, micro_batch_size=2,
                            ptx_coef=0.5, all_reduce_sum=lambda values: values, optimizer_step=lambda: None,
                            step_info=lambda: {}, loss_aggregation="token_mean",
                            step_counts={"applied": 0, "skipped": 0})
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
     rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)
-    rank.auxiliary_losses = lambda plan, step, n: PolicyLearner.auxiliary_losses(rank, plan, step, n)
-    plan = SimpleNamespace(minibatches=[[0, 1, 2, 3]], meta=SimpleNamespace(rollout=0))
-    batch = {"sequences": torch.ones(4, 5, dtype=torch.long), "attention_mask": torch.ones(4, 5, dtype=torch.long),
-             "action_mask": torch.ones(4, 2)}
+    rank.auxiliary_losses = lambda minibatches, step, n: PolicyLearner.auxiliary_losses(rank, minibatches, step, n)
+    minibatches = SimpleNamespace(rows=[[0, 1, 2, 3]], meta=SimpleNamespace(rollout=0))
+    batch = RolloutBatch(sequences=torch.ones(4, 5, dtype=torch.long), attention_mask=torch.ones(4, 5, dtype=torch.long),
+                         action_mask=torch.ones(4, 2), prompt_width=3)
 
     def token_loss(micro):
         events.append("ppo forward")
-        return rank.engine.weight.sum() * 0 + micro["action_mask"].sum(), {}
+        return rank.deepspeed.weight.sum() * 0 + micro.action_mask.sum(), {}
 
-    metrics = PPOLearnerRank.run_epochs(rank, batch, plan, token_loss)
+    metrics = PPOLearnerRank.run_epochs(rank, batch, minibatches, token_loss)
     assert events == ["ppo forward", "mix forward", "backward"] * 2
     assert metrics["ptx_loss"] > 0

@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from rlhf_ray.buffer.replay_buffer import ReplayBuffer, minibatch_plan
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer, minibatch_rows
 
 
 def meta(version: int, rollout: int = 0, samples: int = 8) -> dict:
@@ -43,14 +43,15 @@ def test_full_buffer_drops_its_oldest_entry():
 
 
 def test_plan_covers_every_row_once_per_epoch_in_minibatches():
-    plan = minibatch_plan(12, 4, epochs=2, seed=7)
+    plan = minibatch_rows(12, 4, epochs=2, seed=7)
     assert [len(b) for b in plan] == [4] * 6
     for epoch in (plan[:3], plan[3:]):
         assert sorted(i for b in epoch for i in b) == list(range(12))
     assert plan[:3] != plan[3:]  # a fresh order each epoch
-    assert minibatch_plan(12, 4, 2, seed=7) == plan and minibatch_plan(12, 4, 2, seed=8) != plan
+    assert minibatch_rows(12, 4, 2, seed=7) == plan and minibatch_rows(12, 4, 2, seed=8) != plan
 
 
+@pytest.mark.system
 def test_buffer_actor_hands_out_references_not_payloads():
     from rlhf_ray import cluster
     from rlhf_ray.actors.group import ActorGroup

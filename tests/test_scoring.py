@@ -39,9 +39,9 @@ def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(ti
     assert seen == [(4, 4, width)]
 
     with torch.no_grad():
-        logits = forward(input_ids=batch["sequences"], attention_mask=batch["attention_mask"]).logits
+        logits = forward(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits
     assert logits.shape[1] == 9  # what it computed before: every position, the prompt's included
-    full = answer_logprobs(logits, batch["sequences"], 3, 0.7) * batch["action_mask"]
+    full = answer_logprobs(logits, batch.sequences, 3, 0.7) * batch.action_mask
     torch.testing.assert_close(kept, full, rtol=0, atol=1e-5)
 
 
@@ -62,8 +62,8 @@ def test_each_micro_batch_runs_at_its_own_width_with_the_same_log_probs(tiny_mod
     trimmed = ReferenceWorker.logprobs.__wrapped__(worker, batch, 0, 2)
     assert widths == [7, 6]  # row 0: 6 prompt + 1 answer token; row 1: 2 + 4 (the batch is 6 + 4 wide)
     with torch.no_grad():
-        logits = forward(input_ids=batch["sequences"], attention_mask=batch["attention_mask"]).logits
-    full = answer_logprobs(logits, batch["sequences"], 4, 0.7) * batch["action_mask"]
+        logits = forward(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits
+    full = answer_logprobs(logits, batch.sequences, 4, 0.7) * batch.action_mask
     assert trimmed.shape == full.shape == (2, 4)
     torch.testing.assert_close(trimmed, full, rtol=0, atol=1e-5)
 
@@ -93,7 +93,7 @@ def test_sft_loss_asks_for_answer_logits_only_and_matches_a_full_forward(tiny_mo
         return model(**kwargs)
 
     engine.module, engine.device = model, torch.device("cpu")
-    rank = SimpleNamespace(engine=engine, pad_token_id=0)
+    rank = SimpleNamespace(deepspeed=engine, pad_token_id=0)
     rows = [{"input_ids": [5, 6, 7, 8, 9, 10, 11], "labels": [-100, -100, -100, -100, 9, 10, 11]},
             {"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, -100, 8, 9]}]
     kept = SFTLearner.lm_loss_sum(rank, collate_lm(rows, 0))

@@ -4,6 +4,8 @@ them keeps step with a dropped forward) and when rows share a prompt."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -21,7 +23,7 @@ def _sharded_group(cls, **kwargs):
     from rlhf_ray.actors.group import ActorGroup
     from rlhf_ray.config.placement import PlacementSpec
     from rlhf_ray.distributed import actor_env
-    from rlhf_ray.learners.group import rendezvous
+    from rlhf_ray.learners.learner_group import rendezvous
 
     group = ActorGroup(cls, cls.__name__.lower(), 2, num_cpus=0.5, kwargs={**kwargs, "sharded": True},
                        env_vars=actor_env(PlacementSpec(num_cpus=0.5)), call_timeout_s=300)
@@ -47,8 +49,8 @@ def test_two_replicas_hold_half_the_weights_each_and_score_like_one_process(sft_
     sft, rm = sft_model, rm_model
     # 3 rows over 2 replicas, micro-batches of 1: replica 0 runs 2 forwards, replica 1 one and one to keep step;
     # rows 0 and 1 share a prompt (a single process would run that prompt's forward once)
-    batch = pack_rollouts([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]], [[11, 12], [13], [14, 15, 16]], pad_id=0)
-    batch["ended"] = torch.tensor([True, False, True])
+    batch = dataclasses.replace(pack_rollouts([[5, 6, 7, 8], [5, 6, 7, 8], [9, 10]], [[11, 12], [13], [14, 15, 16]],
+                                              pad_id=0), ended=torch.tensor([True, False, True]))
     ref_kwargs = dict(model={"path": str(sft), "dtype": "fp32"}, micro_batch_size=1, temperature=0.7)
     tokenizer = AutoTokenizer.from_pretrained(rm)
     rm_kwargs = dict(model={"path": str(rm), "dtype": "fp32"}, micro_batch_size=1,

@@ -40,14 +40,14 @@ def forwards(model):
 
 
 def full_logprobs(model, b, temperature=0.7):
-    logits = model(input_ids=b["sequences"], attention_mask=b["attention_mask"]).logits
-    return answer_logprobs(logits, b["sequences"], b["action_mask"].shape[1], temperature) * b["action_mask"]
+    logits = model(input_ids=b.sequences, attention_mask=b.attention_mask).logits
+    return answer_logprobs(logits, b.sequences, b.action_mask.shape[1], temperature) * b.action_mask
 
 
 def shared_logprobs(forward, model, b, temperature=0.7):
-    answer_len = b["action_mask"].shape[1]
-    logits = forward_answer_logits(forward, model, b["sequences"], b["attention_mask"], answer_len)
-    return token_logprobs(logits, b["sequences"][:, -answer_len:], temperature) * b["action_mask"]
+    answer_len = b.action_mask.shape[1]
+    logits = forward_answer_logits(forward, model, b.sequences, b.attention_mask, answer_len)
+    return token_logprobs(logits, b.sequences[:, -answer_len:], temperature) * b.action_mask
 
 
 def test_shared_prompts_give_the_full_forward_log_probs_and_gradients(tiny_model):
@@ -56,7 +56,7 @@ def test_shared_prompts_give_the_full_forward_log_probs_and_gradients(tiny_model
     b = batch()
     forward, shapes = forwards(model)
     shared = shared_logprobs(forward, model, b)
-    prompt_len, answer_len = b["sequences"].shape[1] - 4, 4
+    prompt_len, answer_len = b.sequences.shape[1] - 4, 4
     assert shapes == [(3, prompt_len), (6, answer_len)]  # 3 prompts once, then the 6 answers on their cache
     full = full_logprobs(model, b)
     torch.testing.assert_close(shared, full, rtol=0, atol=1e-5)
@@ -75,13 +75,13 @@ def test_distinct_prompts_and_gradient_checkpointing_run_the_whole_sequence(tiny
     forward, shapes = forwards(model)
     with torch.no_grad():
         torch.testing.assert_close(shared_logprobs(forward, model, b), full_logprobs(model, b), rtol=0, atol=1e-5)
-    assert shapes == [tuple(b["sequences"].shape)]
+    assert shapes == [tuple(b.sequences.shape)]
 
     model.gradient_checkpointing_enable()
     model.train()
     forward, shapes = forwards(model)
     shared_logprobs(forward, model, batch())
-    assert shapes == [tuple(batch()["sequences"].shape)]  # the checkpointed forward drops the cache
+    assert shapes == [tuple(batch().sequences.shape)]  # the checkpointed forward drops the cache
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -94,7 +94,7 @@ def test_every_family_scores_shared_prompts_like_the_whole_sequence(family, tmp_
         shared = shared_logprobs(forward, model, b)
         full = full_logprobs(model, b)
     torch.testing.assert_close(shared, full, rtol=0, atol=1e-4)
-    prompt_len, answer_len = b["sequences"].shape[1] - 4, 4
+    prompt_len, answer_len = b.sequences.shape[1] - 4, 4
     assert shapes == [(3, prompt_len), (6, answer_len)], f"{family}: the prompts did not run once"
 
 
@@ -105,7 +105,7 @@ def test_a_sequence_longer_than_the_sliding_window_runs_whole(tmp_path):
     forward, shapes = forwards(model.eval())
     with torch.no_grad():
         torch.testing.assert_close(shared_logprobs(forward, model, b), full_logprobs(model, b), rtol=0, atol=1e-4)
-    assert shapes == [tuple(b["sequences"].shape)]
+    assert shapes == [tuple(b.sequences.shape)]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -123,10 +123,10 @@ def test_every_family_gets_the_same_log_probs_entropy_and_gradients_from_the_chu
     results = {}
     for chunked in (True, False):
         model.zero_grad()
-        logp, ent = answer_logprobs_and_entropy(model, model, b["sequences"], b["attention_mask"], answer_len, 0.7,
+        logp, ent = answer_logprobs_and_entropy(model, model, b.sequences, b.attention_mask, answer_len, 0.7,
                                                 chunked=chunked)
-        (logp * b["action_mask"]).sum().backward()
-        results[chunked] = (logp * b["action_mask"], ent * b["action_mask"],
+        (logp * b.action_mask).sum().backward()
+        results[chunked] = (logp * b.action_mask, ent * b.action_mask,
                             [p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert (projection_head(model) is None) == (family == "gemma2")
     (lp1, ent1, grads1), (lp0, ent0, grads0) = results[True], results[False]

@@ -10,6 +10,7 @@ import torch
 
 from rlhf_ray.actors.http_reward import RemoteRewardError
 from rlhf_ray.actors.payload import by_reference
+from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.algorithms.experience import unpack_rollouts
 from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
 
@@ -28,16 +29,16 @@ class RewardFunctionWorker:
             self.name, self.function = function, load_function(function)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
 
-    def texts(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[list[str], list[str]]:
+    def texts(self, batch: RolloutBatch, lo: int, hi: int) -> tuple[list[str], list[str]]:
         rows = unpack_rollouts(batch, lo, hi)
         prompts = [self.tokenizer.decode(prompt) for prompt, _ in rows]
         answers = [self.tokenizer.decode(answer, skip_special_tokens=True) for _, answer in rows]
         return prompts, answers
 
     @by_reference
-    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    def score(self, batch: RolloutBatch, lo: int, hi: int) -> torch.Tensor:
         prompts, answers = self.texts(batch, lo, hi)
-        return self.score_texts(prompts, answers, list(batch.get("columns", [{}] * len(batch["sequences"]))[lo:hi]))
+        return self.score_texts(prompts, answers, (batch.columns or [{}] * len(batch))[lo:hi])
 
     def score_texts(self, prompts: list[str], answers: list[str], columns: list[dict] | None = None) -> torch.Tensor:
         """Scores one by one on failure, so the error names the sample that broke the function."""

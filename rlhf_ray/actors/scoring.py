@@ -11,7 +11,8 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.actors.sharding import ForwardRole, device
-from rlhf_ray.algorithms.experience import pad_answer_columns, trim_pad_columns, unpack_rollouts
+from rlhf_ray.algorithms.batch import RolloutBatch
+from rlhf_ray.algorithms.experience import pad_answer_columns, unpack_rollouts
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
@@ -30,13 +31,12 @@ class ReferenceWorker(ForwardRole):
 
     @by_reference
     @torch.no_grad()
-    def logprobs(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
-        answer_len, rows = batch["action_mask"].shape[1], batch["sequences"].shape[0]
+    def logprobs(self, batch: RolloutBatch, lo: int, hi: int) -> torch.Tensor:
+        answer_len = batch.answer_width
         parts = []
-        for part in self.micro_batches(lo, hi, rows):
-            micro = trim_pad_columns({k: batch[k][part or slice(0, 1)]
-                                      for k in ("sequences", "attention_mask", "action_mask")})
-            seq, mask, action = (micro[k].to(device()) for k in ("sequences", "attention_mask", "action_mask"))
+        for part in self.micro_batches(lo, hi, len(batch)):
+            micro = batch.select(part or slice(0, 1)).trimmed()
+            seq, mask, action = (t.to(device()) for t in (micro.sequences, micro.attention_mask, micro.action_mask))
             logp, _ = answer_logprobs_and_entropy(self.forward, self.model, seq, mask, action.shape[1],
                                                   self.temperature, share_prompts=not self.sharded,
                                                   chunked=not self.sharded, with_entropy=False)
@@ -65,11 +65,11 @@ class RewardWorker(ForwardRole):
     def load_model(self) -> torch.nn.Module:
         return load_scalar_model(self.spec, self.tokens.pad_id)
 
-    def retokenize(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def retokenize(self, batch: RolloutBatch, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows [lo, hi) as the reward model's tokenizer writes them, right-padded, with their mask."""
         policy, own = self.bridge
         rows = []
-        for (prompt_ids, answer_ids), ended in zip(unpack_rollouts(batch, lo, hi), batch["ended"][lo:hi]):
+        for (prompt_ids, answer_ids), ended in zip(unpack_rollouts(batch, lo, hi), batch.ended[lo:hi]):
             prompt = policy.decode(prompt_ids, skip_special_tokens=True)
             answer = policy.decode(answer_ids, skip_special_tokens=True)
             ids = own(answer, add_special_tokens=False)["input_ids"]
@@ -83,13 +83,13 @@ class RewardWorker(ForwardRole):
 
     @by_reference
     @torch.no_grad()
-    def score(self, batch: dict[str, torch.Tensor], lo: int, hi: int) -> torch.Tensor:
+    def score(self, batch: RolloutBatch, lo: int, hi: int) -> torch.Tensor:
         if self.bridge is not None and hi > lo:
             seq, mask = self.retokenize(batch, lo, hi)
         else:
-            seq, mask = batch["sequences"][lo:hi], batch["attention_mask"][lo:hi]
+            seq, mask = batch.sequences[lo:hi], batch.attention_mask[lo:hi]
         parts = []
-        for part in self.micro_batches(lo, hi, batch["sequences"].shape[0]):
+        for part in self.micro_batches(lo, hi, len(batch)):
             if part is None:  # a sharded replica keeping step with the others: one pad token, result dropped
                 token_values(self.model, torch.full((1, 1), self.tokens.pad_id, device=device()),
                              torch.ones(1, 1, dtype=torch.long, device=device()), forward=self.forward)

@@ -17,7 +17,7 @@ import torch
 
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
 from rlhf_ray.config.model import ModelSpec
-from rlhf_ray.distributed import RendezvousHost, build_inference_engine, init_process_group
+from rlhf_ray.distributed import RendezvousHost, build_zero3_inference, init_process_group
 
 
 def device() -> torch.device:
@@ -33,7 +33,7 @@ class ForwardRole(RendezvousHost):
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.spec = ModelSpec.model_validate(model)
         self.micro = micro_batch_size
-        self.engine = None
+        self.deepspeed = None
         self.model = None if sharded else self.load_model().to(device()).eval()
 
     def load_model(self) -> torch.nn.Module:
@@ -45,15 +45,15 @@ class ForwardRole(RendezvousHost):
             raise RuntimeError("setup is for sharded replicas only")
         init_process_group(self.rank, self.world_size, master_addr, master_port, self.take_listener(master_port),
                            timeout_s)
-        self.engine, self._hf_ds_config = build_inference_engine(self.load_model, self.spec, self.micro,
+        self.deepspeed, self._hf_ds_config = build_zero3_inference(self.load_model, self.spec, self.micro,
                                                                  self.world_size)
-        self.model = self.engine.module
+        self.model = self.deepspeed.module
         return {"rank": self.rank, "held_bytes": self.held_bytes()}
 
     @property
     def forward(self):
         """What runs the model: the DeepSpeed engine of a sharded replica (its hooks gather the weights)."""
-        return self.engine if self.engine is not None else self.model
+        return self.deepspeed if self.deepspeed is not None else self.model
 
     def held_bytes(self) -> int:
         """Bytes of weights this replica holds (its partitions, when sharded)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlhf_ray.algorithms.batch import PPOTargets, RolloutBatch
 from rlhf_ray.algorithms.advantages import broadcast_to_tokens, gae, group_normalized, leave_one_out, reinforce_pp
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten, zero_masked
 from rlhf_ray.algorithms.rewards import kl_estimate, overlong_penalty, sequence_scores, shaped_rewards
@@ -11,7 +12,7 @@ from rlhf_ray.config.ppo import PPOSpec
 
 
 def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: int,
-                  answer_masks: list[list[int] | None] | None = None) -> dict[str, torch.Tensor]:
+                  answer_masks: list[list[int] | None] | None = None) -> RolloutBatch:
     """[left-padded prompt | right-padded answer]: every answer starts at column P, so answer tensors are
     [B, A] slices of the same layout for policy, reference, critic and reward. The action mask is 1 on every
     answer token, or, for a multi-turn episode, its `answer_masks` row: 1 on the tokens the policy sampled, 0 on
@@ -32,14 +33,14 @@ def pack_rollouts(prompts: list[list[int]], answers: list[list[int]], pad_id: in
             if len(row) != len(answers[i]):
                 raise ValueError(f"answer {i}: its mask has {len(row)} entries for {len(answers[i])} tokens")
             action_mask[i, : len(row)] = torch.tensor(row, dtype=torch.float)
-    return {"sequences": seq, "attention_mask": mask, "action_mask": action_mask, "prompt_width": torch.tensor(width_p)}
+    return RolloutBatch(sequences=seq, attention_mask=mask, action_mask=action_mask, prompt_width=width_p)
 
 
-def unpack_rollouts(batch: dict[str, torch.Tensor], lo: int = 0, hi: int | None = None) -> list[tuple[list[int], list[int]]]:
+def unpack_rollouts(batch: RolloutBatch, lo: int = 0, hi: int | None = None) -> list[tuple[list[int], list[int]]]:
     """The inverse of pack_rollouts for rows [lo, hi): each row's (prompt ids, answer ids), padding dropped."""
-    width = int(batch["prompt_width"])
+    width = batch.prompt_width
     rows = []
-    for ids, mask in zip(batch["sequences"][lo:hi], batch["attention_mask"][lo:hi].bool()):
+    for ids, mask in zip(batch.sequences[lo:hi], batch.attention_mask[lo:hi].bool()):
         rows.append((ids[:width][mask[:width]].tolist(), ids[width:][mask[width:]].tolist()))
     return rows
 
@@ -53,49 +54,6 @@ def row_bounds(n: int, k: int) -> list[tuple[int, int]]:
 def row_slices(n: int, size: int) -> list[slice]:
     """Consecutive slices of at most `size` rows covering rows [0, n): a batch's micro-batches."""
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
-
-
-def take_rows(batch: dict, rows: list[int]) -> dict:
-    """The rows `rows` of an experience batch: every per-row tensor and list; scalars (prompt_width) kept."""
-    index = torch.as_tensor(rows, dtype=torch.long)
-    n = len(batch["sequences"])
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == n:
-            out[key] = value[index]
-        elif isinstance(value, list) and len(value) == n:
-            out[key] = [value[i] for i in rows]
-        else:
-            out[key] = value
-    return out
-
-
-SEQUENCE_KEYS = ("sequences", "attention_mask")
-"""The [B, P + A] tensors of a packed batch; its other [B, A] tensors hold one value per answer token."""
-
-
-def trim_pad_columns(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The rows of a packed batch without the columns none of them uses: the prompt padding every row has on the
-    left, the answer padding every row has on the right. A micro-batch of short prompts and answers then runs at its
-    own width, not the rollout's longest. Answer tensors lose the same trailing columns as the sequences; nothing
-    a kept token sees changes (attention is causal and masks pads; rotary positions are relative; OPT counts
-    positions from the mask). One answer column always stays. Tensors of other shapes pass through."""
-    mask, answer_len = batch["attention_mask"], batch["action_mask"].shape[1]
-    prompt_len = mask.shape[1] - answer_len
-    used = mask[:, :prompt_len].any(0).nonzero()
-    left = int(used[0]) if len(used) else prompt_len
-    acted = batch["action_mask"].any(0).nonzero()
-    keep = int(acted[-1]) + 1 if len(acted) else 1
-    if left == 0 and keep == answer_len:
-        return batch
-    out = {}
-    for key, value in batch.items():
-        if key in SEQUENCE_KEYS:
-            value = value[:, left: prompt_len + keep]
-        elif value.dim() >= 2 and value.shape[1] == answer_len:
-            value = value[:, :keep]
-        out[key] = value
-    return out
 
 
 def pad_answer_columns(values: torch.Tensor, answer_len: int) -> torch.Tensor:
@@ -118,7 +76,7 @@ def mismatch_kl(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_ma
 
 def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,
                     values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
-                    group_size: int, max_answer_tokens: int | None = None) -> dict[str, torch.Tensor]:
+                    group_size: int, max_answer_tokens: int | None = None) -> PPOTargets:
     """Advantages and returns by the configured estimator, plus what the metrics report. `logp` (the policy's old
     log-probs) may be None when the reward carries no KL term: the learner then uses its training forward's.
     `max_answer_tokens` (generation's max_new_tokens) is what `spec.overlong_buffer` counts back from."""
@@ -133,11 +91,10 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
         bonus = overlong_penalty(action_mask.sum(-1), max_answer_tokens, spec.overlong_buffer, spec.overlong_penalty)
     rewards = shaped_rewards(scores, ref_logp if logp is None else logp, ref_logp, action_mask, reward_kl_coef,
                              spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty, bonus)
-    out: dict[str, torch.Tensor] = {"ref_logp": ref_logp}
+    returns = None
     if spec.advantage_estimator == "gae":
         assert values is not None, "gae needs critic values"
         advantages, returns = gae(rewards, values, action_mask, spec.gamma, spec.lam)
-        out["returns"], out["values"] = returns, values
     elif spec.advantage_estimator == "reinforce_pp":
         advantages = reinforce_pp(rewards, action_mask, spec.gamma)
     else:
@@ -149,9 +106,6 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
         advantages = broadcast_to_tokens(norm(seq_reward, group_size), action_mask)
     if spec.whiten_advantages and spec.advantage_estimator in ("gae", "rloo"):
         advantages = masked_whiten(advantages, action_mask)
-    out.update(advantages=advantages, action_mask=action_mask, rewards=rewards)
-    if bonus is not None:
-        out["overlong_penalty"] = bonus  # [B], for the metrics
-    if logp is not None:
-        out.update(old_logp=logp, kl=masked_mean(kl, action_mask, dim=-1))
-    return out
+    return PPOTargets(advantages=advantages, ref_logp=ref_logp, rewards=rewards, old_logp=logp,
+                      kl=None if logp is None else masked_mean(kl, action_mask, dim=-1),
+                      values=values if returns is not None else None, returns=returns, overlong_penalty=bonus)

@@ -33,13 +33,14 @@ class ExperienceMeta:
 
 
 @dataclass
-class TrainingPlan:
+class Minibatches:
     """What a learner group trains on: one experience reference and the row indices of each mini-batch, epoch
-    after epoch (identical for every group that gets the plan)."""
+    after epoch (identical for every group that gets them: policy and critic walk the same mini-batches)."""
 
     refs: list
-    """[ObjectRef] of the experience dict (wrapped in a list so Ray passes the reference, not the payload)."""
-    minibatches: list[list[int]]
+    """[ObjectRef] of the Experience (wrapped in a list so Ray passes the reference, not the payload)."""
+    rows: list[list[int]]
+    """The experience rows of each mini-batch, epoch after epoch."""
     meta: ExperienceMeta
     staleness: int
     stats: dict[str, float] = field(default_factory=dict)
@@ -83,8 +84,8 @@ class ReplayBuffer:
         self.counts["put"] += 1
         return PutResult(True, len(self.entries))
 
-    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> TrainingPlan | None:
-        """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batch plan.
+    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> Minibatches | None:
+        """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batches.
         Older entries met on the way are dropped and counted; None when none is left (put more)."""
         self.learner_version = max(self.learner_version, learner_version)
         while self.entries:
@@ -94,8 +95,8 @@ class ReplayBuffer:
                 continue
             self.counts["taken"] += 1
             self.last_staleness = self.learner_version - meta.version
-            plan = minibatch_plan(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout))
-            return TrainingPlan(refs, plan, meta, self.last_staleness, self.stats())
+            rows = minibatch_rows(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout))
+            return Minibatches(refs, rows, meta, self.last_staleness, self.stats())
         return None
 
     def stats(self) -> dict[str, float]:
@@ -109,11 +110,11 @@ class ReplayBuffer:
         return [asdict(meta) for _, meta in self.entries]
 
 
-def minibatch_plan(n: int, train_batch_size: int, epochs: int, seed: int) -> list[list[int]]:
+def minibatch_rows(n: int, train_batch_size: int, epochs: int, seed: int) -> list[list[int]]:
     """Each epoch a fresh seeded permutation of the n rows, cut into consecutive mini-batches."""
     rng = np.random.default_rng(seed)
-    plan = []
+    rows = []
     for _ in range(epochs):
         order = rng.permutation(n)
-        plan += [order[i: i + train_batch_size].tolist() for i in range(0, n, train_batch_size)]
-    return plan
+        rows += [order[i: i + train_batch_size].tolist() for i in range(0, n, train_batch_size)]
+    return rows

@@ -88,7 +88,7 @@ class WeightSyncSpec(StrictModel):
 
 
 class EnvironmentSpec(StrictModel):
-    """Multi-turn rollouts: each sample is an episode with an environment (rlhf_ray/envs/base.py). The engine
+    """Multi-turn rollouts: each sample is an episode with an environment (rlhf_ray/envs/environment.py). The engine
     continues from the exact token ids of the episode so far; the environment's observations are appended as a
     chat-template message and masked out of the loss. The episode's reward is the environment's: use
     `reward.function: rlhf_ray.envs.episode:episode_reward`."""

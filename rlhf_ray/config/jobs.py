@@ -152,7 +152,7 @@ class PretrainJob(_LearnerJob):
     by weight, with held-out perplexity per corpus; e.g. to adapt a model to a domain before SFT."""
 
     summary: ClassVar[str] = "continued pretraining on mmap corpora"
-    runner: ClassVar[str] = "rlhf_ray.jobs.pretrain:run_pretrain"
+    runner: ClassVar[str] = "rlhf_ray.jobs.pretrain_job:run_pretrain"
     memory: ClassVar[str | None] = "rlhf_ray.memory.budget:learner_memory_roles"
     steps_resume: ClassVar[bool] = True
     kind: Literal["pretrain"] = "pretrain"
@@ -206,7 +206,7 @@ class DPOJob(_SupervisedJob):
     a reward model or sampling. Trains on the pairs share of `data.split` (the RM phase's)."""
 
     summary: ClassVar[str] = "direct preference optimisation"
-    runner: ClassVar[str] = "rlhf_ray.jobs.dpo:run_dpo"
+    runner: ClassVar[str] = "rlhf_ray.jobs.dpo_job:run_dpo"
     memory: ClassVar[str | None] = "rlhf_ray.memory.budget:dpo_memory_roles"
     steps_resume: ClassVar[bool] = True
     kind: Literal["dpo"] = "dpo"

@@ -11,7 +11,7 @@ import hashlib
 import random
 from dataclasses import dataclass
 
-from rlhf_ray.data.calculator import calculate, first_message, show
+from rlhf_ray.data.calculator_tool import calculate, first_message, show
 from rlhf_ray.data.raw import RawDataset, RawSample
 
 NAME = "demo/word-problems"

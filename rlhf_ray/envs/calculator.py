@@ -1,15 +1,15 @@
 """The bundled tool task: word problems (demo/word-problems) with a calculator. The policy may write
 `<calc>expression</calc>`; the environment evaluates it (numbers, + - * / and parentheses only) and returns the
 result as a tool message; an answer without a call is final and scores 1 if its last number is the ground truth.
-The tool itself (syntax, instruction, evaluation) is data/calculator.py."""
+The tool itself (syntax, instruction, evaluation) is data/calculator_tool.py."""
 
 from __future__ import annotations
 
 from fractions import Fraction
 
 from rlhf_ray.data.answers import last_number
-from rlhf_ray.data.calculator import CALL, calculate, first_message, show
-from rlhf_ray.envs.base import Environment, Step
+from rlhf_ray.data.calculator_tool import CALL, calculate, first_message, show
+from rlhf_ray.envs.environment import Environment, Step
 
 
 class CalculatorEnv(Environment):

@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any, Callable
 
-from rlhf_ray.envs.base import Environment, Step
+from rlhf_ray.envs.environment import Environment, Step
 from rlhf_ray.envs.render import ObservationRenderer
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ rlhf_ray.data.demo_sort:score or rlhf_ray.data.answers:last_number_reward); a sc
 
 from __future__ import annotations
 
-from rlhf_ray.envs.base import Environment, Step
+from rlhf_ray.envs.environment import Environment, Step
 
 
 class RetryEnv(Environment):

@@ -177,7 +177,7 @@ def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
 def check_environment(job: JobBase) -> Iterator[tuple[Loc, str]]:
     """`generation.environment.path` imports and names an Environment class its options can build."""
     from rlhf_ray.functions import load_function
-    from rlhf_ray.envs.base import Environment
+    from rlhf_ray.envs.environment import Environment
 
     env = getattr(getattr(job, "generation", None), "environment", None)
     if env is None:
@@ -189,7 +189,7 @@ def check_environment(job: JobBase) -> Iterator[tuple[Loc, str]]:
         yield loc, f"{exc}; check the spelling and that the module is importable from the job's working dir"
         return
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        yield loc, f"{env.path} is not a subclass of rlhf_ray.envs.base.Environment"
+        yield loc, f"{env.path} is not a subclass of rlhf_ray.envs.environment.Environment"
         return
     try:
         cls(**env.options)

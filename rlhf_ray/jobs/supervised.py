@@ -26,7 +26,7 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
-from rlhf_ray.learners.group import start_learner_group
+from rlhf_ray.learners.learner_group import start_learner_group
 from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.learners.reward import RewardLearner
 from rlhf_ray.learners.schedule import steps_per_epoch

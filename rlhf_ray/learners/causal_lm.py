@@ -11,7 +11,7 @@ import torch
 from rlhf_ray.algorithms.losses import first_predicting_column, lm_loss_sum, loss_tokens
 from rlhf_ray.data.collate import collate_lm
 from rlhf_ray.data.tokenized import IGNORE_INDEX
-from rlhf_ray.learners.base import LearnerRank
+from rlhf_ray.learners.rank import LearnerRank
 from rlhf_ray.learners.schedule import eval_share
 from rlhf_ray.models.loading import last_logits_only, load_causal_lm
 
@@ -25,10 +25,10 @@ class CausalLMRank(LearnerRank):
     def lm_loss_sum(self, batch: Batch) -> torch.Tensor:
         """Summed token loss of one collated batch (input_ids / attention_mask / labels). Logits only where they
         predict a label: the vocabulary projection of columns no row needs (SFT's prompt) is skipped."""
-        batch = {k: v.to(self.engine.device) for k, v in batch.items()}
+        batch = {k: v.to(self.deepspeed.device) for k, v in batch.items()}
         keep = batch["labels"].shape[1] - first_predicting_column(batch["labels"])
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             **last_logits_only(self.engine.module, keep)).logits
+        logits = self.deepspeed(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             **last_logits_only(self.deepspeed.module, keep)).logits
         return lm_loss_sum(logits, batch["labels"])
 
     def lm_step(self, micro_batches: list[Batch]) -> dict:
@@ -36,12 +36,12 @@ class CausalLMRank(LearnerRank):
         (tokens,) = self.all_reduce_sum([float(sum(loss_tokens(b["labels"]) for b in micro_batches))])
         # DeepSpeed averages gradients over ranks and divides by accumulation steps; undo both so the gradient
         # is that of (sum of token losses) / (loss tokens of the whole global batch).
-        scale = self.world_size * self.engine.gradient_accumulation_steps() / max(tokens, 1.0)
-        self.engine.train()
+        scale = self.world_size * self.deepspeed.gradient_accumulation_steps() / max(tokens, 1.0)
+        self.deepspeed.train()
         loss_total = 0.0
         for batch in micro_batches:
             loss_sum = self.lm_loss_sum(batch)
-            self.engine.backward(loss_sum * scale)
+            self.deepspeed.backward(loss_sum * scale)
             self.optimizer_step()
             loss_total += loss_sum.item()
         seen = float(sum(int(b["attention_mask"].sum()) for b in micro_batches))
@@ -59,7 +59,7 @@ class CausalLMRank(LearnerRank):
     def lm_eval(self, batches: list[Batch]) -> dict:
         """Mean token loss over every rank's `batches`; perplexity = exp(mean loss), all-reduced before exp. Under
         ZeRO-3 every rank must pass the same number of batches (each forward gathers parameters collectively)."""
-        self.engine.eval()
+        self.deepspeed.eval()
         loss, tokens = 0.0, 0.0
         for batch in batches:
             loss += self.lm_loss_sum(batch).item()

@@ -6,7 +6,8 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.losses import value_loss
-from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
+from rlhf_ray.algorithms.batch import Experience, RolloutBatch
+from rlhf_ray.learners.ppo_base import PPOLearnerRank
 from rlhf_ray.models.loading import load_scalar_model, token_values
 
 
@@ -18,22 +19,21 @@ class CriticLearner(PPOLearnerRank):
     def build_model(self) -> torch.nn.Module:
         return load_scalar_model(self.model_spec, self.pad_token_id)
 
-    def _values(self, batch: Batch) -> torch.Tensor:
+    def _values(self, batch: RolloutBatch) -> torch.Tensor:
         """V(state before answer token t) = the head at position P - 1 + t."""
-        answer_len = batch["action_mask"].shape[1]
-        start = batch["sequences"].shape[1] - answer_len - 1
-        values = token_values(self.engine.module, batch["sequences"], batch["attention_mask"], forward=self.engine)
-        return values[:, start: start + answer_len] * batch["action_mask"]
+        answer_len = batch.answer_width
+        start = batch.sequences.shape[1] - answer_len - 1
+        values = token_values(self.deepspeed.module, batch.sequences, batch.attention_mask, forward=self.deepspeed)
+        return values[:, start: start + answer_len] * batch.action_mask
 
     @by_reference
-    def values(self, batch: Batch) -> torch.Tensor:
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
         """Values of this rank's slice of the batch (rank order)."""
         return self.over_my_rows(batch, self._values)
 
-    def train(self, plan) -> dict[str, float]:
-        def token_loss(micro: Batch):
-            loss = value_loss(self._values(micro), micro["values"], micro["returns"], micro["action_mask"],
-                              self.clip_value)
-            return loss * micro["action_mask"].sum(), {}
+    def train(self, minibatches) -> dict[str, float]:
+        def token_loss(micro: Experience):
+            loss = value_loss(self._values(micro), micro.values, micro.returns, micro.action_mask, self.clip_value)
+            return loss * micro.action_mask.sum(), {}
 
-        return {f"critic/{k}": v for k, v in self.run_epochs(self.fetch(plan), plan, token_loss).items()}
+        return {f"critic/{k}": v for k, v in self.run_epochs(self.fetch(minibatches), minibatches, token_loss).items()}

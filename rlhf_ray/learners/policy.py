@@ -16,7 +16,8 @@ from rlhf_ray.algorithms.losses import (LossAggregation, aggregated_sum, lm_loss
                                        truncated_is_weights)
 from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.algorithms.rewards import kl_estimate
-from rlhf_ray.learners.ppo_base import Batch, PPOLearnerRank
+from rlhf_ray.algorithms.batch import Experience, RolloutBatch
+from rlhf_ray.learners.ppo_base import PPOLearnerRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
 from rlhf_ray.models.loading import load_causal_lm
 from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
@@ -51,69 +52,69 @@ class PolicyLearner(PPOLearnerRank):
                 self.ema = {k: v.float() for k, v in self.ema.items()}
         return info
 
-    def _logprobs(self, batch: Batch, with_entropy: bool = False):
+    def _logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
         """Answer-token log-probs at the sampling temperature (and the sampling distribution's entropy there)."""
-        zero3 = self.engine.zero_optimization_stage() == 3
+        zero3 = self.deepspeed.zero_optimization_stage() == 3
         logp, ent = answer_logprobs_and_entropy(
-            self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
-            batch["action_mask"].shape[1], self.temperature, share_prompts=not (zero3 and self.world_size > 1),
-            chunked=not zero3, with_entropy=with_entropy)
+            self.deepspeed, self.deepspeed.module, batch.sequences, batch.attention_mask, batch.answer_width,
+            self.temperature, share_prompts=not (zero3 and self.world_size > 1), chunked=not zero3,
+            with_entropy=with_entropy)
         if not with_entropy:
-            return logp * batch["action_mask"]
-        return logp * batch["action_mask"], ent * batch["action_mask"]
+            return logp * batch.action_mask
+        return logp * batch.action_mask, ent * batch.action_mask
 
     @by_reference
-    def logprobs(self, batch: Batch) -> torch.Tensor:
+    def logprobs(self, batch: RolloutBatch) -> torch.Tensor:
         """Log-probs of this rank's slice of the batch (rank order) at the sampling temperature."""
         return self.over_my_rows(batch, self._logprobs)
 
-    def train(self, plan) -> dict[str, float]:
-        def token_loss(micro: Batch):
+    def train(self, minibatches) -> dict[str, float]:
+        def token_loss(micro: Experience):
             logp, ent = self._logprobs(micro, with_entropy=True)
             # without old log-probs in the experience this is the rollout's only update: they equal these
-            old_logp = micro["old_logp"] if "old_logp" in micro else logp.detach()
-            mask = micro["action_mask"]
-            loss, stats = policy_token_loss(logp, old_logp, micro["advantages"], mask, self.clip_ratio,
+            old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
+            mask = micro.action_mask
+            loss, stats = policy_token_loss(logp, old_logp, micro.advantages, mask, self.clip_ratio,
                                             self.dual_clip, self.clip_ratio_high)
             if self.tis_cap is not None:  # the samples came from the engine's distribution, not old_logp's
-                weights = truncated_is_weights(old_logp, micro["engine_logp"], mask, self.tis_cap)
+                weights = truncated_is_weights(old_logp, micro.engine_logp, mask, self.tis_cap)
                 loss = loss * weights
                 stats |= {"tis_weight": masked_mean(weights, mask),
                           "tis_truncated": masked_mean((weights >= self.tis_cap).float(), mask)}
             # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept)
-            kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro["ref_logp"], self.kl_estimator,
+            kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro.ref_logp, self.kl_estimator,
                              mask) * mask
             if self.kl_loss_coef:
                 loss = loss + self.kl_loss_coef * kl
             tokens = mask.sum().item()
             extra = {}
-            if "old_logp" not in micro and "engine_logp" in micro:  # the on-policy step: the pure engine gap
-                extra["engine_logprob_gap"] = logprob_gap(micro["engine_logp"], logp.detach(), mask) * tokens
-                extra["engine_mismatch_kl"] = mismatch_kl(micro["engine_logp"], logp.detach(), mask) * tokens
+            if micro.old_logp is None and micro.engine_logp is not None:  # the on-policy step: the pure engine gap
+                extra["engine_logprob_gap"] = logprob_gap(micro.engine_logp, logp.detach(), mask) * tokens
+                extra["engine_mismatch_kl"] = mismatch_kl(micro.engine_logp, logp.detach(), mask) * tokens
             return aggregated_sum(loss, mask, self.loss_aggregation), {
                 **{k: v.item() * tokens for k, v in stats.items()}, "kl": kl.detach().sum().item(),
                 "entropy": ent.sum().item(), **extra}
 
-        metrics = self.run_epochs(self.fetch(plan), plan, token_loss)
+        metrics = self.run_epochs(self.fetch(minibatches), minibatches, token_loss)
         if self.ema_beta is not None and metrics["steps_applied"]:  # unchanged weights: nothing to average in
             self.update_ema()
         return {f"policy/{k}": v for k, v in metrics.items()}
 
     # ---- PPO-ptx ------------------------------------------------------------------------------------------
-    def auxiliary_losses(self, plan, step: int, micro_batches: int) -> list:
+    def auxiliary_losses(self, minibatches, step: int, micro_batches: int) -> list:
         """ptx_coef x the LM loss of mix batch k (a pure function of the rollout and step: resumable), token-mean over
         the global mix batch; each micro-batch's forward runs when its PPO micro-batch does."""
         if self.mix is None:
             return []
-        k = plan.meta.rollout * len(plan.minibatches) + step
+        k = minibatches.meta.rollout * len(minibatches.rows) + step
         parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
         if len(parts) != micro_batches:
             raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")
         (tokens,) = self.all_reduce_sum([float(sum(loss_tokens(p["labels"]) for p in parts))])
 
         def mix_loss(part: dict) -> tuple[torch.Tensor, dict[str, float]]:
-            part = {k: v.to(self.engine.device) for k, v in part.items()}
-            logits = self.engine(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits
+            part = {k: v.to(self.deepspeed.device) for k, v in part.items()}
+            logits = self.deepspeed(input_ids=part["input_ids"], attention_mask=part["attention_mask"]).logits
             lm = lm_loss_sum(logits, part["labels"]) / max(tokens, 1.0)
             return self.ptx_coef * lm, {"ptx_loss": lm.item()}
 
@@ -144,8 +145,8 @@ class PolicyLearner(PPOLearnerRank):
             return None
         from rlhf_ray.learners.export import save_hf_model
 
-        dtype = next(self.engine.module.parameters()).dtype
-        return save_hf_model(self.engine.module, {k: v.to(dtype) for k, v in self.ema.items()}, self.model_spec,
+        dtype = next(self.deepspeed.module.parameters()).dtype
+        return save_hf_model(self.deepspeed.module, {k: v.to(dtype) for k, v in self.ema.items()}, self.model_spec,
                              Path(directory))
 
     # ---- weights for the engines --------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import torch
 
 from rlhf_ray.algorithms.reward_loss import divergence_window_loss, end_scores, pairwise_loss
 from rlhf_ray.data.collate import collate_pairs
-from rlhf_ray.learners.base import SupervisedRank
+from rlhf_ray.learners.rank import SupervisedRank
 from rlhf_ray.models.loading import load_scalar_model, token_values
 
 
@@ -20,8 +20,9 @@ class RewardLearner(SupervisedRank):
 
     def _forward(self, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss, chosen end scores, rejected end scores) of a micro-batch of pairs."""
-        batch = {k: v.to(self.engine.device) for k, v in collate_pairs(rows, self.pad_token_id).items()}
-        values = token_values(self.engine.module, batch["input_ids"], batch["attention_mask"], forward=self.engine)
+        batch = {k: v.to(self.deepspeed.device) for k, v in collate_pairs(rows, self.pad_token_id).items()}
+        values = token_values(self.deepspeed.module, batch["input_ids"], batch["attention_mask"],
+                              forward=self.deepspeed)
         scores = end_scores(values, batch["attention_mask"])
         n = len(rows)
         chosen, rejected = scores[:n], scores[n:]
@@ -33,11 +34,11 @@ class RewardLearner(SupervisedRank):
         return loss, chosen.detach(), rejected.detach()
 
     def train_step(self, step: int) -> dict:
-        self.engine.train()
+        self.deepspeed.train()
         loss_total, correct, pairs = 0.0, 0.0, 0
         for rows in self.step_micro_batches(step):
             loss, chosen, rejected = self._forward(rows)
-            self.engine.backward(loss)
+            self.deepspeed.backward(loss)
             self.optimizer_step()
             loss_total += loss.item() * len(rows)
             correct += (chosen > rejected).float().sum().item()
@@ -48,7 +49,7 @@ class RewardLearner(SupervisedRank):
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Pair accuracy (chosen scored above rejected) and mean end scores over the whole eval split."""
-        self.engine.eval()
+        self.deepspeed.eval()
         loss, correct, chosen_sum, rejected_sum, count = 0.0, 0.0, 0.0, 0.0, 0
         for indices, counted in self.eval_batches():
             batch_loss, chosen, rejected = self._forward([self.eval_rows[i] for i in indices])

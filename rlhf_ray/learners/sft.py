@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlhf_ray.data.collate import collate_lm
-from rlhf_ray.learners.base import SupervisedRank
+from rlhf_ray.learners.rank import SupervisedRank
 from rlhf_ray.learners.causal_lm import CausalLMRank
 
 

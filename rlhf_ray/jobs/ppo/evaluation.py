@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import ray
 import torch
@@ -58,9 +59,9 @@ class Evaluator:
         rows = self.rows
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokens.pad_id, [s.get("answer_mask") for s in samples])
-        batch["ended"] = torch.tensor([s["finished"] for s in samples])
-        batch["columns"] = [{**rows[s["prompt_index"] % len(rows)].get("columns", {}), **s.get("episode", {})}
-                            for s in samples]
+        batch = dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
+                                    columns=[{**rows[s["prompt_index"] % len(rows)].get("columns", {}),
+                                              **s.get("episode", {})} for s in samples])
         out = {"reward": self.workers.reward_scores(ray.put(batch), len(samples)).float().mean().item()}
         episodes = [s["episode"] for s in samples if "episode" in s]
         if episodes:  # multi-turn: how the episodes went (tool-call validity: nan when no tool was called)
@@ -70,6 +71,6 @@ class Evaluator:
         if self.rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
             prompts = [rows[s["prompt_index"] % len(rows)]["prompt"] for s in samples]
-            columns = column_arguments(self.rule, batch["columns"])
+            columns = column_arguments(self.rule, batch.columns)
             out["task_accuracy"] = sum(self.rule(prompts, answers, **columns)) / len(samples)
         return out

@@ -14,12 +14,12 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
                       restarts: int, learner_restarts: int) -> dict[str, float]:
     """`elapsed`: the iteration's wall time; `engines`: generation replicas; `restarts`: actors replaced so far;
     `learner_restarts`: times the job restarted every role after a learner rank died."""
-    put, plan = taken.put, taken.plan
+    put, minibatches = taken.put, taken.minibatches
     rollout, scored = put.rollout, put.scored
     roles = {f"compute/{role}_seconds": seconds for role, seconds in scored.role_seconds.items()}
     experience_compute = max(roles.values()) + scored.metrics["compute/advantages_seconds"]  # the roles run at once
     line = {**scored.metrics, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
-            **plan.stats,
+            **minibatches.stats,
             "compute/experience_seconds": experience_compute, "time/experience": put.seconds,
             "time/engine_generate": rollout.engine_seconds, "time/engine_busy": rollout.engine_busy_seconds,
             "generate/tokens": rollout.tokens,
@@ -27,7 +27,7 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
             "compute/sync_seconds": synced.learner_gather_seconds + synced.engine_load_seconds,
             "sync/bytes": synced.bytes, "sync/gather_seconds": synced.gather_seconds,
             "sync/load_seconds": synced.load_seconds, "policy_version": synced.version,
-            "experience/staleness": plan.staleness, "actors/restarts": restarts,
+            "experience/staleness": minibatches.staleness, "actors/restarts": restarts,
             "actors/learner_restarts": learner_restarts}
     # without old log-probs in the experience, the policy measures KL and the engine gap in its training forward
     line.setdefault("kl/mean", line["policy/kl"])

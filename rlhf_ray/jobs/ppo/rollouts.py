@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from rlhf_ray.actors.pool import GenerationPool, Rollout
-from rlhf_ray.buffer.replay_buffer import TrainingPlan
+from rlhf_ray.buffer.replay_buffer import Minibatches
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.jobs.ppo.workers import ResultsLost, Scored
 from rlhf_ray.learners.schedule import micro_batches
@@ -49,10 +49,10 @@ class Put:
 
 @dataclass
 class Taken:
-    """What one update trains on: the buffer's plan over a rollout's experience, that rollout, and how long the loop
-    waited for rollouts to finish since the last take."""
+    """What one update trains on: the buffer's mini-batches of a rollout's experience, that rollout, and how long
+    the loop waited for rollouts to finish since the last take."""
 
-    plan: TrainingPlan
+    minibatches: Minibatches
     put: Put
     wait_seconds: float
 
@@ -93,16 +93,16 @@ class RolloutFeed:
         refused everything it held as too stale, a rollout starts for this update and the take is tried again."""
         while True:
             self._top_up(version, updates_left)
-            (plan,) = self.workers.buffer.call("take", version, *self.take_args)
-            self.held = plan.stats["buffer/entries"] if plan is not None else 0
-            if plan is not None:
+            (minibatches,) = self.workers.buffer.call("take", version, *self.take_args)
+            self.held = minibatches.stats["buffer/entries"] if minibatches is not None else 0
+            if minibatches is not None:
                 break
             self.puts.clear()
-        self.updates, self.last_taken = self.updates + 1, plan.meta.rollout
-        for index in [i for i in self.puts if i < plan.meta.rollout]:
+        self.updates, self.last_taken = self.updates + 1, minibatches.meta.rollout
+        for index in [i for i in self.puts if i < minibatches.meta.rollout]:
             self.puts.pop(index)
         waited, self.waited = self.waited, 0.0
-        return Taken(plan, self.puts.pop(plan.meta.rollout), waited)
+        return Taken(minibatches, self.puts.pop(minibatches.meta.rollout), waited)
 
     def put(self, index: int, rollout: Rollout, version: int) -> None:
         """Score rollout `index` and put its experience in the buffer (the buffer refuses it when it is already too

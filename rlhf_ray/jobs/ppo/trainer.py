@@ -15,7 +15,7 @@ from tqdm import tqdm
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
 from rlhf_ray.data.build import PhaseData
 from rlhf_ray.jobs.checkpoints import Checkpoints
-from rlhf_ray.jobs.diagnostics import Diagnostics
+from rlhf_ray.jobs.alerts import Diagnostics
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo.evaluation import Evaluator
 from rlhf_ray.jobs.ppo.iteration_metrics import iteration_metrics
@@ -62,8 +62,8 @@ class PPOTrainer:
         allows) -> PPO epochs on policy and critic -> the new weights to the engines (policy version + 1)."""
         began = time.perf_counter()
         taken = self.rollouts.take(self.weights.version, updates_left=self.end - step)
-        trained = self.workers.train(taken.plan)
-        synced = self.weights.sync() if trained.steps_applied else self.weights.unchanged(taken.plan)
+        trained = self.workers.train(taken.minibatches)
+        synced = self.weights.sync() if trained.steps_applied else self.weights.unchanged(taken.minibatches)
         return taken, iteration_metrics(taken, trained, synced, time.perf_counter() - began,
                                         len(self.workers.pool.group), len(self.workers.restarts.replaced),
                                         self.learner_restarts)

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import ray
 
 from rlhf_ray.actors.group import gather
-from rlhf_ray.buffer.replay_buffer import TrainingPlan
+from rlhf_ray.buffer.replay_buffer import Minibatches
 from rlhf_ray.config.jobs import PPOJob
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
-from rlhf_ray.learners.group import rendezvous
+from rlhf_ray.learners.learner_group import rendezvous
 from rlhf_ray.models.weight_transport import gpus_shared
 
 log = logging.getLogger(__name__)
@@ -100,11 +100,11 @@ class WeightSync:
         return SyncResult(self.version, float(published["bytes"]), time.perf_counter() - start, gathered - start,
                           published["seconds"], loaded["seconds"], loaded["engine_seconds"])
 
-    def unchanged(self, plan: TrainingPlan) -> SyncResult:
+    def unchanged(self, minibatches: Minibatches) -> SyncResult:
         """An update whose every policy step was skipped (non-finite gradients): same weights, same version, nothing
         to send."""
         log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the policy "
-                    "stays at version %d and no weights are sent", plan.meta.rollout + 1, self.version)
+                    "stays at version %d and no weights are sent", minibatches.meta.rollout + 1, self.version)
         return SyncResult(self.version)
 
     def _form_group(self) -> None:

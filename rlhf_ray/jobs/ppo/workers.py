@@ -14,19 +14,19 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlhf_ray.actors.experience import ExperienceWorker
+from rlhf_ray.actors.experience_worker import ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, resilient_gather, results_lost
 from rlhf_ray.actors.pool import GenerationPool, Rollout
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import row_bounds
-from rlhf_ray.buffer.replay_buffer import ReplayBuffer, TrainingPlan
+from rlhf_ray.buffer.replay_buffer import ReplayBuffer, Minibatches
 from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
 from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.distributed import actor_env
 from rlhf_ray.learners.critic import CriticLearner
-from rlhf_ray.learners.group import rendezvous, setup_learner_group, spawn_learner_group
+from rlhf_ray.learners.learner_group import rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.models.loading import load_tokenizer
@@ -235,12 +235,12 @@ class RoleWorkers:
                       {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"])
 
     # ---- training -------------------------------------------------------------------------------------------
-    def train(self, plan: TrainingPlan) -> Trained:
-        """PPO epochs on the plan's experience: policy and critic groups at once, every rank of each."""
+    def train(self, minibatches: Minibatches) -> Trained:
+        """PPO epochs on the experience the mini-batches index: policy and critic groups at once, every rank of each."""
         began = time.perf_counter()
-        calls = [(self.policy, self.policy.submit("train", plan))]
+        calls = [(self.policy, self.policy.submit("train", minibatches))]
         if self.critic is not None:
-            calls.append((self.critic, self.critic.submit("train", plan)))
+            calls.append((self.critic, self.critic.submit("train", minibatches)))
         metrics, seconds = {}, 0.0
         for group, refs in calls:
             out = group.gather(refs, "train")

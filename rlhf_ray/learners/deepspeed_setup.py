@@ -90,7 +90,7 @@ def skip_flagged_steps(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = guarded
 
 
-def build_engine(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, ds: DeepSpeedSpec,
+def build_deepspeed(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, ds: DeepSpeedSpec,
                  micro_batch_size: int, world_size: int, total_steps: int):
     """DeepSpeed engine with our optimizer and LR schedule; returns (engine, scheduler)."""
     import deepspeed

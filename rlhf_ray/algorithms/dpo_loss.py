@@ -1,7 +1,7 @@
 """Direct preference optimisation losses on sequence log-probs (sums over each answer's tokens) of the policy and
 the frozen reference, for a batch of (chosen, rejected) pairs. Variants: DPO (sigmoid), conservative DPO (sigmoid
 with label smoothing: the preference label is wrong with probability eps) and IPO (squared, on per-token means, as
-TRL computes it), and the pair layout the DPO learner and its reference score (jobs/dpo.py runs them)."""
+TRL computes it), and the pair layout the DPO learner and its reference score (jobs/dpo_job.py runs them)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.algorithms.experience import pack_rollouts
 
 DPOLossType = Literal["sigmoid", "ipo"]
@@ -55,7 +56,7 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
     return loss, metrics
 
 
-def pack_pairs(pairs: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+def pack_pairs(pairs: list[dict], pad_id: int) -> RolloutBatch:
     """2B rows in the rollout layout (pack_rollouts: left-padded prompt, right-padded answer): the B chosen answers
     first, then the B rejected ones, each after the pair's shared prompt (`prompt_len` tokens of either sequence)."""
     prompts = [p["chosen_ids"][: p["prompt_len"]] for p in pairs]

@@ -18,7 +18,7 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.distributed import RendezvousHost, init_process_group
-from rlhf_ray.learners.engine import apply_lora, build_engine
+from rlhf_ray.learners.deepspeed_setup import apply_lora, build_deepspeed
 from rlhf_ray.models.lora_weights import adapter_file_name, is_adapter
 from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
 from rlhf_ray.models.weight_buckets import group_by_size
@@ -48,7 +48,7 @@ class LearnerRank(RendezvousHost):
         self.optim_spec = OptimizerSpec.model_validate(optim)
         self.ds_spec = DeepSpeedSpec.model_validate(deepspeed)
         self.micro_batch_size = micro_batch_size
-        self.engine = None
+        self.deepspeed = None
         self._grad_norm: float | None = None  # see optimizer_step
         self.step_counts = {"applied": 0, "skipped": 0}
         """Optimizer steps this rank applied and skipped (non-finite gradients) since it started."""
@@ -72,7 +72,7 @@ class LearnerRank(RendezvousHost):
         model = apply_lora(self.build_model(), self.model_spec)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters())
-        self.engine, self.scheduler = build_engine(model, self.model_spec, self.optim_spec, self.ds_spec,
+        self.deepspeed, self.scheduler = build_deepspeed(model, self.model_spec, self.optim_spec, self.ds_spec,
                                                    self.micro_batch_size, self.world_size, total_steps)
         return {"rank": self.rank, "trainable_parameters": trainable, "parameters": total}
 
@@ -85,7 +85,7 @@ class LearnerRank(RendezvousHost):
     def all_reduce_sum(self, values: list[float]) -> list[float]:
         import torch.distributed as dist
 
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.engine.device)
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.deepspeed.device)
         dist.all_reduce(tensor)
         return tensor.tolist()
 
@@ -97,7 +97,7 @@ class LearnerRank(RendezvousHost):
         taken first (the gradients are averaged over ranks then: every rank sees the global norm) and a
         non-finite one flags the optimizer to skip in the same way (`skip_flagged_steps`). Skips are counted
         (`steps_skipped`) and logged."""
-        e = self.engine
+        e = self.deepspeed
         boundary = e.is_gradient_accumulation_boundary()
         if boundary and e.zero_optimization_stage() == 0 and not (e.fp16_enabled() or e.bfloat16_enabled()):
             norms = [p.grad.detach().float().norm() for p in e.module.parameters() if p.grad is not None]
@@ -112,10 +112,10 @@ class LearnerRank(RendezvousHost):
                             type(self).__name__, e.global_steps + e.skipped_steps)
 
     def step_info(self) -> dict:
-        grad_norm = self.engine.get_global_grad_norm()
+        grad_norm = self.deepspeed.get_global_grad_norm()
         if grad_norm is None:
             grad_norm = self._grad_norm
-        return {"lr": self.scheduler.get_last_lr()[0], "applied": bool(self.engine.was_step_applied()),
+        return {"lr": self.scheduler.get_last_lr()[0], "applied": bool(self.deepspeed.was_step_applied()),
                 "steps_skipped": float(self.step_counts["skipped"]),
                 "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
                 "peak_memory_gib": peak_memory_gib()}
@@ -125,7 +125,7 @@ class LearnerRank(RendezvousHost):
         """Write into `directory` (a temporary folder the driver renames once every rank returned)."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
-        self.engine.save_checkpoint(str(path), tag="state", client_state=client_state,
+        self.deepspeed.save_checkpoint(str(path), tag="state", client_state=client_state,
                                     exclude_frozen_parameters=self.model_spec.lora.enabled)
         rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
         torch.save(rng, path / f"rng_rank{self.rank}.pt")
@@ -135,13 +135,13 @@ class LearnerRank(RendezvousHost):
         number of ranks wrote it; each rank then restores the RNG state of the rank of its number, if there was one."""
         path = Path(directory)
         universal = tag != "state"
-        self.engine._config.load_universal_checkpoint = universal  # read by the engine and its ZeRO optimizer
+        self.deepspeed._config.load_universal_checkpoint = universal  # read by the engine and its ZeRO optimizer
         try:
-            _, client_state = self.engine.load_checkpoint(str(path), tag=tag, load_optimizer_states=True,
+            _, client_state = self.deepspeed.load_checkpoint(str(path), tag=tag, load_optimizer_states=True,
                                                           load_lr_scheduler_states=True,
                                                           load_module_strict=not self.model_spec.lora.enabled)
         finally:
-            self.engine._config.load_universal_checkpoint = False
+            self.deepspeed._config.load_universal_checkpoint = False
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
@@ -160,8 +160,8 @@ class LearnerRank(RendezvousHost):
         parameters whose names it accepts (and then no buffers)."""
         import deepspeed
 
-        module = self.engine.module
-        zero3 = self.engine.zero_optimization_stage() == 3
+        module = self.deepspeed.module
+        zero3 = self.deepspeed.zero_optimization_stage() == 3
         params = {n: p for n, p in module.named_parameters() if only is None or only(n)}
 
         def nbytes(p: torch.Tensor) -> int:
@@ -197,7 +197,7 @@ class LearnerRank(RendezvousHost):
                 yield [(adapter_file_name(n), t) for n, t in group]
             return
         for group in self.gathered_groups(bucket_bytes, copy=False):
-            yield lora_folded(self.engine.module, group) if group and self.model_spec.lora.enabled else group
+            yield lora_folded(self.deepspeed.module, group) if group and self.model_spec.lora.enabled else group
 
     def gathered_state_dict(self, bucket_bytes: int = 2**28) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (None elsewhere); a collective under ZeRO-3."""
@@ -212,7 +212,7 @@ class LearnerRank(RendezvousHost):
             return None
         from rlhf_ray.learners.export import save_hf_model
 
-        return save_hf_model(self.engine.module, state, self.model_spec, Path(directory))
+        return save_hf_model(self.deepspeed.module, state, self.model_spec, Path(directory))
 
     def ping(self) -> int:
         return self.rank

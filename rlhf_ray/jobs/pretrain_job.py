@@ -15,7 +15,7 @@ from rlhf_ray.config.jobs import PretrainJob
 from rlhf_ray.data.heldout import HeldOutSplit
 from rlhf_ray.data.mmap_corpus import open_for_tokenizer
 from rlhf_ray.jobs.supervised import learner_kwargs, resolved, run_learner_group, total_steps
-from rlhf_ray.learners.pretrain import PretrainLearner
+from rlhf_ray.learners.pretrain_learner import PretrainLearner
 
 
 def run_pretrain(job: PretrainJob, stop_after: int | None = None) -> dict:

@@ -6,13 +6,14 @@ every iteration would pay for a new process importing torch (seconds, measured i
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
 import torch
 
-from rlhf_ray.algorithms.experience import (logprob_gap, make_experience, mismatch_kl, pack_rollouts, take_rows,
-                                           unpack_rollouts)
+from rlhf_ray.algorithms.batch import Experience, RolloutBatch
+from rlhf_ray.algorithms.experience import logprob_gap, make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.advantages import informative_groups_first
 from rlhf_ray.algorithms.diagnostics import correlation
 from rlhf_ray.config.ppo import PPOSpec
@@ -25,21 +26,19 @@ class ExperienceWorker:
         self.spec, self.group_size, self.pad = PPOSpec.model_validate(ppo), group_size, pad_token_id
         self.max_answer_tokens = max_answer_tokens
 
-    def batch(self, sample_refs: list) -> dict[str, torch.Tensor]:
+    def batch(self, sample_refs: list) -> RolloutBatch:
         """Engine outputs (one list of samples per engine, in engine order) -> the padded rollout batch."""
         samples = [s for part in ray.get(sample_refs) for s in part]
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad,
                               [s.get("answer_mask") for s in samples])
-        batch["ended"] = torch.tensor([s["finished"] for s in samples])
-        batch["columns"] = [s.get("columns", {}) for s in samples]  # dataset columns, for reward functions
-        engine_logp = torch.zeros(batch["action_mask"].shape)
+        engine_logp = torch.zeros(batch.action_mask.shape)
         for row, s in enumerate(samples):
             engine_logp[row, :len(s["logprobs"])] = torch.tensor(s["logprobs"])
-        batch["engine_logp"] = engine_logp  # what the engine sampled with: the train/inference gap is measured
-        batch["version"] = torch.tensor([s["version"] for s in samples])
-        return batch
+        return dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
+                                   columns=[s.get("columns", {}) for s in samples], engine_logp=engine_logp,
+                                   version=torch.tensor([s["version"] for s in samples]))
 
-    def experience(self, batch: dict, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
+    def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                    value_refs: list | None, keep_samples: int = 0) -> dict:
         """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
         "samples": the first `keep_samples` rows as token ids with their score and dataset columns}."""
@@ -49,32 +48,32 @@ class ExperienceWorker:
             return torch.cat(ray.get(refs)) if refs else None
 
         scores, old_logp, ref_logp, values = cat(score_refs), cat(old_logp_refs), cat(ref_logp_refs), cat(value_refs)
-        experience = make_experience(scores, old_logp, ref_logp, values, batch["action_mask"], batch["ended"],
-                                     self.spec, self.group_size, self.max_answer_tokens)
+        targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
+                                  self.group_size, self.max_answer_tokens)
         metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
-                   "answer/length": batch["action_mask"].sum(-1).mean().item(),
-                   "reward/length_correlation": correlation(scores, batch["action_mask"].sum(-1)),
-                   "answer/ended": batch["ended"].float().mean().item(),
+                   "answer/length": batch.action_mask.sum(-1).mean().item(),
+                   "reward/length_correlation": correlation(scores, batch.action_mask.sum(-1)),
+                   "answer/ended": batch.ended.float().mean().item(),
                    "compute/advantages_seconds": time.perf_counter() - start}
-        if "overlong_penalty" in experience:
-            metrics["answer/overlong_penalty"] = experience.pop("overlong_penalty").mean().item()
-        full = {**batch, **experience}
+        if targets.overlong_penalty is not None:
+            metrics["answer/overlong_penalty"] = targets.overlong_penalty.mean().item()
+        full = Experience.of(batch, dataclasses.replace(targets, overlong_penalty=None))
         if self.spec.dynamic_sampling.enabled:
             rows, informative = informative_groups_first(scores, self.group_size, self.spec.rollout_batch_size)
-            full = take_rows(full, rows)
+            full = full.select(rows)
             metrics |= {"dynamic/informative_groups": informative / self.spec.rollout_batch_size,
                         "dynamic/sampled_groups": len(scores) / self.group_size}
-        if "kl" in experience:  # else the policy reports it from its training forward (policy/kl)
-            metrics["kl/mean"] = experience["kl"].mean().item()
+        if targets.kl is not None:  # else the policy reports it from its training forward (policy/kl)
+            metrics["kl/mean"] = targets.kl.mean().item()
         if old_logp is not None:  # else the policy measures it in its training forward
-            metrics["generate/logprob_gap"] = logprob_gap(batch["engine_logp"], old_logp, batch["action_mask"])
-            metrics["generate/mismatch_kl"] = mismatch_kl(batch["engine_logp"], old_logp, batch["action_mask"])
-        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full["sequences"]),
+            metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, old_logp, batch.action_mask)
+            metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, old_logp, batch.action_mask)
+        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full),
                 "samples": sample_rows(batch, scores, keep_samples)}
 
 
-def sample_rows(batch: dict, scores: torch.Tensor, n: int) -> list[dict]:
+def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]:
     """The first n rows of a rollout batch as {prompt_ids, answer_ids, score, columns} (padding dropped)."""
     n = min(n, len(scores))
-    return [{"prompt_ids": prompt, "answer_ids": answer, "score": scores[i].item(), "columns": batch["columns"][i]}
+    return [{"prompt_ids": prompt, "answer_ids": answer, "score": scores[i].item(), "columns": batch.columns[i]}
             for i, (prompt, answer) in enumerate(unpack_rollouts(batch, 0, n))]

@@ -24,16 +24,16 @@ from tqdm import tqdm
 
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, resilient_gather
 from rlhf_ray.actors.scoring import ReferenceWorker
-from rlhf_ray.algorithms.dpo import pack_pairs, pair_sequence_logps
+from rlhf_ray.algorithms.dpo_loss import pack_pairs, pair_sequence_logps
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
 from rlhf_ray.config.jobs import DPOJob
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import MetricsLogger
 from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
 from rlhf_ray.jobs.supervised import learner_kwargs, prepared, train_steps
-from rlhf_ray.learners.dpo import DPOLearner
+from rlhf_ray.learners.dpo_learner import DPOLearner
 from rlhf_ray.distributed import actor_env
-from rlhf_ray.learners.group import start_learner_group
+from rlhf_ray.learners.learner_group import start_learner_group
 from rlhf_ray.learners.schedule import micro_batches
 from rlhf_ray.plan import ResourcePlan
 
@@ -72,7 +72,7 @@ class ReferenceScores:
         refs = [actor.logprobs.remote(*a) for actor, a in zip(self.group.actors, args)]
         parts = resilient_gather(self.group, "logprobs", args, refs, self.budget)
         token_logps = torch.cat(ray.get([part["ref"] for part in parts], timeout=self.group.call_timeout_s))
-        sums = pair_sequence_logps(token_logps, batch["action_mask"])
+        sums = pair_sequence_logps(token_logps, batch.action_mask)
         return torch.stack([sums["chosen"], sums["rejected"]], dim=1).double()
 
     def all_of(self, pairs: list[dict], desc: str, progress: bool) -> torch.Tensor:

@@ -1,12 +1,12 @@
 """DPO learner rank: the policy's log-probs of each pair's chosen and rejected answers against the frozen
-reference's (computed by the reference role and handed in by the driver), through algorithms/dpo.py's loss."""
+reference's (computed by the reference role and handed in by the driver), through algorithms/dpo_loss.py's loss."""
 
 from __future__ import annotations
 
 import torch
 
-from rlhf_ray.algorithms.dpo import dpo_loss, pack_pairs, pair_sequence_logps
-from rlhf_ray.learners.base import SupervisedRank
+from rlhf_ray.algorithms.dpo_loss import dpo_loss, pack_pairs, pair_sequence_logps
+from rlhf_ray.learners.rank import SupervisedRank
 from rlhf_ray.models.loading import load_causal_lm
 from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
 
@@ -37,19 +37,18 @@ class DPOLearner(SupervisedRank):
         if missing:
             raise RuntimeError(f"no reference log-probs for {split} pairs {missing[:5]}: the driver hands them in "
                                f"before the step (dpo.reference.precompute)")
-        pairs = torch.tensor([table[i] for i in indices], dtype=torch.float64, device=self.engine.device)
+        pairs = torch.tensor([table[i] for i in indices], dtype=torch.float64, device=self.deepspeed.device)
         return pairs[:, 0], pairs[:, 1]
 
     def _loss(self, split: str, indices: list[int], rows: list[dict]) -> tuple[torch.Tensor, dict, dict]:
         """(mean loss, dpo_loss's metrics, per pair: the implicit-reward margin and the policy's own log-prob gap
         chosen - rejected) of a micro-batch of pairs."""
-        batch = {k: v.to(self.engine.device) for k, v in pack_pairs(rows, self.pad_token_id).items()}
-        zero3 = self.engine.zero_optimization_stage() == 3
+        batch = pack_pairs(rows, self.pad_token_id).to(self.deepspeed.device)
+        zero3 = self.deepspeed.zero_optimization_stage() == 3
         logp, _ = answer_logprobs_and_entropy(
-            self.engine, self.engine.module, batch["sequences"], batch["attention_mask"],
-            batch["action_mask"].shape[1], 1.0, share_prompts=not (zero3 and self.world_size > 1), chunked=not zero3,
-            with_entropy=False)
-        policy = pair_sequence_logps(logp, batch["action_mask"])
+            self.deepspeed, self.deepspeed.module, batch.sequences, batch.attention_mask, batch.answer_width, 1.0,
+            share_prompts=not (zero3 and self.world_size > 1), chunked=not zero3, with_entropy=False)
+        policy = pair_sequence_logps(logp, batch.action_mask)
         ref_chosen, ref_rejected = (t.to(logp.dtype) for t in self._reference_of(split, indices))
         loss, metrics = dpo_loss(policy["chosen"], policy["rejected"], ref_chosen, ref_rejected, self.beta,
                                  self.loss_type, self.label_smoothing, policy["chosen_tokens"],
@@ -58,12 +57,12 @@ class DPOLearner(SupervisedRank):
         return loss, metrics, {"margin": margin.detach(), "logp_gap": (policy["chosen"] - policy["rejected"]).detach()}
 
     def train_step(self, step: int) -> dict:
-        self.engine.train()
+        self.deepspeed.train()
         sums: dict[str, float] = {}
         pairs = 0
         for indices in self.step_indices(step):
             loss, metrics, _ = self._loss("train", indices, [self.train_rows[i] for i in indices])
-            self.engine.backward(loss)
+            self.deepspeed.backward(loss)
             self.optimizer_step()
             for key, value in {"loss": loss.detach(), **metrics}.items():
                 sums[key] = sums.get(key, 0.0) + float(value) * len(indices)
@@ -78,7 +77,7 @@ class DPOLearner(SupervisedRank):
         gets the larger beta x log-ratio; a margin within rounding, as the reference's own, counts half: 0.5 at
         the start); the model's own preference accuracy (share of pairs whose chosen answer it finds likelier:
         the SFT model's at the start); the mean margin, implicit rewards and log-probs."""
-        self.engine.eval()
+        self.deepspeed.eval()
         keys = ("loss", "accuracy", "logp_accuracy", "margin", "chosen_reward", "rejected_reward", "chosen_logp",
                 "rejected_logp")
         sums = dict.fromkeys(keys, 0.0)
