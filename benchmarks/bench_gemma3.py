@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # tests/conftest.py's trainer helpers
 from common import ROOT, machine, run_watched, today, versions, write_section  # noqa: E402
 
 HEADING = "## Gemma 3 270M: a base model imported from GGUF"
@@ -97,15 +98,11 @@ def sync_parity(folder: Path, workdir: Path) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_ray import cluster
-    from rlhf_ray.actors.pool import GenerationPool
     from rlhf_ray.config import load_job
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.data.tokens import TokenConventions
-    from rlhf_ray.jobs.checkpoints import Checkpoints
-    from rlhf_ray.jobs.metrics import MetricsLogger
-    from rlhf_ray.jobs.ppo.trainer import PPOTrainer
-    from rlhf_ray.jobs.ppo.workers import RoleWorkers
     from rlhf_ray.plan import ResourcePlan
+    from tests.conftest import one_update, swap_engine, trainer_on  # the tests' way of driving the trainer's parts
 
     job = load_job(ROOT / RECIPE, [f"policy.model.path={folder}", "policy.model.gguf_file=null",
                                    f"output_dir={workdir / 'parity'}", "cluster.dashboard=false",
@@ -120,35 +117,28 @@ def sync_parity(folder: Path, workdir: Path) -> dict:
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
         groups = cluster.place(plan, handle.nodes(), 120)
-        workers = None
         try:
-            workers = RoleWorkers(job, plan, groups, tokenizer, tokens)
-            trainer = PPOTrainer(job, workers, data, tokenizer, metrics=MetricsLogger(job.output_dir, job.logging, "b"),
-                                 checkpoints=Checkpoints(job.output_dir, 1))
-            for iteration, engine in enumerate(["hf", "vllm"]):
-                if engine == "vllm":
-                    workers.pool.group.kill()
-                    name, bundles = plan.role_slots("generation")
-                    workers.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, workers.restarts)
-                    trainer.weights.sync(bump=False)
-                rows = data.train[iteration * 4:(iteration + 1) * 4]
-                rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows], seed=iteration,
-                                                                   columns=[r["columns"] for r in rows]))
-                trainer.rollouts.put(iteration, rollout, trainer.weights.version)
-                trainer.iterate(iteration)
-                learner.load_state_dict(workers.policy.call("gathered_state_dict")[0], strict=False)
-                same = 0
-                for s in workers.pool.generate(probe, seed=0, greedy=True):
-                    ids = torch.tensor([s["prompt_ids"]])
-                    with torch.no_grad():
-                        want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                max_new_tokens=job.generation.sampling.max_new_tokens,
-                                                eos_token_id=list(tokens.stop_ids), pad_token_id=tokens.pad_id)
-                    same += s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
-                found[engine] = {"prompts": len(probe), "identical": same, "version": workers.pool.versions()[0]}
+            with trainer_on(job, plan, groups, tokenizer, data, tokens) as trainer:
+                workers = trainer.workers
+                for iteration, engine in enumerate(["hf", "vllm"]):
+                    if engine == "vllm":
+                        swap_engine(trainer, vllm_job, plan, groups, tokens)
+                    rows = data.train[iteration * 4:(iteration + 1) * 4]
+                    rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
+                                                                       seed=iteration,
+                                                                       columns=[r["columns"] for r in rows]))
+                    one_update(trainer, iteration, rollout)
+                    learner.load_state_dict(workers.policy.call("gathered_state_dict")[0], strict=False)
+                    same = 0
+                    for s in workers.pool.generate(probe, seed=0, greedy=True):
+                        ids = torch.tensor([s["prompt_ids"]])
+                        with torch.no_grad():
+                            want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                    max_new_tokens=job.generation.sampling.max_new_tokens,
+                                                    eos_token_id=list(tokens.stop_ids), pad_token_id=tokens.pad_id)
+                        same += s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
+                    found[engine] = {"prompts": len(probe), "identical": same, "version": workers.pool.versions()[0]}
         finally:
-            if workers is not None:
-                workers.kill()
             cluster.remove(groups)
     return found
 

@@ -126,3 +126,15 @@ def no_ray_outside_system_tests(request, monkeypatch):
                            "tier runs without Ray)")
 
     monkeypatch.setattr(ray, "init", refuse)
+
+
+def swap_engine(trainer, job, plan, groups, tokens) -> None:
+    """The trainer's generation pool replaced by `job`'s engine on the same bundles and brought to the current
+    weights (the same learners, reference and reward: one engine, then the other, in one run)."""
+    from rlhf_ray.actors.pool import GenerationPool
+
+    workers = trainer.workers
+    workers.pool.group.kill()
+    name, bundles = plan.role_slots("generation")
+    workers.pool = GenerationPool.start(job, groups[name], bundles, tokens, workers.restarts)
+    trainer.weights.sync(bump=False)

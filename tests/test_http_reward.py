@@ -13,7 +13,7 @@ import pytest
 
 from rlhf_ray.actors.http_reward import HttpReward, RemoteRewardError
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
-from rlhf_ray.config.jobs import HttpRewardSpec
+from rlhf_ray.config.ppo_job import HttpRewardSpec
 from rlhf_ray.reward_server import make_server, serve_in_thread
 
 

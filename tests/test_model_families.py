@@ -187,10 +187,9 @@ class TestEndToEnd:
         engine; the pool swapped for a vLLM engine, a second iteration; after each weight sync engine greedy ==
         learner greedy; the exported model reloads in plain transformers with the family's stop ids."""
         from rlhf_ray import cluster
-        from rlhf_ray.actors.pool import GenerationPool
         from rlhf_ray.data.build import build_phase_data
         from rlhf_ray.plan import ResourcePlan
-        from tests.conftest import one_update, trainer_on
+        from tests.conftest import one_update, swap_engine, trainer_on
 
         path = family_models[name]
         common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
@@ -226,9 +225,7 @@ class TestEndToEnd:
                 workers = trainer.workers
                 for iteration, engine in enumerate(["hf", "vllm"]):
                     if engine == "vllm":  # the same learners, reference and reward; a vLLM engine on the same bundle
-                        workers.pool.group.kill()
-                        workers.pool = GenerationPool.start(vllm_job, *_slots(plan, groups), tokens, workers.restarts)
-                        trainer.weights.sync(bump=False)
+                        swap_engine(trainer, vllm_job, plan, groups, tokens)
                     assert workers.pool.group.call("engine_name") == [engine]
                     rows = data.train[iteration * 8:(iteration + 1) * 8]
                     rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
@@ -249,11 +246,6 @@ class TestEndToEnd:
             torch.testing.assert_close(p, trained[n], rtol=0, atol=0)
         again = TokenConventions.from_tokenizer(AutoTokenizer.from_pretrained(tmp_path / "export"), tmp_path / "export")
         assert replace(again, name="") == replace(tokens, name="")
-
-
-def _slots(plan, groups):
-    name, bundles = plan.role_slots("generation")
-    return groups[name], bundles
 
 
 # ---- checks before anything starts ---------------------------------------------------------------------------

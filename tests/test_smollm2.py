@@ -92,10 +92,9 @@ def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path, monkey
 @pytest.mark.system
 def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tmp_path):
     from rlhf_ray import cluster
-    from rlhf_ray.actors.pool import GenerationPool
     from rlhf_ray.data.build import build_phase_data
     from rlhf_ray.plan import ResourcePlan
-    from tests.conftest import one_update, trainer_on
+    from tests.conftest import one_update, swap_engine, trainer_on
 
     job = load_job(ROOT / "configs/quickstart/ppo.yaml",
                    [f"policy.model.path={smollm2}", f"output_dir={tmp_path / 'ppo'}", "cluster.dashboard=false",
@@ -121,10 +120,7 @@ def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tm
                 workers = trainer.workers
                 for iteration, engine in enumerate(["hf", "vllm"]):
                     if engine == "vllm":
-                        workers.pool.group.kill()
-                        name, bundles = plan.role_slots("generation")
-                        workers.pool = GenerationPool.start(vllm_job, groups[name], bundles, tokens, workers.restarts)
-                        trainer.weights.sync(bump=False)
+                        swap_engine(trainer, vllm_job, plan, groups, tokens)
                     rows = data.train[iteration * 4:(iteration + 1) * 4]
                     rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
                                                                        seed=iteration))

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from rlhf_ray.config.jobs import HttpRewardSpec
+from rlhf_ray.config.ppo_job import HttpRewardSpec
 
 
 class RemoteRewardError(RuntimeError):

@@ -22,7 +22,7 @@ class RewardFunctionWorker:
 
         if http is not None:
             from rlhf_ray.actors.http_reward import HttpReward
-            from rlhf_ray.config.jobs import HttpRewardSpec
+            from rlhf_ray.config.ppo_job import HttpRewardSpec
 
             self.name, self.function = http["url"], HttpReward(HttpRewardSpec.model_validate(http))
         else:

@@ -5,9 +5,10 @@ from rlhf_ray.config.data import DataSpec, DatasetSpec
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.dpo import DPOReferenceSpec, DPOSpec
 from rlhf_ray.config.generation import GenerationSpec, HfEngineSpec, SamplingSpec, VllmSpec
-from rlhf_ray.config.jobs import (FINAL_MODEL_DIR, JOB_KINDS, DPOJob, InferenceRoleSpec, JobBase, LearnerRoleSpec,
-                                  PipelineJob, PPOJob, PretrainJob, RewardRoleSpec, RMJob, SFTJob,
-                                  TrainLoopSpec, TrainSpec)
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR, DPOJob, JobBase, PretrainJob, RMJob, SFTJob, TrainLoopSpec, TrainSpec
+from rlhf_ray.config.kinds import JOB_KINDS
+from rlhf_ray.config.pipeline_job import PipelineJob
+from rlhf_ray.config.ppo_job import InferenceRoleSpec, LearnerRoleSpec, PPOJob, RewardRoleSpec
 from rlhf_ray.config.loader import ConfigError, ConfigSource, job_schema, load_job, validate_job
 from rlhf_ray.config.model import LoraSpec, ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec

@@ -11,7 +11,8 @@ import yaml
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 
 from rlhf_ray.config.base import FieldProblem
-from rlhf_ray.config.jobs import JOB_KINDS, JobBase
+from rlhf_ray.config.jobs import JobBase
+from rlhf_ray.config.kinds import JOB_KINDS
 
 Loc = tuple[str, ...]
 

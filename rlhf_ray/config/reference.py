@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from rlhf_ray.config.jobs import JOB_KINDS
+from rlhf_ray.config.kinds import JOB_KINDS
 from rlhf_ray.config.loader import _submodel
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rlhf_ray.config.jobs import JOB_KINDS, JobBase
+from rlhf_ray.config.jobs import JobBase
+from rlhf_ray.config.kinds import JOB_KINDS
 from rlhf_ray.functions import load_function
 
 

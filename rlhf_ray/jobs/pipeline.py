@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from rlhf_ray.config.jobs import FINAL_MODEL_DIR, JobBase, PipelineJob
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR, JobBase
+from rlhf_ray.config.pipeline_job import PipelineJob
 from rlhf_ray.jobs.kinds import run_job
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
-from rlhf_ray.config.jobs import PPOJob
+from rlhf_ray.config.ppo_job import PPOJob
 
 log = logging.getLogger(__name__)
 

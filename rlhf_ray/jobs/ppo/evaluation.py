@@ -10,7 +10,7 @@ import ray
 import torch
 
 from rlhf_ray.algorithms.experience import pack_rollouts
-from rlhf_ray.config.jobs import PPOJob
+from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS, episode_metrics
 from rlhf_ray.functions import column_arguments

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from rlhf_ray.actors.http_reward import HttpReward
-from rlhf_ray.config.jobs import PPOJob
+from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import task_rule
 from rlhf_ray.data.tokens import TokenConventions

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR, PPOJob
+from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR
+from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import PhaseData
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.alerts import Diagnostics

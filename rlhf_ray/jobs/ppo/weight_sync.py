@@ -12,7 +12,7 @@ import ray
 
 from rlhf_ray.actors.group import gather
 from rlhf_ray.buffer.replay_buffer import Minibatches
-from rlhf_ray.config.jobs import PPOJob
+from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
 from rlhf_ray.learners.learner_group import rendezvous
 from rlhf_ray.models.weight_transport import gpus_shared

@@ -21,7 +21,7 @@ from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import row_bounds
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer, Minibatches
-from rlhf_ray.config.jobs import LearnerRoleSpec, PPOJob
+from rlhf_ray.config.ppo_job import LearnerRoleSpec, PPOJob
 from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.distributed import actor_env

@@ -1,0 +1,99 @@
+"""The pipeline job: (pretrain ->) SFT -> RM -> PPO, or SFT -> DPO, each stage's model feeding the next."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import model_validator
+
+from rlhf_ray.config.base import FieldProblem
+from rlhf_ray.config.placement import PlacementSpec
+from rlhf_ray.config.jobs import FINAL_MODEL_DIR, DPOJob, JobBase, PretrainJob, RMJob, SFTJob
+from rlhf_ray.config.ppo_job import PPOJob
+
+
+def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) -> None:
+    """Set section[k0][k1]...[kn] = value unless the user gave it (raw YAML dicts, before validation)."""
+    for key in keys[:-1]:
+        child = section.setdefault(key, {})
+        if not isinstance(child, dict):
+            return
+        section = child
+    section.setdefault(keys[-1], value)
+
+
+class PipelineJob(JobBase):
+    """SFT -> RM -> PPO, SFT -> PPO with a reward function or server (no reward model to train), or SFT -> DPO,
+    optionally after continued pretraining. Stage outputs default to
+    `<output_dir>/{pretrain,sft,rm,ppo,dpo}`; SFT starts from the pretrain stage's model when there is one, the reward
+    model from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
+    and reward model from the RM, unless a path is given; DPO starts from the SFT model."""
+
+    summary: ClassVar[str] = "(pretrain ->) SFT -> RM -> PPO, or SFT -> DPO"
+    runner: ClassVar[str] = "rlhf_ray.jobs.pipeline:run_pipeline"
+    kind: Literal["pipeline"] = "pipeline"
+    pretrain: PretrainJob | None = None
+    """Optional stage 0, as in a pretrain config: continued pretraining on mmap corpora, whose model SFT starts from
+    (sft's `model.path` left unset takes it)."""
+    sft: SFTJob
+    """Stage 1, as in an sft config (`kind` and `output_dir` may be left out)."""
+    rm: RMJob | None = None
+    """Stage 2, as in an rm config; `model.path` left unset takes the SFT output. Leave it out when PPO's reward is a
+    function or a server."""
+    ppo: PPOJob | None = None
+    """Stage 3, as in a ppo config; model paths left unset take the SFT / RM outputs."""
+    dpo: DPOJob | None = None
+    """Instead of rm and ppo: DPO after SFT, as in a dpo config; `model.path` left unset takes the SFT output."""
+
+    @model_validator(mode="after")
+    def _one_route(self) -> "PipelineJob":
+        if self.dpo is not None and (self.rm is not None or self.ppo is not None):
+            raise FieldProblem("dpo", "a pipeline runs either rm and ppo after sft, or dpo: remove one route")
+        if self.dpo is None and self.ppo is None:
+            raise FieldProblem("ppo", "no stage after sft: give a ppo section (with an rm section when its reward is "
+                                      "a reward model), or a dpo one")
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wire_stages(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        root = data.get("output_dir", cls.model_fields["output_dir"].default)
+        shared = {k: data[k] for k in ("seed", "cluster", "logging") if k in data}
+        stages = {}
+        for stage in ("pretrain", "sft", "rm", "ppo", "dpo"):
+            section = data.get(stage)
+            if section is None and stage != "sft":
+                continue
+            if not isinstance(section, dict):
+                return data
+            section = {**shared, **section}
+            section.setdefault("kind", stage)
+            section.setdefault("output_dir", f"{root}/{stage}")
+            stages[stage] = section
+        if "pretrain" in stages:
+            _with_default(stages["sft"], ("model", "path"), f"{stages['pretrain']['output_dir']}/{FINAL_MODEL_DIR}")
+        sft_model = f"{stages['sft']['output_dir']}/{FINAL_MODEL_DIR}"
+        for stage in ("rm", "dpo"):
+            if stage in stages:
+                _with_default(stages[stage], ("model", "path"), sft_model)
+        if "ppo" in stages:
+            _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
+        if "ppo" in stages and "rm" in stages:  # without an rm stage the reward is a function or a server
+            rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
+            reward = stages["ppo"].get("reward")
+            if not (isinstance(reward, dict) and (reward.get("function") or reward.get("http"))):
+                _with_default(stages["ppo"], ("reward", "model", "path"), rm_model)
+            if isinstance(stages["ppo"].get("critic"), dict):
+                _with_default(stages["ppo"], ("critic", "model", "path"), rm_model)
+        return {**data, **stages}
+
+    def placement_roles(self) -> dict[str, PlacementSpec]:
+        """Stages run one after another, so the plan that must fit is the largest stage's."""
+        return (self.dpo or self.ppo or self.sft).placement_roles()  # sft alone: the route check then says why
+
+    def stages(self) -> list[JobBase]:
+        first = [self.pretrain] if self.pretrain is not None else []
+        later = [self.dpo] if self.dpo is not None else [self.rm, self.ppo]
+        return first + [self.sft] + [stage for stage in later if stage is not None]
