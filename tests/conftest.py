@@ -138,3 +138,15 @@ def swap_engine(trainer, job, plan, groups, tokens) -> None:
     name, bundles = plan.role_slots("generation")
     workers.pool = GenerationPool.start(job, groups[name], bundles, tokens, workers.restarts)
     trainer.weights.sync(bump=False)
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One embedded Ray for a test module's jobs (2 CPUs, no dashboard: the shape of every quickstart and recipe
+    job the system tests run), instead of one started and stopped per job (~5 s each): `cluster.shared`, which
+    every `cluster.connect` inside it reuses."""
+    from rlhf_ray import cluster
+    from rlhf_ray.config.placement import ClusterSpec
+
+    with cluster.shared(ClusterSpec(num_cpus=2, dashboard=False)) as handle:
+        yield handle

@@ -13,7 +13,7 @@ from rlhf_ray.config import load_job
 from rlhf_ray.jobs.dpo_job import REFERENCE_FILE, run_dpo
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 STEPS = 40
 

@@ -21,7 +21,7 @@ from rlhf_ray.config.placement import ClusterSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.weight_buckets import pack
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 MAX_NEW, N, TEMPERATURE = 12, 3, 0.8
 LOGPROB_TOLERANCE = 1e-3

@@ -24,7 +24,7 @@ from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
 from tests.conftest import one_update
 from tests.test_ppo_job import ppo_job
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 SMALL = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
          "critic.micro_batch_size=16", "checkpoint.every_steps=1", "checkpoint.keep_last=10"]

@@ -12,7 +12,7 @@ from rlhf_ray.config import load_job
 from rlhf_ray.jobs.ppo import run_ppo
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 
 @pytest.fixture(scope="module")

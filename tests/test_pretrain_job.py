@@ -17,7 +17,7 @@ from rlhf_ray.config import load_job
 from rlhf_ray.jobs.pretrain_job import run_pretrain
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 
 @pytest.fixture(scope="module")

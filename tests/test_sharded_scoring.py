@@ -16,7 +16,7 @@ from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import pack_rollouts, row_bounds
 from tests.test_ppo_job import ppo_job
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 
 def _sharded_group(cls, **kwargs):

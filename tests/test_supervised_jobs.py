@@ -13,7 +13,7 @@ from rlhf_ray.config import load_job
 from rlhf_ray.jobs.supervised import run_supervised
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 
 def job(kind: str, tmp_path, model, *overrides):

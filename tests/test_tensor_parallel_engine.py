@@ -28,7 +28,7 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.tiny import build_tiny_model
 from rlhf_ray.models.weight_buckets import pack
 
-pytestmark = pytest.mark.system
+pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
 MAX_NEW = 8
 
