@@ -20,9 +20,24 @@ def shared_gguf_imports(tmp_path_factory):
     (RLHF_RAY_MODELS_DIR; the test of the default location unsets it)."""
     from rlhf_ray.models.sources import MODELS_DIR_ENV
 
+    folder = tmp_path_factory.mktemp("imported-models")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(MODELS_DIR_ENV, str(tmp_path_factory.mktemp("imported-models")))
-        yield
+        patch.setenv(MODELS_DIR_ENV, str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="session")
+def smollm2(shared_gguf_imports) -> Path:
+    """SmolLM2-135M-Instruct as `rlhf-ray init-model --from smollm2` writes it, imported once per session, into the
+    folder where jobs naming `package:smollm2` import it (so they reuse it: a dequantisation costs ~25 s)."""
+    from rlhf_ray.cli import main
+    from rlhf_ray.models.packaged import packaged_gguf
+    from rlhf_ray.models.sources import imported_folder
+
+    out = imported_folder(packaged_gguf("smollm2"), shared_gguf_imports)
+    if not (out / "config.json").is_file():  # a job of this session may have imported it already
+        assert main(["init-model", "--from", "smollm2", "--out", str(out)]) == 0
+    return out
 
 
 @pytest.fixture

@@ -10,19 +10,11 @@ from fractions import Fraction
 import pytest
 from transformers import AutoTokenizer
 
-from rlhf_ray.cli import main
 from rlhf_ray.envs.environment import Environment, Step
 from rlhf_ray.data.calculator_tool import calculate
 from rlhf_ray.envs.calculator import CalculatorEnv
 from rlhf_ray.envs.episode import run_episodes
 from rlhf_ray.envs.render import ObservationRenderer
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models") / "smollm2"
-    assert main(["init-model", "--from", "smollm2", "--out", str(out)]) == 0
-    return out
 
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else():

@@ -9,18 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlhf_ray.cli import main
 from rlhf_ray.config import load_job
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.sources import ModelSourceError, check_gguf, packaged_gguf
 from tests.conftest import ROOT
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("models") / "smollm2"
-    assert main(["init-model", "--from", "smollm2", "--out", str(out)]) == 0
-    return out
+from tests.tiny_gguf import GGUFSpec, write_tiny_gguf
 
 
 def test_the_packaged_gguf_is_found_without_importing_its_module():
@@ -76,11 +69,12 @@ def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path, monkey
     from rlhf_ray.models.sources import MODELS_DIR_ENV, resolve_model_sources
 
     monkeypatch.delenv(MODELS_DIR_ENV, raising=False)  # the default: under the job's output_dir
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", GGUFSpec())  # a small GGUF: where and when it is imported
     job = load_job(ROOT / "configs/quickstart/sft.yaml",
-                   ["model.path=null", f"model.gguf_file={packaged_gguf('smollm2')}", f"output_dir={tmp_path}"])
+                   ["model.path=null", f"model.gguf_file={gguf}", f"output_dir={tmp_path}"])
     resolved = resolve_model_sources(job)
     assert resolved.model.gguf_file is None and (tmp_path / "models").is_dir()
-    assert AutoTokenizer.from_pretrained(resolved.model.path).eos_token == "<|im_end|>"
+    assert AutoTokenizer.from_pretrained(resolved.model.path).eos_token == "<eos>"  # the GGUF's own tokenizer
     assert resolve_model_sources(job).model.path == resolved.model.path  # imported once, then reused
     # with RLHF_RAY_MODELS_DIR another run (another output_dir) reuses an import made there
     monkeypatch.setenv(MODELS_DIR_ENV, str(tmp_path / "models"))

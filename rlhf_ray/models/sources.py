@@ -120,10 +120,15 @@ def materialize_gguf(path: str | None, gguf_file: str, models_dir: str | Path) -
     file's name and content)."""
     file = gguf_path(path, gguf_file)
     check_gguf(file)
-    out = Path(models_dir) / f"{file.stem}-{_content_key(file)}"
+    out = imported_folder(file, models_dir)
     if (out / "config.json").is_file():
         return out
     return import_gguf(file, out, overwrite=True)
+
+
+def imported_folder(file: Path, models_dir: str | Path) -> Path:
+    """Where materialize_gguf keeps the import of a GGUF file under `models_dir` (by its name and content)."""
+    return Path(models_dir) / f"{file.stem}-{_content_key(file)}"
 
 
 def gguf_specs(config) -> list[tuple[str, object]]:
