@@ -118,6 +118,21 @@ def test_offload_params_needs_zero3(write_yaml):
     assert "deepspeed.offload_params" in problem and "zero_stage: 3" in problem
 
 
+def test_optimizer_offload_at_zero0_is_refused_at_its_yaml_line_with_the_fix(write_yaml):
+    """DeepSpeed offloads the optimizer only inside its ZeRO optimizers: at stage 0 the CPU Adam steps the GPU's
+    parameters and fails the first step (seen on an H100), so validate refuses what would fail on a GPU."""
+    path = write_yaml(SFT.replace("  gradient_accumulation_steps: 2\n",
+                                  "  gradient_accumulation_steps: 2\n  zero_stage: 0\n  offload_optimizer: true\n"))
+    (problem,) = problems_of(path)
+    assert problem.startswith(f"{path}:12: deepspeed.offload_optimizer:"), problem
+    assert "zero_stage 1, 2 or 3" in problem and "set zero_stage: 1 or more" in problem
+    (problem,) = problems_of(ROOT / "configs/quickstart/ppo.yaml",
+                             ["critic.deepspeed.zero_stage=0", "critic.deepspeed.offload_optimizer=true"])
+    assert problem.startswith("--set critic.deepspeed.offload_optimizer=true: critic.deepspeed.offload_optimizer:")
+    for stage in (1, 2, 3):  # ZeRO-Offload proper
+        assert load_job(path, [f"deepspeed.zero_stage={stage}"]).deepspeed.offload_optimizer
+
+
 def test_ppo_defaults_follow_deepspeed_chat_and_roles_chain(write_yaml):
     job = load_job(write_yaml(PPO))
     assert isinstance(job, PPOJob)

@@ -55,6 +55,11 @@ def test_each_zero_stage_shards_more_and_fp32_has_no_master_copy():
     assert model_states(params, "fp32", 0, ranks=1).device == 16 * params  # 4 + 4 + 8
     lora = model_states(params, "bf16", 0, ranks=1, trainable=params // 100)
     assert lora.device == 2 * params + 18 * (params // 100)
+    # ZeRO-Offload exists from stage 1 up: at stage 0 nothing moves to the host (validate refuses the combination;
+    # the model must not call an 8B ZeRO-0 policy "fitting" because of it)
+    stage0 = model_states(params, "bf16", 0, ranks=1, offload_optimizer=True)
+    assert stage0 == model_states(params, "bf16", 0, ranks=1) and stage0.host == 0
+    assert model_states(params, "bf16", 1, ranks=1, offload_optimizer=True).host == 18 * params
 
 
 def test_activations_grow_with_tokens_and_checkpointing_keeps_one_layer():

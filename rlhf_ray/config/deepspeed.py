@@ -17,7 +17,8 @@ class DeepSpeedSpec(StrictModel):
     zero_stage: Literal[0, 1, 2, 3] = 2
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
     offload_optimizer: bool = False
-    """Keep optimizer state on CPU (ZeRO-Offload): far less accelerator memory, slower steps."""
+    """Keep optimizer state on CPU (ZeRO-Offload, zero_stage 1 or more): far less accelerator memory, slower
+    steps."""
     offload_params: bool = False
     """Keep parameters on CPU between uses (ZeRO-3 only)."""
     gradient_accumulation_steps: int = Field(1, ge=1)
@@ -74,6 +75,20 @@ class DeepSpeedSpec(StrictModel):
             if getattr(self, name) != default and stage not in stages:
                 raise FieldProblem(name, f"{name} acts at ZeRO stage {' / '.join(map(str, stages))}, not at "
                                          f"zero_stage {stage}: remove it (or change zero_stage)")
+        return self
+
+    @model_validator(mode="after")
+    def _offload_optimizer_needs_zero(self) -> "DeepSpeedSpec":
+        # DeepSpeed reads the offload setting only in its ZeRO optimizers; at stage 0 the CPU Adam we hand it would
+        # step the model's own (GPU) parameters and fails its first step: "CPUAdam param is on cuda:0 and must be
+        # 'cpu'". On CPU the same config would run, so refuse it everywhere: what validates must start on a GPU.
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise FieldProblem(
+                "offload_optimizer",
+                "optimizer offload (ZeRO-Offload) needs zero_stage 1, 2 or 3 (got 0: DeepSpeed keeps a ZeRO-0 "
+                "optimizer beside the model, on the GPU); set zero_stage: 1 or more (the Adam state then lives on "
+                "the host) or offload_optimizer: false",
+            )
         return self
 
     @model_validator(mode="after")
