@@ -165,3 +165,23 @@ def shared_ray():
 
     with cluster.shared(ClusterSpec(num_cpus=2, dashboard=False)) as handle:
         yield handle
+
+
+# ---- where the suite's time goes -------------------------------------------------------------------------------
+
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::")[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """After pytest's slowest tests: the slowest test files (setup, call and teardown summed), to see which part of
+    the suite to make cheaper."""
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("slowest 12 test files")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
