@@ -155,16 +155,75 @@ def swap_engine(trainer, job, plan, groups, tokens) -> None:
     trainer.weights.sync(bump=False)
 
 
+class _SessionRay:
+    """One embedded Ray (2 CPUs, no dashboard: the shape of every quickstart and recipe job the system tests run)
+    kept open across the test modules that share it, instead of one started and stopped per job or module (~5-8 s
+    each): `cluster.shared`, which every `cluster.connect` inside it reuses. A test that needs Ray to itself (its
+    own cluster shape, `ray start`, or no Ray at all) closes it first; the next sharing test opens it again."""
+
+    def __init__(self):
+        self._block: contextlib.ExitStack | None = None
+        self.handle = None
+
+    def open(self):
+        if self._block is None:
+            from rlhf_ray import cluster
+            from rlhf_ray.config.placement import ClusterSpec
+
+            block = contextlib.ExitStack()
+            self.handle = block.enter_context(cluster.shared(ClusterSpec(num_cpus=2, dashboard=False)))
+            self._block = block
+        return self.handle
+
+    def close(self) -> None:
+        block, self._block, self.handle = self._block, None, None
+        if block is not None:
+            block.close()
+
+
+_SESSION_RAY = _SessionRay()
+
+
 @pytest.fixture(scope="module")
 def shared_ray():
-    """One embedded Ray for a test module's jobs (2 CPUs, no dashboard: the shape of every quickstart and recipe
-    job the system tests run), instead of one started and stopped per job (~5 s each): `cluster.shared`, which
-    every `cluster.connect` inside it reuses."""
-    from rlhf_ray import cluster
-    from rlhf_ray.config.placement import ClusterSpec
+    """The session's embedded Ray: the jobs of a module that asks for it (and its module fixtures set up after
+    this one) reuse it."""
+    return _SESSION_RAY.open()
 
-    with cluster.shared(ClusterSpec(num_cpus=2, dashboard=False)) as handle:
-        yield handle
+
+@pytest.fixture(autouse=True)
+def ray_to_itself(request):
+    """Every test that does not ask for `shared_ray` finds no Ray running: system tests start their own cluster,
+    and the others may check that nothing started one. One that asks finds it open (again)."""
+    if "shared_ray" in request.fixturenames:
+        _SESSION_RAY.open()
+    else:
+        _SESSION_RAY.close()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_ray_closed_at_the_end():
+    yield
+    _SESSION_RAY.close()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping of tests by their module-scoped parameters
+def pytest_collection_modifyitems(items):
+    """Run the test files in three blocks (each file's tests together): those that start no Ray (the fast tier:
+    failures show within minutes), those that start Ray of their own, then those sharing the session's; in a file
+    of the last block its tests without Ray run first. So the shared Ray starts once."""
+
+    def shares(item) -> bool:
+        return "shared_ray" in item.fixturenames
+
+    def block(item) -> int:
+        return 0 if item.get_closest_marker("system") is None else 1 + shares(item)
+
+    files: dict[str, tuple[int, int]] = {}  # path -> (block, position of its first test)
+    for position, item in enumerate(items):
+        path = item.nodeid.split("::")[0]
+        files[path] = (max(files.get(path, (0, position))[0], block(item)), files.get(path, (0, position))[1])
+    items.sort(key=lambda item: (*files[item.nodeid.split("::")[0]], shares(item)))
 
 
 # ---- where the suite's time goes -------------------------------------------------------------------------------

@@ -421,6 +421,8 @@ def test_trimmed_drops_only_the_columns_no_row_uses():
     assert pad_answer_columns(one.advantages, 2).tolist() == [[4.0, 0.0]]
     full = experience.select(slice(0, 2))  # nothing to drop: the same tensors
     assert full.trimmed().sequences is full.sequences
+    # the pad tokens a forward computes: 6 of the whole layout's 18, 3 of the trimmed rows' 10
+    assert experience.padding() == (6, 18) and trimmed.padding() == (10 - 7, 10) and one.padding() == (1, 4)
 
 
 def test_projected_logprobs_equal_the_logits_path_with_exact_gradients():

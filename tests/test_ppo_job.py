@@ -63,6 +63,7 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert len(steps) == 3 and all("compute/policy_seconds" not in r for r in steps)  # no old-log-prob forward
     assert all(abs(r["policy/approx_kl"]) < 1e-12 and r["policy/clip_fraction"] == 0 for r in steps)  # ratio 1
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
+    assert all(0 < r["policy/padding_fraction"] < 1 for r in steps)  # sorted answers differ in length: some pads
 
 
 def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):

@@ -12,9 +12,10 @@ import yaml
 from rlhf_ray.cli import main
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.system
 
 
+@pytest.mark.system
+@pytest.mark.usefixtures("shared_ray")  # its jobs run on the session's embedded Ray
 def test_the_quickstart_validates_every_config_and_reports_grpo_accuracy(tmp_path, capsys):
     configs = tmp_path / "configs"
     shutil.copytree(ROOT / "configs/quickstart", configs)

@@ -84,6 +84,7 @@ def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path, monkey
 
 
 @pytest.mark.system
+@pytest.mark.usefixtures("shared_ray")
 def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tmp_path):
     from rlhf_ray import cluster
     from rlhf_ray.data.build import build_phase_data
@@ -148,6 +149,7 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 
 
 @pytest.mark.system
+@pytest.mark.usefixtures("shared_ray")
 def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_truth(tmp_path):
     """CI's two-iteration run of configs/recipes/smollm2-grpo.yaml (the packaged model, demo/word-problems through
     the chat template, the last-number checker as reward): every rollout sample logged to samples.jsonl carries the

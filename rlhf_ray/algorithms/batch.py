@@ -42,6 +42,12 @@ class RolloutBatch:
     def answer_width(self) -> int:
         return self.action_mask.shape[1]
 
+    def padding(self) -> tuple[int, int]:
+        """(padding tokens, tokens) of a forward over this batch's [B, P + A] layout as it stands (trim it first
+        for a micro-batch's own width): the share of a role's compute spent on pads."""
+        tokens = self.attention_mask.numel()
+        return tokens - int(self.attention_mask.sum()), tokens
+
     def select(self, rows) -> Self:
         """The rows `rows` (indices or a slice) of every per-row field; `prompt_width` kept."""
         index = torch.arange(len(self))[rows] if isinstance(rows, slice) else torch.as_tensor(rows, dtype=torch.long)

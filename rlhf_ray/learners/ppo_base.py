@@ -64,11 +64,13 @@ class PPOLearnerRank(LearnerRank):
         means), whatever the split over ranks and micro-batches; reported stats are token means per mini-batch
         (the loss: the aggregated mean), averaged over mini-batches. The mini-batches (rows of the
         experience, epoch after epoch) come from the replay buffer (Minibatches). `steps_applied`: optimizer steps of
-        this call that changed the weights (0: every one was skipped for a non-finite gradient)."""
+        this call that changed the weights (0: every one was skipped for a non-finite gradient);
+        `padding_fraction`: the share of the training forwards' tokens that were padding."""
         started = time.perf_counter()
         applied_before = self.step_counts["applied"]
         self.deepspeed.train()
         totals: dict[str, float] = {}
+        padding = [0.0, 0.0]  # pad tokens, tokens of every training forward
         scale = self.world_size * self.deepspeed.gradient_accumulation_steps()  # DeepSpeed divides by both
         for step, minibatch in enumerate(minibatches.rows):
             # in row order: the answers to one prompt are neighbours, so a micro-batch shares its prompts' forward
@@ -81,7 +83,9 @@ class PPOLearnerRank(LearnerRank):
                 [float(mask.sum()), loss_units(mask, self.loss_aggregation)]))
             extras = self.auxiliary_losses(minibatches, step, len(micro)) or [None] * len(micro)
             for part, extra in zip(micro, extras):
-                loss_sum, stats = token_loss(self.micro_batch(batch, torch.as_tensor(part)))
+                micro_batch = self.micro_batch(batch, torch.as_tensor(part))
+                padding = [total + n for total, n in zip(padding, micro_batch.padding())]
+                loss_sum, stats = token_loss(micro_batch)
                 loss = loss_sum / units
                 stats = {"loss": loss_sum.item() / units, **{k: v / tokens for k, v in stats.items()}}
                 if extra is not None:
@@ -92,7 +96,8 @@ class PPOLearnerRank(LearnerRank):
                 self.optimizer_step()
                 for key, value in stats.items():
                     totals[key] = totals.get(key, 0.0) + value
-        reduced = self.all_reduce_sum(list(totals.values()))
+        *reduced, pads, tokens = self.all_reduce_sum([*totals.values(), *padding])
         means = {k: v / max(len(minibatches.rows), 1) for k, v in zip(totals, reduced)}
-        return means | self.step_info() | {"seconds": time.perf_counter() - started,
+        return means | self.step_info() | {"padding_fraction": pads / max(tokens, 1.0),
+                                            "seconds": time.perf_counter() - started,
                                             "steps_applied": float(self.step_counts["applied"] - applied_before)}
