@@ -43,11 +43,11 @@ class FakeRollout:
 class Prompts:
     """A PromptSchedule stand-in: rollout r asks prompt r."""
 
-    def indices(self, rollout: int) -> list[int]:
-        return [rollout]
+    def indices(self, index: int) -> list[int]:
+        return [index]
 
-    def submit(self, pool, rollout: int):
-        return pool.submit(rollout)
+    def submit(self, pool, index: int):
+        return pool.submit(index)
 
 
 class Pool:
@@ -89,8 +89,8 @@ class Workers:
                       role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:
-        self.events.append(f"train {taken.minibatches.meta.rollout}")
-        self.trained.append((taken.minibatches.meta.rollout, taken.minibatches.staleness))
+        self.events.append(f"train {taken.minibatches.meta.rollout_index}")
+        self.trained.append((taken.minibatches.meta.rollout_index, taken.minibatches.staleness))
         self.version += 1
 
 

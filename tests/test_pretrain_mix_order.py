@@ -46,7 +46,7 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
     rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)
     rank.auxiliary_losses = lambda minibatches, step, n: PolicyLearner.auxiliary_losses(rank, minibatches, step, n)
-    minibatches = SimpleNamespace(rows=[[0, 1, 2, 3]], meta=SimpleNamespace(rollout=0))
+    minibatches = SimpleNamespace(rows=[[0, 1, 2, 3]], meta=SimpleNamespace(rollout_index=0))
     batch = RolloutBatch(sequences=torch.ones(4, 5, dtype=torch.long), attention_mask=torch.ones(4, 5, dtype=torch.long),
                          action_mask=torch.ones(4, 2), prompt_width=3)
 

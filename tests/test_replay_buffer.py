@@ -10,8 +10,8 @@ import torch
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer, minibatch_rows
 
 
-def meta(version: int, rollout: int = 0, samples: int = 8) -> dict:
-    return {"version": version, "samples": samples, "rollout": rollout}
+def meta(version: int, rollout_index: int = 0, samples: int = 8) -> dict:
+    return {"version": version, "samples": samples, "rollout_index": rollout_index}
 
 
 def test_stale_experience_is_refused_on_the_way_in_and_out():
@@ -36,9 +36,9 @@ def test_zero_staleness_takes_only_current_experience():
 def test_full_buffer_drops_its_oldest_entry():
     buffer = ReplayBuffer(capacity=2, max_staleness=10)
     for i in range(3):
-        buffer.put([f"e{i}"], meta(version=i, rollout=i), learner_version=i)
+        buffer.put([f"e{i}"], meta(version=i, rollout_index=i), learner_version=i)
     assert buffer.stats()["buffer/evicted"] == 1
-    assert [m["rollout"] for m in buffer.metas()] == [1, 2]
+    assert [m["rollout_index"] for m in buffer.metas()] == [1, 2]
     assert buffer.take(2, 8, 1, 0).refs == ["e1"]  # first in, first out
 
 

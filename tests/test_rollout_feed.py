@@ -14,7 +14,7 @@ def run_loop(run: Workers, ahead: int, updates: int) -> list[dict]:
     for iteration in range(updates):
         taken = rollouts.take(run.version, updates - iteration)
         # the metrics logged are those of the experience trained on
-        assert taken.put.scored.metrics["rollout"] == taken.minibatches.meta.rollout
+        assert taken.put.scored.metrics["rollout"] == taken.minibatches.meta.rollout_index
         run.train_on(taken)
         lines.append(taken.minibatches.stats)
     return lines
@@ -60,4 +60,4 @@ def test_when_the_buffer_refuses_all_it_holds_a_rollout_starts_for_the_update():
     run.train_on(rollouts.take(run.version, 4))  # rollouts 0-3 started; 0 trained, 1-3 wait in the buffer
     run.version = 5  # as if the learner had moved on: every entry is too stale
     taken = rollouts.take(run.version, 3)
-    assert run.events[-2:] == ["start 4", "put 4"] and taken.minibatches.meta.rollout == 4
+    assert run.events[-2:] == ["start 4", "put 4"] and taken.minibatches.meta.rollout_index == 4

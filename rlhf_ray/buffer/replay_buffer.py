@@ -25,7 +25,7 @@ class ExperienceMeta:
     """Policy version of the engines that sampled it."""
     samples: int
     """Rows in the experience batch."""
-    rollout: int
+    rollout_index: int
     """Index of the rollout it was scored from (its prompts and sampling seed; the PPO iteration in sync mode)."""
     prompt_indices: list[int] = field(default_factory=list)
     """Dataset indices of its prompts."""
@@ -95,7 +95,7 @@ class ReplayBuffer:
                 continue
             self.counts["taken"] += 1
             self.last_staleness = self.learner_version - meta.version
-            rows = minibatch_rows(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout))
+            rows = minibatch_rows(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout_index))
             return Minibatches(refs, rows, meta, self.last_staleness, self.stats())
         return None
 

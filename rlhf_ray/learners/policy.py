@@ -106,7 +106,7 @@ class PolicyLearner(PPOLearnerRank):
         the global mix batch; each micro-batch's forward runs when its PPO micro-batch does."""
         if self.mix is None:
             return []
-        k = minibatches.meta.rollout * len(minibatches.rows) + step
+        k = minibatches.meta.rollout_index * len(minibatches.rows) + step
         parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
         if len(parts) != micro_batches:
             raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")

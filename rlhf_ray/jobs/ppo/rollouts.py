@@ -26,13 +26,13 @@ class PromptSchedule:
     def __init__(self, rows: list[dict], per_rollout: int, seed: int):
         self.rows, self.per_rollout, self.seed = rows, per_rollout, seed
 
-    def indices(self, rollout: int) -> list[int]:
-        (indices,) = micro_batches(len(self.rows), self.per_rollout, self.per_rollout, 1, 0, rollout, self.seed)
+    def indices(self, index: int) -> list[int]:
+        (indices,) = micro_batches(len(self.rows), self.per_rollout, self.per_rollout, 1, 0, index, self.seed)
         return list(indices)
 
-    def submit(self, pool: GenerationPool, rollout: int):
-        rows = [self.rows[i] for i in self.indices(rollout)]
-        return pool.submit([r["prompt_ids"] for r in rows], stable_seed(self.seed, "rollout", rollout),
+    def submit(self, pool: GenerationPool, index: int):
+        rows = [self.rows[i] for i in self.indices(index)]
+        return pool.submit([r["prompt_ids"] for r in rows], stable_seed(self.seed, "rollout", index),
                            [r["columns"] for r in rows])
 
 
@@ -79,9 +79,10 @@ class RolloutFeed:
         """Entries the buffer holds, as it said after the last put or take."""
         self.waited = 0.0
 
-    def resume_at(self, rollout: int) -> None:
-        """A resumed run starts generating at `rollout` (those after the last one trained on are generated again)."""
-        self.first = self.next_index = rollout
+    def resume_at(self, index: int) -> None:
+        """A resumed run starts generating at rollout `index` (those after the last one trained on are generated
+        again)."""
+        self.first = self.next_index = index
 
     @property
     def next_after_taken(self) -> int:
@@ -98,11 +99,11 @@ class RolloutFeed:
             if minibatches is not None:
                 break
             self.puts.clear()
-        self.updates, self.last_taken = self.updates + 1, minibatches.meta.rollout
-        for index in [i for i in self.puts if i < minibatches.meta.rollout]:
+        self.updates, self.last_taken = self.updates + 1, minibatches.meta.rollout_index
+        for index in [i for i in self.puts if i < minibatches.meta.rollout_index]:
             self.puts.pop(index)
         waited, self.waited = self.waited, 0.0
-        return Taken(minibatches, self.puts.pop(minibatches.meta.rollout), waited)
+        return Taken(minibatches, self.puts.pop(minibatches.meta.rollout_index), waited)
 
     def put(self, index: int, rollout: Rollout, version: int) -> None:
         """Score rollout `index` and put its experience in the buffer (the buffer refuses it when it is already too
@@ -122,7 +123,7 @@ class RolloutFeed:
                 rollout = self.workers.pool.collect(self.prompts.submit(self.workers.pool, index))
         if self.sleep_engines:
             self.workers.pool.sleep()  # engines are idle until the weight sync, which wakes them
-        meta = {"version": rollout.version, "samples": scored.rows, "rollout": index,
+        meta = {"version": rollout.version, "samples": scored.rows, "rollout_index": index,
                 "prompt_indices": self.prompts.indices(index)}
         (state,) = self.workers.buffer.call("put", [scored.experience], meta, version)
         self.held = state.entries

@@ -104,7 +104,7 @@ class WeightSync:
         """An update whose every policy step was skipped (non-finite gradients): same weights, same version, nothing
         to send."""
         log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the policy "
-                    "stays at version %d and no weights are sent", minibatches.meta.rollout + 1, self.version)
+                    "stays at version %d and no weights are sent", minibatches.meta.rollout_index + 1, self.version)
         return SyncResult(self.version)
 
     def _form_group(self) -> None:
