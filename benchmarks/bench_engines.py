@@ -143,10 +143,10 @@ def pool_run(engine: str, replicas: int, model_dir: Path, args) -> dict:
     job = load_job(ROOT / "configs/quickstart/ppo.yaml", overrides)
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles({"generation": job.generation.placement})
-        groups = cluster.place(plan, handle.nodes(), 120)
+        placements = cluster.place(plan, handle.nodes(), 120)
         try:
             t0 = time.perf_counter()
-            pool = GenerationPool.start(job, groups["generation"], list(range(replicas)), BENCH_TOKENS)
+            pool = GenerationPool.start(job, placements["generation"], list(range(replicas)), BENCH_TOKENS)
             startup = time.perf_counter() - t0
             from transformers import AutoConfig
 
@@ -156,7 +156,7 @@ def pool_run(engine: str, replicas: int, model_dir: Path, args) -> dict:
             samples = pool.generate(prompts, seed=0)
             seconds = time.perf_counter() - t1
         finally:
-            cluster.remove(groups)
+            cluster.remove(placements)
     del ray
     tokens = sum(len(s["answer_ids"]) for s in samples)
     return {"engine": engine, "replicas": replicas, "threads": threads, "startup_s": startup, "seconds": seconds,

@@ -116,13 +116,13 @@ def sync_parity(folder: Path, workdir: Path) -> dict:
     found = {}
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
+        placements = cluster.place(plan, handle.nodes(), 120)
         try:
-            with trainer_on(job, plan, groups, tokenizer, data, tokens) as trainer:
+            with trainer_on(job, plan, placements, tokenizer, data, tokens) as trainer:
                 workers = trainer.workers
                 for iteration, engine in enumerate(["hf", "vllm"]):
                     if engine == "vllm":
-                        swap_engine(trainer, vllm_job, plan, groups, tokens)
+                        swap_engine(trainer, vllm_job, plan, placements, tokens)
                     rows = data.train[iteration * 4:(iteration + 1) * 4]
                     rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
                                                                        seed=iteration,
@@ -139,7 +139,7 @@ def sync_parity(folder: Path, workdir: Path) -> dict:
                         same += s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
                     found[engine] = {"prompts": len(probe), "identical": same, "version": workers.pool.versions()[0]}
         finally:
-            cluster.remove(groups)
+            cluster.remove(placements)
     return found
 
 

@@ -261,7 +261,7 @@ def place(plan: ResourcePlan, nodes: list[dict[str, float]], timeout_s: float) -
 
     pgs: dict = {}
     try:
-        for g in plan.groups:
+        for g in plan.placements:
             pgs[g.name] = placement_group([dict(b) for b in g.bundles], strategy=g.strategy,
                                           name=f"rlhf_ray/{g.name}")
         _wait_ready(pgs, timeout_s)

@@ -18,16 +18,16 @@ _EPS = 1e-6  # resource sums are floats (0.1 + 0.2); Ray itself rounds to 1e-4
 
 @dataclass(frozen=True)
 class RoleSlot:
-    """One role's share of the plan: which group it lives in and what each replica reserves."""
+    """One role's share of the plan: which placement group it lives in and what each replica reserves."""
 
     role: str
-    group: str
+    placement: str
     replicas: int
     per_replica: Resources
 
 
 @dataclass(frozen=True)
-class GroupPlan:
+class PlacementPlan:
     """One Ray placement group: bundle i holds replica i of every role in `roles`."""
 
     name: str
@@ -75,14 +75,14 @@ def _take(free: Resources, need: Resources) -> None:
 class ResourcePlan:
     """All placement groups of a job, in role order, plus where each role's replicas sit."""
 
-    def __init__(self, groups: list[GroupPlan], slots: dict[str, RoleSlot]):
-        self.groups = groups
+    def __init__(self, placements: list[PlacementPlan], slots: dict[str, RoleSlot]):
+        self.placements = placements
         self.slots = slots
 
     @classmethod
     def from_roles(cls, roles: dict[str, PlacementSpec]) -> ResourcePlan:
         owners = {r: (colocation_root(roles, r) if s.colocate_with else r) for r, s in roles.items()}
-        groups: list[GroupPlan] = []
+        placements: list[PlacementPlan] = []
         slots: dict[str, RoleSlot] = {}
         for owner, spec in roles.items():
             if owners[owner] != owner:
@@ -90,27 +90,29 @@ class ResourcePlan:
             members = [r for r in roles if owners[r] == owner]
             per = {r: _res(roles[r].num_cpus, roles[r].num_gpus) for r in members}
             bundle = _sum(per.values())
-            groups.append(GroupPlan(owner, tuple(members), tuple(dict(bundle) for _ in range(spec.replicas)),
+            placements.append(PlacementPlan(owner, tuple(members), tuple(dict(bundle) for _ in range(spec.replicas)),
                                     spec.strategy))
             for r in members:
                 slots[r] = RoleSlot(r, owner, roles[r].replicas, per[r])
-        return cls(groups, {r: slots[r] for r in roles})
+        return cls(placements, {r: slots[r] for r in roles})
 
-    def group(self, name: str) -> GroupPlan:
-        for g in self.groups:
+    def placement(self, name: str) -> PlacementPlan:
+        for g in self.placements:
             if g.name == name:
                 return g
-        raise KeyError(f"no placement group `{name}`; groups: {', '.join(g.name for g in self.groups)}")
+        names = ", ".join(g.name for g in self.placements)
+        raise KeyError(f"no placement group `{name}`; placement groups: {names}")
 
     def role_slots(self, role: str) -> tuple[str, list[int]]:
-        """(group name, bundle indices): replica i of a role always sits on bundle i of its group."""
+        """(placement group name, bundle indices): replica i of a role always sits on bundle i of its placement
+        group."""
         if role not in self.slots:
             raise KeyError(f"no role `{role}` in the plan; roles: {', '.join(self.slots)}")
         s = self.slots[role]
-        return s.group, list(range(s.replicas))
+        return s.placement, list(range(s.replicas))
 
     def totals(self) -> Resources:
-        t = _sum(g.total() for g in self.groups)
+        t = _sum(g.total() for g in self.placements)
         return {k: t.get(k, 0.0) for k in KINDS}
 
     def _breakdown(self, kind: str) -> str:
@@ -138,21 +140,21 @@ class ResourcePlan:
                                 f"{_fmt(have.get(kind, 0.0))} ({describe_nodes(nodes)}); to fit, lower "
                                 f"{self._fields(kind)} (or replicas), or give the job a bigger cluster "
                                 "(cluster.num_cpus / num_gpus on one machine, cluster.shape or cluster.address)")
-        for g in self.groups:
+        for g in self.placements:
             for shape in {tuple(sorted(b.items())) for b in g.bundles}:
                 b = dict(shape)
                 if not any(_fits(b, n) for n in nodes):
                     who = " + ".join(f"{r} {format_resources(self.slots[r].per_replica)}" for r in g.roles)
                     fields = " / ".join(f"{'' if r == 'learner' else r + '.'}placement" for r in g.roles)
-                    problems.append(f"group `{g.name}`: a bundle of {format_resources(b)} ({who}) fits on no "
+                    problems.append(f"placement group `{g.name}`: a bundle of {format_resources(b)} ({who}) fits on no "
                                     f"node ({describe_nodes(nodes)}); lower num_cpus / num_gpus in {fields}, or "
                                     "use bigger nodes")
             if g.strategy == "STRICT_PACK" and len(g.bundles) > 1 and not any(_fits(g.total(), n) for n in nodes):
-                problems.append(f"group `{g.name}` is STRICT_PACK: all {len(g.bundles)} bundles "
+                problems.append(f"placement group `{g.name}` is STRICT_PACK: all {len(g.bundles)} bundles "
                                 f"({format_resources(g.total())}) must share one node, and no node is that big "
                                 f"({describe_nodes(nodes)}); use PACK or fewer/smaller replicas")
             if g.strategy == "STRICT_SPREAD" and len(g.bundles) > len(nodes):
-                problems.append(f"group `{g.name}` is STRICT_SPREAD: {len(g.bundles)} bundles need "
+                problems.append(f"placement group `{g.name}` is STRICT_SPREAD: {len(g.bundles)} bundles need "
                                 f"{len(g.bundles)} nodes but the cluster has {len(nodes)}; use SPREAD or PACK")
         if problems:
             return problems
@@ -168,8 +170,8 @@ class ResourcePlan:
         def size(r: Resources) -> tuple[float, float]:
             return r.get("GPU", 0.0), r.get("CPU", 0.0)
 
-        units: list[tuple[int, tuple[float, float], GroupPlan, list[Resources]]] = []
-        for g in self.groups:
+        units: list[tuple[int, tuple[float, float], PlacementPlan, list[Resources]]] = []
+        for g in self.placements:
             if g.strategy in order:
                 items = [g.total()] if g.strategy == "STRICT_PACK" else list(g.bundles)
                 units.append((order[g.strategy], size(max(items, key=size)), g, items))
@@ -182,9 +184,9 @@ class ResourcePlan:
                 i = next((i for i, f in enumerate(free) if i not in used and _fits(item, f)), None)
                 if i is None:
                     left = "; ".join(f"node {j}: {format_resources(f)}" for j, f in enumerate(free))
-                    return (f"group `{g.name}` ({len(g.bundles)} x {format_resources(g.bundles[0])}, {g.strategy}) "
-                            f"does not fit in what the other groups leave free ({left}); the totals fit but the "
-                            "bundles do not pack onto the nodes: use smaller bundles or bigger nodes")
+                    return (f"placement group `{g.name}` ({len(g.bundles)} x {format_resources(g.bundles[0])}, "
+                            f"{g.strategy}) does not fit in what the other placement groups leave free ({left}); the "
+                            "totals fit but the bundles do not pack onto the nodes: use smaller bundles or bigger nodes")
                 _take(free[i], item)
                 if g.strategy == "STRICT_SPREAD":
                     used.add(i)
@@ -196,7 +198,7 @@ class ResourcePlan:
         table.add_column("roles (per replica)")
         table.add_column("bundles", footer=format_resources(self.totals()))
         table.add_column("strategy")
-        for g in self.groups:
+        for g in self.placements:
             roles = "\n".join(f"{r}: {format_resources(self.slots[r].per_replica)}" for r in g.roles)
             table.add_row(f"rlhf_ray/{g.name}", roles, f"{len(g.bundles)} x {format_resources(g.bundles[0])}",
                           g.strategy)

@@ -92,16 +92,16 @@ def placed_trainer(job, tokenizer, data, tokens=None):
 
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
+        placements = cluster.place(plan, handle.nodes(), 120)
         try:
-            with trainer_on(job, plan, groups, tokenizer, data, tokens) as trainer:
+            with trainer_on(job, plan, placements, tokenizer, data, tokens) as trainer:
                 yield trainer
         finally:
-            cluster.remove(groups)
+            cluster.remove(placements)
 
 
 @contextlib.contextmanager
-def trainer_on(job, plan, groups, tokenizer, data, tokens=None):
+def trainer_on(job, plan, placements, tokenizer, data, tokens=None):
     """A PPOTrainer whose roles start on placement groups the caller placed; its actors are killed at the end."""
     from rlhf_ray.data.tokens import TokenConventions
     from rlhf_ray.jobs.checkpoints import Checkpoints
@@ -113,12 +113,12 @@ def trainer_on(job, plan, groups, tokenizer, data, tokens=None):
     workers = None
     metrics = MetricsLogger(job.output_dir, job.logging, run_name="test")
     try:
-        workers = RoleWorkers(job, plan, groups, tokenizer, tokens)
+        workers = RoleWorkers(job, plan, placements, tokenizer, tokens)
         yield PPOTrainer(job, workers, data, tokenizer, metrics=metrics,
                          checkpoints=Checkpoints(job.output_dir, job.checkpoint.keep_last))
     finally:
         metrics.close()
-        if workers is not None:  # named actors go before their groups, so the next test can take the names
+        if workers is not None:  # named actors go before their placement groups, so the next test can take the names
             workers.kill()
 
 
@@ -143,7 +143,7 @@ def no_ray_outside_system_tests(request, monkeypatch):
     monkeypatch.setattr(ray, "init", refuse)
 
 
-def swap_engine(trainer, job, plan, groups, tokens) -> None:
+def swap_engine(trainer, job, plan, placements, tokens) -> None:
     """The trainer's generation pool replaced by `job`'s engine on the same bundles and brought to the current
     weights (the same learners, reference and reward: one engine, then the other, in one run)."""
     from rlhf_ray.actors.pool import GenerationPool
@@ -151,7 +151,7 @@ def swap_engine(trainer, job, plan, groups, tokens) -> None:
     workers = trainer.workers
     workers.pool.group.kill()
     name, bundles = plan.role_slots("generation")
-    workers.pool = GenerationPool.start(job, groups[name], bundles, tokens, workers.restarts)
+    workers.pool = GenerationPool.start(job, placements[name], bundles, tokens, workers.restarts)
     trainer.weights.sync(bump=False)
 
 

@@ -66,8 +66,8 @@ def cluster():
 def echo(cluster):
     plan = ResourcePlan.from_roles({"echo": PlacementSpec(replicas=2, num_cpus=0.5)})
     pgs = place(plan, cluster.nodes(), timeout_s=30)
-    group_name, bundles = plan.role_slots("echo")
-    group = ActorGroup(Echo, "echo", 2, placement_group=pgs[group_name], bundle_indices=bundles, num_cpus=0.5,
+    placement, bundles = plan.role_slots("echo")
+    group = ActorGroup(Echo, "echo", 2, placement_group=pgs[placement], bundle_indices=bundles, num_cpus=0.5,
                        kwargs={"greeting": "hello"}, call_timeout_s=30, start_timeout_s=60,
                        env_vars={"RLHF_RAY_TEST_VAR": "42"})
     group.wait_ready()

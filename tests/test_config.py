@@ -299,7 +299,7 @@ def test_the_70b_recipe_fits_only_with_its_reference_and_reward_sharded(capsys):
                  "--set", "reward.sharded=false"])
     err = " ".join(capsys.readouterr().err.split())
     assert code == EXIT_PLAN_DOES_NOT_FIT
-    assert "group `policy` (policy + reference) needs" in err and "group `reward` (reward) needs" in err, err
+    assert "placement group `policy` (policy + reference) needs" in err and "placement group `reward` (reward) needs" in err, err
     assert "sharded: true" in err  # the advice names the fix
 
 

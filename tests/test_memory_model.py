@@ -106,7 +106,7 @@ def test_a_gpu_plan_over_its_share_of_the_device_is_refused_naming_group_roles_a
         "policy.micro_batch_size=8", "critic.micro_batch_size=8"]
     _, problems = _check(recipe, *old)
     assert len(problems) == 2, problems
-    policy = next(p for p in problems if p.startswith("group `policy` (policy + reference) needs "))
+    policy = next(p for p in problems if p.startswith("placement group `policy` (policy + reference) needs "))
     assert "holds 1 of a 80.0 GiB GPU = 80.0 GiB" in policy and "GiB over" in policy
     assert "deepspeed.offload_optimizer" in policy  # what to change
     _, problems = _check(recipe, "cluster.shape=[{cpus: 96, gpus: 8, gpu_memory_gb: 141}]", *old)
@@ -116,7 +116,7 @@ def test_a_gpu_plan_over_its_share_of_the_device_is_refused_naming_group_roles_a
 def test_a_vllm_engine_needs_a_share_as_large_as_its_memory_utilization():
     _, problems = _check("configs/recipes/llama-8b-8gpu.yaml", "generation.placement.num_gpus=0.5",
                          "generation.placement.replicas=8")
-    assert any(p.startswith("group `generation` (generation) needs 68.0 GiB") for p in problems), problems
+    assert any(p.startswith("placement group `generation` (generation) needs 68.0 GiB") for p in problems), problems
 
 
 def test_pipeline_stages_size_the_models_earlier_stages_write(capsys):

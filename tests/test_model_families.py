@@ -131,7 +131,7 @@ def _data_override(name: str) -> str:
     return f"data.datasets=[{{name: demo/sort, chat_template: {template}}}]"
 
 
-def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
+def _sft_steps(job, plan_placements, tokenizer, tokens, tmp_path) -> dict:
     """Two SFT steps of a real DeepSpeed learner on the family's chat-formatted data; returns the evals."""
     import ray
 
@@ -140,10 +140,10 @@ def _sft_steps(job, plan_groups, tokenizer, tokens, tmp_path) -> dict:
     from rlhf_ray.learners.learner_group import start_learner_group
     from rlhf_ray.learners.sft import SFTLearner
 
-    plan, groups = plan_groups
+    plan, placements = plan_placements
     data = build_phase_data(job.data, tokenizer, "sft", job.seed, tmp_path / "sft-cache", tokens=tokens)
     name, bundles = plan.role_slots("learner")
-    learners = start_learner_group(SFTLearner, "sft-learner", job.placement, groups[name], bundles, job.cluster, 2,
+    learners = start_learner_group(SFTLearner, "sft-learner", job.placement, placements[name], bundles, job.cluster, 2,
                                    **learner_kwargs(job, tokens.pad_id))
     try:
         learners.call("set_data", ray.put(data.train[:64]), ray.put(data.eval[:16]))
@@ -210,22 +210,22 @@ class TestEndToEnd:
         start = {n: p.clone() for n, p in learner.named_parameters()}
         max_new = ppo_job.generation.sampling.max_new_tokens
         sft_plan = ResourcePlan.from_roles(sft_job.placement_roles())
-        sft_groups = cluster.place(sft_plan, local_ray.nodes(), 120)
+        sft_placements = cluster.place(sft_plan, local_ray.nodes(), 120)
         try:
-            sft = _sft_steps(sft_job, (sft_plan, sft_groups), tokenizer, tokens, tmp_path)
+            sft = _sft_steps(sft_job, (sft_plan, sft_placements), tokenizer, tokens, tmp_path)
         finally:
-            cluster.remove(sft_groups)
+            cluster.remove(sft_placements)
         assert all(torch.isfinite(torch.tensor(sft["losses"])))
         assert sft["last"]["eval_loss"] < sft["first"]["eval_loss"]
 
         plan = ResourcePlan.from_roles(ppo_job.placement_roles())
-        groups = cluster.place(plan, local_ray.nodes(), 120)
+        placements = cluster.place(plan, local_ray.nodes(), 120)
         try:
-            with trainer_on(ppo_job, plan, groups, tokenizer, data, tokens) as trainer:
+            with trainer_on(ppo_job, plan, placements, tokenizer, data, tokens) as trainer:
                 workers = trainer.workers
                 for iteration, engine in enumerate(["hf", "vllm"]):
                     if engine == "vllm":  # the same learners, reference and reward; a vLLM engine on the same bundle
-                        swap_engine(trainer, vllm_job, plan, groups, tokens)
+                        swap_engine(trainer, vllm_job, plan, placements, tokens)
                     assert workers.pool.group.call("engine_name") == [engine]
                     rows = data.train[iteration * 8:(iteration + 1) * 8]
                     rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
@@ -237,7 +237,7 @@ class TestEndToEnd:
                     _check_greedy(workers, probe, learner, tokens, max_new)
                 workers.policy.call("export_hf", str(tmp_path / "export"))
         finally:
-            cluster.remove(groups)
+            cluster.remove(placements)
         assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())  # it trained
         exported = AutoModelForCausalLM.from_pretrained(tmp_path / "export")
         assert type(exported).__name__ == FAMILIES[name].architecture

@@ -29,7 +29,7 @@ ONE_8GPU_NODE = nodes_from_shape([NodeShape(cpus=32, gpus=8)])
 
 def test_single_role_group_and_totals():
     plan = ResourcePlan.from_roles({"actor": P(replicas=2, num_cpus=0.5)})
-    (g,) = plan.groups
+    (g,) = plan.placements
     assert (g.name, g.roles, g.strategy) == ("actor", ("actor",), "PACK")
     assert g.bundles == ({"CPU": 0.5}, {"CPU": 0.5})  # no GPU key: Ray rejects zero-valued resources
     assert plan.totals() == {"CPU": 1.0, "GPU": 0.0}
@@ -38,8 +38,8 @@ def test_single_role_group_and_totals():
 
 def test_colocation_sums_bundles_and_shares_slots():
     plan = ResourcePlan.from_roles(eight_gpu_recipe())
-    assert [g.name for g in plan.groups] == ["policy", "critic"]
-    policy = plan.group("policy")
+    assert [g.name for g in plan.placements] == ["policy", "critic"]
+    policy = plan.placement("policy")
     assert policy.roles == ("policy", "reference")
     assert policy.bundles == tuple({"CPU": 3.0, "GPU": 1.0} for _ in range(4))
     assert plan.role_slots("reference") == ("policy", [0, 1, 2, 3])
@@ -51,7 +51,7 @@ def test_colocation_sums_bundles_and_shares_slots():
 def test_fractional_sums_do_not_drift():
     plan = ResourcePlan.from_roles({"a": P(num_cpus=0.1, num_gpus=0.1), "b": P(num_cpus=0.2, num_gpus=0.2,
                                                                                  colocate_with="a")})
-    assert plan.groups[0].bundles == ({"CPU": 0.3, "GPU": 0.3},)
+    assert plan.placements[0].bundles == ({"CPU": 0.3, "GPU": 0.3},)
     assert plan.check_fits([{"CPU": 0.3, "GPU": 0.3}]) == []
 
 
@@ -112,7 +112,7 @@ def test_cpu_shortfall_reported_alongside_gpu():
 def test_bundle_bigger_than_any_node():
     nodes = nodes_from_shape([NodeShape(count=2, cpus=8, gpus=4)])
     problems = ResourcePlan.from_roles({"policy": P(replicas=1, num_cpus=4, num_gpus=8)}).check_fits(nodes)
-    assert problems == ["group `policy`: a bundle of CPU 4, GPU 8 (policy CPU 4, GPU 8) fits on no node "
+    assert problems == ["placement group `policy`: a bundle of CPU 4, GPU 8 (policy CPU 4, GPU 8) fits on no node "
                         "(2 nodes of CPU 8, GPU 4); lower num_cpus / num_gpus in policy.placement, or use bigger "
                         "nodes"]
 
@@ -140,7 +140,7 @@ def test_totals_fit_but_bundles_do_not_pack():
     plan = ResourcePlan.from_roles({"policy": P(replicas=3, num_gpus=2)})
     problems = plan.check_fits(nodes)
     assert len(problems) == 1
-    assert "group `policy` (3 x CPU 1, GPU 2, PACK) does not fit" in problems[0]
+    assert "placement group `policy` (3 x CPU 1, GPU 2, PACK) does not fit" in problems[0]
     assert "node 0: CPU 7, GPU 1; node 1: CPU 7, GPU 1" in problems[0]
 
 
@@ -154,14 +154,14 @@ def test_packing_names_the_group_that_does_not_fit():
     })
     assert plan.totals()["GPU"] == 8
     (problem,) = plan.check_fits(nodes)
-    assert problem.startswith("group `policy` (1 x CPU 1, GPU 2, PACK) does not fit")
+    assert problem.startswith("placement group `policy` (1 x CPU 1, GPU 2, PACK) does not fit")
 
 
 def test_colocated_strict_spread_group_fits_mixed_nodes():
     nodes = nodes_from_shape([NodeShape(cpus=4, gpus=1), NodeShape(cpus=8, gpus=2)])
     plan = ResourcePlan.from_roles({"gen": P(replicas=2, num_cpus=2, num_gpus=1, strategy="STRICT_SPREAD"),
                                     "rm": P(replicas=2, num_cpus=1, colocate_with="gen")})
-    assert plan.group("gen").bundles == ({"CPU": 3.0, "GPU": 1.0},) * 2
+    assert plan.placement("gen").bundles == ({"CPU": 3.0, "GPU": 1.0},) * 2
     assert plan.check_fits(nodes) == []
 
 

@@ -109,13 +109,13 @@ def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tm
     vllm_job = job.model_copy(update={"generation": job.generation.model_copy(update={"engine": "vllm"})})
     with cluster.connect(job.cluster) as handle:
         plan = ResourcePlan.from_roles(job.placement_roles())
-        groups = cluster.place(plan, handle.nodes(), 120)
+        placements = cluster.place(plan, handle.nodes(), 120)
         try:
-            with trainer_on(job, plan, groups, tokenizer, data, tokens) as trainer:
+            with trainer_on(job, plan, placements, tokenizer, data, tokens) as trainer:
                 workers = trainer.workers
                 for iteration, engine in enumerate(["hf", "vllm"]):
                     if engine == "vllm":
-                        swap_engine(trainer, vllm_job, plan, groups, tokens)
+                        swap_engine(trainer, vllm_job, plan, placements, tokens)
                     rows = data.train[iteration * 4:(iteration + 1) * 4]
                     rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
                                                                        seed=iteration))
@@ -130,7 +130,7 @@ def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tm
                                                 pad_token_id=tokens.pad_id)
                         assert s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
         finally:
-            cluster.remove(groups)
+            cluster.remove(placements)
     assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())
 
 

@@ -76,15 +76,15 @@ class GenerationWorker:
         return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> int:
-        from rlhf_ray.models.weight_transport import WeightSyncGroup
+        from rlhf_ray.models.weight_transport import WeightBroadcast
 
-        self.sync_group = WeightSyncGroup(host, port, rank, world_size, timeout_s)
+        self.weight_broadcast = WeightBroadcast(host, port, rank, world_size, timeout_s)
         return rank
 
     def receive_weights(self, version: int) -> dict:
         """Load the buckets learner rank 0 broadcasts, as they arrive; then this engine serves `version`."""
         start = time.perf_counter()
-        tensors = self.engine.load_weights(self.sync_group.receive())
+        tensors = self.engine.load_weights(self.weight_broadcast.receive())
         self.version = version
         return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
 

@@ -47,11 +47,11 @@ PAIRS_PER_CALL = 256
 class ReferenceScores:
     """The reference role: sequence log-probs (chosen, rejected) of pairs, rows spread over its replicas."""
 
-    def __init__(self, job: DPOJob, plan: ResourcePlan, groups: dict, pad_id: int):
+    def __init__(self, job: DPOJob, plan: ResourcePlan, placements: dict, pad_id: int):
         ref = job.dpo.reference
-        group_name, bundles = plan.role_slots("reference")
+        placement, bundles = plan.role_slots("reference")
         self.group = ActorGroup(ReferenceWorker, "reference", ref.placement.replicas,
-                                placement_group=groups[group_name], bundle_indices=bundles,
+                                placement_group=placements[placement], bundle_indices=bundles,
                                 num_cpus=ref.placement.num_cpus, num_gpus=ref.placement.num_gpus,
                                 kwargs={"model": job.reference_model.model_dump(), "temperature": 1.0,
                                         "micro_batch_size": 2 * ref.micro_batch_size},
@@ -125,12 +125,12 @@ def run_dpo(job: DPOJob, stop_after: int | None = None) -> dict:
     key, saved_file = reference_key(job, data.cache_file, steps), out / REFERENCE_FILE
     started = time.time()
 
-    def attempt(job, groups: dict, plan: ResourcePlan, restarts: int) -> dict:
+    def attempt(job, placements: dict, plan: ResourcePlan, restarts: int) -> dict:
         learners = reference = None
         try:
-            reference = ReferenceScores(job, plan, groups, tokens.pad_id)
-            group_name, bundles = plan.role_slots("learner")
-            learners = start_learner_group(DPOLearner, "dpo-learner", job.placement, groups[group_name], bundles,
+            reference = ReferenceScores(job, plan, placements, tokens.pad_id)
+            placement, bundles = plan.role_slots("learner")
+            learners = start_learner_group(DPOLearner, "dpo-learner", job.placement, placements[placement], bundles,
                                            job.cluster, steps, beta=job.dpo.beta, loss=job.dpo.loss,
                                            label_smoothing=job.dpo.label_smoothing, rpo_alpha=job.dpo.rpo_alpha,
                                            **learner_kwargs(job, tokens.pad_id))

@@ -76,9 +76,10 @@ def with_learner_restarts(limit: int, checkpoints: Checkpoints, attempt: Callabl
 
 def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..., T],
                     adapt: Callable | None = None) -> T:
-    """Connect to the job's cluster, then run `attempt(job, placement groups, plan, restarts)` on freshly placed
-    groups, again after each learner restart (with_learner_restarts); the groups are removed after every attempt
-    and the metrics logger is closed at the end. The attempt kills the actors it started (before the groups go).
+    """Connect to the job's cluster, then run `attempt(job, placements, plan, restarts)` on freshly placed
+    placement groups, again after each learner restart (with_learner_restarts); the placement groups are removed
+    after every attempt and the metrics logger is closed at the end. The attempt kills the actors it started (before
+    the placement groups go).
     `adapt(job, nodes)`, given, returns the job fitted to the cluster's nodes before the plan is made."""
     with cluster.connect(job.cluster) as handle:
         if adapt is not None:
@@ -86,11 +87,11 @@ def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..
         plan = ResourcePlan.from_roles(job.placement_roles())
 
         def placed(restarts: int) -> T:
-            groups = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+            placements = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
             try:
-                return attempt(job, groups, plan, restarts)
+                return attempt(job, placements, plan, restarts)
             finally:
-                cluster.remove(groups)
+                cluster.remove(placements)
 
         try:
             return with_learner_restarts(job.cluster.learner_restarts, checkpoints, placed)

@@ -101,11 +101,11 @@ def run_learner_group(job: _LearnerJob, phase: str, learner_cls: type, steps: in
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
     metrics = MetricsLogger(out, job.logging, run_name=f"{phase}-{out.name}")
 
-    def attempt(job, groups: dict, plan, restarts: int) -> dict:
+    def attempt(job, placements: dict, plan, restarts: int) -> dict:
         learners = None
         try:
-            group_name, bundles = plan.role_slots("learner")
-            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, groups[group_name],
+            placement, bundles = plan.role_slots("learner")
+            learners = start_learner_group(learner_cls, f"{phase}-learner", job.placement, placements[placement],
                                            bundles, job.cluster, steps, **learner_args)
             if feed is not None:
                 feed(learners)

@@ -151,11 +151,11 @@ class PolicyLearner(PPOLearnerRank):
 
     # ---- weights for the engines --------------------------------------------------------------------------
     def join_weight_sync(self, host: str, port: int, world_size: int, timeout_s: float) -> bool:
-        """Rank 0 becomes rank 0 of the weight-sync group with the engines (the other ranks take no part)."""
+        """Rank 0 becomes rank 0 of the weight-sync process group with the engines (the other ranks take no part)."""
         if self.rank == 0:
-            from rlhf_ray.models.weight_transport import WeightSyncGroup
+            from rlhf_ray.models.weight_transport import WeightBroadcast
 
-            self.sync_group = WeightSyncGroup(host, port, 0, world_size, timeout_s, self.take_listener(port))
+            self.weight_broadcast = WeightBroadcast(host, port, 0, world_size, timeout_s, self.take_listener(port))
         return self.rank == 0
 
     def broadcast_weights(self, bucket_bytes: int, adapters_only: bool = False) -> dict | None:
@@ -167,7 +167,7 @@ class PolicyLearner(PPOLearnerRank):
             for _ in groups:
                 pass
             return None
-        return {"bytes": self.sync_group.send(groups), "seconds": time.perf_counter() - start}
+        return {"bytes": self.weight_broadcast.send(groups), "seconds": time.perf_counter() - start}
 
     def publish_weights(self, bucket_bytes: int, adapters_only: bool = False) -> dict | None:
         """Rank 0 puts the full weights in the object store as buckets and returns their refs, bytes and seconds;

@@ -168,10 +168,10 @@ def _gib(n: int) -> str:
 
 
 @dataclass(frozen=True)
-class GroupMemory:
+class PlacementMemory:
     """One placement group's bundle: the roles on it, the bytes they need together, what it holds."""
 
-    group: str
+    placement: str
     roles: tuple[str, ...]
     need: int
     gpu_share: float
@@ -184,20 +184,20 @@ class GroupMemory:
     """Bytes its roles offload to host memory, per bundle."""
 
 
-def group_memory(roles: dict[str, RoleMemory], plan, gpu_bytes: int | None) -> list[GroupMemory]:
+def placement_memory(roles: dict[str, RoleMemory], plan, gpu_bytes: int | None) -> list[PlacementMemory]:
     out = []
-    for group in plan.groups:
-        known = [roles[r] for r in group.roles if roles.get(r) and roles[r].bytes is not None]
-        share = group.bundles[0].get("GPU", 0.0)
-        out.append(GroupMemory(group.name, tuple(group.roles), sum((rm.bytes.device for rm in known), 0), share,
-                               int(min(share, 1.0) * gpu_bytes) if share > 0 and gpu_bytes else None, len(group.bundles),
-                               sum(rm.bytes.host for rm in known)))
+    for placement in plan.placements:
+        known = [roles[r] for r in placement.roles if roles.get(r) and roles[r].bytes is not None]
+        share = placement.bundles[0].get("GPU", 0.0)
+        have = int(min(share, 1.0) * gpu_bytes) if share > 0 and gpu_bytes else None
+        out.append(PlacementMemory(placement.name, tuple(placement.roles), sum((rm.bytes.device for rm in known), 0),
+                                   share, have, len(placement.bundles), sum(rm.bytes.host for rm in known)))
     return out
 
 
 def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
                  ) -> tuple[Table, list[str]]:
-    """The memory table of one job's plan, and what does not fit (naming the group, its roles, the bytes over
+    """The memory table of one job's plan, and what does not fit (naming the placement group, its roles, the bytes over
     and the fields to change)."""
     gpu_bytes = max((int(n.get(GPU_MEMORY, 0)) for n in nodes), default=0) or None
     host_bytes = max((int(n.get(HOST_MEMORY, 0)) for n in nodes), default=0) or None
@@ -214,14 +214,14 @@ def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, Mo
         table.add_row(name, _gib(b.weights), _gib(b.gradients), _gib(b.optimizer), _gib(b.activations),
                       _gib(b.logits), _gib(b.kv_cache), _gib(b.device), _gib(b.host), rm.how)
     problems, cpu_total, host_total = [], 0, 0
-    for g in group_memory(roles, plan, gpu_bytes):
+    for g in placement_memory(roles, plan, gpu_bytes):
         host_total += g.host * g.bundles
         members = " + ".join(g.roles)
         if g.gpu_share == 0:
             cpu_total += g.need * g.bundles
         elif g.have is not None and g.need > g.have:
-            problems.append(f"group `{g.group}` ({members}) needs {_gib(g.need)} GiB per GPU bundle but holds "
-                            f"{min(g.gpu_share, 1.0):g} of a {_gib(gpu_bytes)} GiB GPU = {_gib(g.have)} GiB: "
+            problems.append(f"placement group `{g.placement}` ({members}) needs {_gib(g.need)} GiB per GPU bundle "
+                            f"but holds {min(g.gpu_share, 1.0):g} of a {_gib(gpu_bytes)} GiB GPU = {_gib(g.have)} GiB: "
                             f"{_gib(g.need - g.have)} GiB over; {_advice(g.roles)}")
     if host_bytes is not None and cpu_total + host_total > host_bytes * len(nodes):
         problems.append(f"CPU roles and offloaded state need {_gib(cpu_total + host_total)} GiB of host memory but "
@@ -232,12 +232,12 @@ def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, Mo
 
 def recipe_table(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
                  ) -> list[str]:
-    """Markdown rows `| group | roles | bundles | need GiB | holds GiB |` of one job's GPU bundles."""
+    """Markdown rows `| placement group | roles | bundles | need GiB | holds GiB |` of one job's GPU bundles."""
     gpu_bytes = max((int(n.get(GPU_MEMORY, 0)) for n in nodes), default=0) or None
     rows = []
-    for g in group_memory(role_memory(job, gpu_bytes, derived), plan, gpu_bytes):
+    for g in placement_memory(role_memory(job, gpu_bytes, derived), plan, gpu_bytes):
         holds = _gib(g.have) if g.have is not None else ("host" if g.gpu_share == 0 else "?")
-        rows.append(f"| {job.kind} | `{g.group}` | {' + '.join(g.roles)} | {g.bundles} | {_gib(g.need)} | {holds} |")
+        rows.append(f"| {job.kind} | `{g.placement}` | {' + '.join(g.roles)} | {g.bundles} | {_gib(g.need)} | {holds} |")
     return rows
 
 

@@ -30,9 +30,11 @@ def gpus_shared(devices: dict[str, tuple[str, list]]) -> list[str]:
     return shared
 
 
-class WeightSyncGroup:
+class WeightBroadcast:
+    """Learner rank 0 and the engines in a process group of their own: `send` on rank 0, `receive` on the others."""
+
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float, listener=None):
-        """Rank 0 (the learner) serves the group's store on `listener`, a socket bound to `host` only."""
+        """Rank 0 (the learner) serves the process group's store on `listener`, a socket bound to `host` only."""
         import torch.distributed as dist
 
         from rlhf_ray.distributed import rendezvous_store

@@ -49,10 +49,10 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)
 
-    def attempt(job: PPOJob, groups: dict, plan, restarts: int) -> dict:
+    def attempt(job: PPOJob, placements: dict, plan, restarts: int) -> dict:
         workers = None
         try:
-            workers = RoleWorkers(job, plan, groups, tokenizer, tokens)
+            workers = RoleWorkers(job, plan, placements, tokenizer, tokens)
             trainer = PPOTrainer(job, workers, data, tokenizer, rule=rule, metrics=metrics, checkpoints=checkpoints,
                                  stop_after=stop_after, learner_restarts=restarts, started=started)
             with learner_deaths_explained(checkpoints, learner_groups(job)):

@@ -49,7 +49,7 @@ def weight_transport(job: PPOJob) -> str:
 
 
 def collective_or_object_store(requested: str, shared: list[str]) -> str:
-    """The transport once the weight-sync group's GPUs are known: NCCL cannot put two ranks on one device, so
+    """The transport once the weight-sync process group's GPUs are known: NCCL cannot put two ranks on one device, so
     where members share a GPU (`shared`, from gpus_shared) `auto` falls back to the object store and an explicit
     `collective` is refused naming them."""
     if not shared:
@@ -76,7 +76,7 @@ class WeightSync:
         if self.transport == "collective":
             self.transport = collective_or_object_store(spec.transport, self._gpus_shared())
         if self.transport == "collective":
-            self._form_group()
+            self._form_broadcast()
             workers.pool.on_replaced = self._rejoin
 
     def sync(self, bump: bool = True) -> SyncResult:
@@ -107,7 +107,7 @@ class WeightSync:
                     "stays at version %d and no weights are sent", minibatches.meta.rollout_index + 1, self.version)
         return SyncResult(self.version)
 
-    def _form_group(self) -> None:
+    def _form_broadcast(self) -> None:
         """Policy rank 0 and every engine join a fresh weight-sync process group (again after an engine is
         replaced)."""
         timeout = self.job.cluster.call_timeout_s
@@ -121,7 +121,7 @@ class WeightSync:
         pool.group.gather(engines, "join_weight_sync")
 
     def _gpus_shared(self) -> list[str]:
-        """Members of the weight-sync group (policy rank 0, every engine) on the same GPU as another."""
+        """Members of the weight-sync process group (policy rank 0, every engine) on the same GPU as another."""
         policy, pool = self.workers.policy, self.workers.pool
         members = [(policy.names[0], policy.actors[0])] + list(zip(pool.group.names, pool.group.actors))
         found = gather([actor.__ray_call__.remote(_node_and_gpus) for _, actor in members], [n for n, _ in members],
@@ -130,5 +130,5 @@ class WeightSync:
 
     def _rejoin(self, rank: int) -> None:
         """Collective transport: a replacement engine joins a new group with everyone, then all get the weights."""
-        self._form_group()
+        self._form_broadcast()
         self.sync(bump=False)

@@ -92,7 +92,7 @@ def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
 
 
 class RoleWorkers:
-    def __init__(self, job: PPOJob, plan: ResourcePlan, groups: dict, tokenizer, tokens: TokenConventions):
+    def __init__(self, job: PPOJob, plan: ResourcePlan, placements: dict, tokenizer, tokens: TokenConventions):
         """Start every role's processes at once (imports and model loads overlap), then wait for each."""
         self.job, self.tokens = job, tokens
         pad, cluster, ppo = tokens.pad_id, job.cluster, job.ppo
@@ -100,7 +100,7 @@ class RoleWorkers:
 
         def slots(role):
             name, bundles = plan.role_slots(role)
-            return groups[name], bundles
+            return placements[name], bundles
 
         self.sharded = sharded_roles(job)
         self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
