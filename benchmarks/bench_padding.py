@@ -71,6 +71,13 @@ def render(results: dict, args) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {pct(r['policy'])} | {pct(r['critic'])} | {r['length']:.1f} | {r['train']:.1f} | "
                      f"{r['iteration']:.1f} |")
+    worst = max(max(r["policy"], r["critic"] if r["critic"] == r["critic"] else 0.0) for r in results.values())
+    lines += ["", f"Goal (issue 38): padding under 5% of every role's training tokens: {pct(worst)} at worst "
+              f"({'met' if worst < 0.05 else 'missed'}). This is the figure before packing: micro-batches are rows "
+              "in prompt order (a GRPO prompt's answers together, so the prompt's forward is shared), each trimmed "
+              "to its own longest prompt and answer; the pads are the shorter prompts' left padding and the shorter "
+              "answers' right padding. What would close it: micro-batches by a token budget with rows sorted by "
+              "length (issue 38, part 2)."]
     return "\n".join(lines) + "\n"
 
 
