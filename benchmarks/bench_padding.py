@@ -13,6 +13,7 @@ Run: python benchmarks/bench_padding.py [--iterations N] [--write docs/benchmark
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def main() -> int:
 
 def render(results: dict, args) -> str:
     def pct(x: float) -> str:
-        return "-" if x != x else f"{100 * x:.0f}%"
+        return "-" if math.isnan(x) else f"{100 * x:.0f}%"
 
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
@@ -71,7 +72,8 @@ def render(results: dict, args) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {pct(r['policy'])} | {pct(r['critic'])} | {r['length']:.1f} | {r['train']:.1f} | "
                      f"{r['iteration']:.1f} |")
-    worst = max(max(r["policy"], r["critic"] if r["critic"] == r["critic"] else 0.0) for r in results.values())
+    worst = max(fraction for r in results.values() for fraction in (r["policy"], r["critic"])
+                if not math.isnan(fraction))  # a recipe without a critic has no critic fraction
     lines += ["", f"Goal (issue 38): padding under 5% of every role's training tokens: {pct(worst)} at worst "
               f"({'met' if worst < 0.05 else 'missed'}). This is the figure before packing: micro-batches are rows "
               "in prompt order (a GRPO prompt's answers together, so the prompt's forward is shared), each trimmed "

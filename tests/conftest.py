@@ -118,7 +118,7 @@ def trainer_on(job, plan, placements, tokenizer, data, tokens=None):
                          checkpoints=Checkpoints(job.output_dir, job.checkpoint.keep_last))
     finally:
         metrics.close()
-        if workers is not None:  # named actors go before their placement groups, so the next test can take the names
+        if workers is not None:  # named actors go before their placement groups: the next test can take the names
             workers.kill()
 
 
@@ -126,21 +126,6 @@ def one_update(trainer, step: int, rollout) -> dict[str, float]:
     """Train on `rollout` (collected by the test): scored and put in the buffer, then one iteration of the loop."""
     trainer.rollouts.put(step, rollout, trainer.weights.version)
     return trainer.iterate(step)[1]
-
-
-@pytest.fixture(autouse=True)
-def no_ray_outside_system_tests(request, monkeypatch):
-    """The fast tier (`bash scripts/test.sh --fast`: every test not marked `system`) runs without Ray: a test that
-    starts one must say so with @pytest.mark.system, or it fails here, naming itself."""
-    if request.node.get_closest_marker("system") is not None:
-        return
-    import ray
-
-    def refuse(*args, **kwargs):
-        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not marked @pytest.mark.system (the fast "
-                           "tier runs without Ray)")
-
-    monkeypatch.setattr(ray, "init", refuse)
 
 
 def swap_engine(trainer, job, plan, placements, tokens) -> None:
@@ -192,13 +177,24 @@ def shared_ray():
 
 
 @pytest.fixture(autouse=True)
-def ray_to_itself(request):
-    """Every test that does not ask for `shared_ray` finds no Ray running: system tests start their own cluster,
-    and the others may check that nothing started one. One that asks finds it open (again)."""
+def ray_for_each_test(request, monkeypatch):
+    """A test that asks for `shared_ray` finds it open (again). Every other test finds no Ray running: system tests
+    start their own cluster, and the others may check that nothing started one. The fast tier (`bash
+    scripts/test.sh --fast`: every test not marked `system`) runs without Ray: a test that starts one must say so
+    with @pytest.mark.system, or it fails here, naming itself."""
     if "shared_ray" in request.fixturenames:
         _SESSION_RAY.open()
-    else:
-        _SESSION_RAY.close()
+        return
+    _SESSION_RAY.close()
+    if request.node.get_closest_marker("system") is not None:
+        return
+    import ray
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{request.node.nodeid} starts Ray but is not marked @pytest.mark.system (the fast "
+                           "tier runs without Ray)")
+
+    monkeypatch.setattr(ray, "init", refuse)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -219,11 +215,15 @@ def pytest_collection_modifyitems(items):
     def block(item) -> int:
         return 0 if item.get_closest_marker("system") is None else 1 + shares(item)
 
-    files: dict[str, tuple[int, int]] = {}  # path -> (block, position of its first test)
+    def path(item) -> str:
+        return item.nodeid.split("::")[0]
+
+    blocks: dict[str, int] = {}  # a file's block: that of its most demanding test
+    first: dict[str, int] = {}  # where its first test was
     for position, item in enumerate(items):
-        path = item.nodeid.split("::")[0]
-        files[path] = (max(files.get(path, (0, position))[0], block(item)), files.get(path, (0, position))[1])
-    items.sort(key=lambda item: (*files[item.nodeid.split("::")[0]], shares(item)))
+        blocks[path(item)] = max(blocks.get(path(item), 0), block(item))
+        first.setdefault(path(item), position)
+    items.sort(key=lambda item: (blocks[path(item)], first[path(item)], shares(item)))
 
 
 # ---- where the suite's time goes -------------------------------------------------------------------------------

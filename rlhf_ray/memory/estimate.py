@@ -60,8 +60,9 @@ def model_states(params: int, dtype: str, zero_stage: int, ranks: int, offload_o
     fp32_grads = (grad_bytes - d) * trainable // (ranks if zero_stage >= 1 else 1)
     optimizer = optim_bytes * trainable // (ranks if zero_stage >= 1 else 1)
     host = 0
-    if offload_optimizer and zero_stage >= 1:  # ZeRO-Offload (stage 0 has none): gradient partitions stream to
-        # the host, where Adam steps
+    # ZeRO-Offload (stage 1 up; DeepSpeed has none at stage 0): gradient partitions stream to the host, where Adam
+    # steps
+    if offload_optimizer and zero_stage >= 1:
         host, optimizer, gradients, fp32_grads = optimizer + fp32_grads + gradients, 0, 0, 0
     if offload_params:
         host += d * params // ranks
