@@ -84,24 +84,37 @@ def test_vllm_dtype_is_the_policys_unless_set():
 
 
 
-def test_weight_sync_over_nccl_only_where_every_member_has_a_gpu_of_its_own():
-    """One GPU shared by fractional bundles (configs/recipes/opt-1.3b-single-gpu.yaml: policy 0.35, engine 0.35)
-    cannot host an NCCL group: `auto` takes the object store there, an explicit `collective` is refused by name."""
-    from rlhf_ray.jobs.ppo.weight_sync import collective_or_object_store
+def test_weight_sync_reads_in_place_where_engines_sit_with_the_policy_and_over_nccl_only_on_gpus_of_their_own():
+    """Engines on policy rank 0's node (CPU) or GPU (fractional bundles, configs/recipes/opt-1.3b-single-gpu.yaml)
+    read its memory (ipc); one GPU shared by fractional bundles cannot host an NCCL group, so an explicit
+    `collective` is refused there by name, and an explicit `ipc` where an engine is elsewhere."""
+    from rlhf_ray.jobs.ppo.weight_sync import choose_transport
     from rlhf_ray.models.weight_transport import gpus_shared
 
     one_gpu = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [0])}
     own_gpus = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [1]), "generation-1": ("node-b", [0])}
     tensor_parallel = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [1, 2]),
                        "generation-1": ("node-a", [2, 3])}
-    cpu = {"policy-0": ("node-a", []), "generation-0": ("node-a", [])}  # gloo: sharing a CPU is fine
+    cpu = {"policy-0": ("node-a", []), "generation-0": ("node-a", []), "generation-1": ("node-a", [])}
+    two_nodes_cpu = {"policy-0": ("node-a", []), "generation-0": ("node-a", []), "generation-1": ("node-b", [])}
+    half_shared = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [0]), "generation-1": ("node-a", [1])}
     assert gpus_shared(one_gpu) == ["policy-0 and generation-0 share GPU 0 of node node-a"]
     assert gpus_shared(own_gpus) == [] and gpus_shared(cpu) == []
     assert gpus_shared(tensor_parallel) == ["generation-0 and generation-1 share GPU 2 of node node-a"]
-    assert collective_or_object_store("auto", gpus_shared(one_gpu)) == "object_store"
-    assert collective_or_object_store("auto", gpus_shared(own_gpus)) == "collective"
+    chosen = {name: choose_transport("auto", members) for name, members in
+              [("one_gpu", one_gpu), ("own_gpus", own_gpus), ("tensor_parallel", tensor_parallel), ("cpu", cpu),
+               ("two_nodes_cpu", two_nodes_cpu), ("half_shared", half_shared)]}
+    assert chosen == {"one_gpu": "ipc", "own_gpus": "collective", "tensor_parallel": "object_store", "cpu": "ipc",
+                      "two_nodes_cpu": "object_store", "half_shared": "object_store"}
+    assert choose_transport("object_store", cpu) == "object_store"
+    assert choose_transport("collective", two_nodes_cpu) == "collective"  # gloo: sharing a CPU is fine
     with pytest.raises(ValueError, match=r"weight_sync.transport: collective .*policy-0 and generation-0 share GPU 0"):
-        collective_or_object_store("collective", gpus_shared(one_gpu))
+        choose_transport("collective", one_gpu)
+    with pytest.raises(ValueError, match=r"transport: ipc needs every engine on the node of policy-0, but "
+                                         r"generation-1 is elsewhere"):
+        choose_transport("ipc", two_nodes_cpu)
+    with pytest.raises(ValueError, match=r"ipc needs every engine on the GPU \[0\] of policy-0, but generation-1"):
+        choose_transport("ipc", half_shared)
 
 
 def test_tensor_parallel_engines_take_one_gpu_per_worker_or_share_cpus():

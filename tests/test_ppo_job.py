@@ -160,9 +160,10 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
         return {"transport": trainer.weights.transport}
 
 
-# (the hf engine with a ZeRO-2 policy through the object store, the defaults, is the first leg of every family's
-# end-to-end test in test_model_families.py and of test_smollm2.py: the same check, not run a third time here)
-@pytest.mark.parametrize("engine,zero_stage,transport", [("vllm", 3, "object_store"), ("hf", 3, "collective")])
+# (the hf engine with a ZeRO-2 policy, the defaults, is the first leg of every family's end-to-end test in
+# test_model_families.py; ipc in place, ZeRO-0 fp32, is test_smollm2.py's; the object store is
+# test_fault_tolerance.py's: the same check, not run again here. ipc here: 64 KiB buckets, each vLLM reloads on its own)
+@pytest.mark.parametrize("engine,zero_stage,transport", [("vllm", 3, "ipc"), ("hf", 3, "collective")])
 def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
                                                                 transport):
     sft, rm = stage_models

@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from rlhf_ray.actors import staged_weights
-from rlhf_ray.actors.staged_weights import ALIGN, load_staged, staged_chunks
+from rlhf_ray.actors.staged_weights import load_staged, staged_chunks
+from rlhf_ray.models import shared_tensors
+from rlhf_ray.models.shared_tensors import ALIGN
 from rlhf_ray.models.weight_buckets import layer_of
 
 
@@ -100,17 +101,17 @@ def test_a_small_dev_shm_is_not_used(monkeypatch):
     class Tiny:
         f_bavail, f_frsize = 16, 4096  # 64 KiB free
 
-    monkeypatch.setattr(staged_weights.os, "statvfs", lambda path: Tiny())
-    assert staged_weights.staging_dir(2**20) != "/dev/shm"
-    assert staged_weights.staging_dir(1024) == ("/dev/shm" if os.access("/dev/shm", os.W_OK) else
-                                                staged_weights.tempfile.gettempdir())
+    monkeypatch.setattr(shared_tensors.os, "statvfs", lambda path: Tiny())
+    assert shared_tensors.staging_dir(2**20) != "/dev/shm"
+    assert shared_tensors.staging_dir(1024) == ("/dev/shm" if os.access("/dev/shm", os.W_OK) else
+                                                shared_tensors.tempfile.gettempdir())
 
 
 def test_a_full_staging_folder_names_the_tensor_and_the_fix(monkeypatch, tmp_path):
     def full(fd, data, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(staged_weights.os, "pwrite", full)
+    monkeypatch.setattr(shared_tensors.os, "pwrite", full)
     with pytest.raises(OSError, match=r"staging model.layers.0.q.weight \(0 MiB\) .*No space left on device; give "
                                       r"/dev/shm \(or TMPDIR\) room for one weight chunk"):
         list(staged_chunks(iter(odd_tensors()), chunk_bytes=1, directory=str(tmp_path)))

@@ -51,9 +51,11 @@ class GenerationEngine(ABC):
         """`n_samples_per_prompt` answers per prompt (1 when greedy), consecutive per prompt, in prompt order."""
 
     @abstractmethod
-    def load_weights(self, weights: Weights) -> int:
+    def load_weights(self, weights: Weights, complete: bool = True) -> int:
         """Copy HF-named tensors into the engine in place; returns how many were loaded. The iterable may be lazy
-        (fetched bucket by bucket), so an engine must consume it once, in order."""
+        (fetched bucket by bucket), so an engine must consume it once, in order. `complete`: the whole model (an
+        engine may check that nothing is missing); False: one part of an update that comes in several calls,
+        each holding whole layers."""
 
 
 def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions, engine: str) -> GenerationEngine:

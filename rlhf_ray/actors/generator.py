@@ -14,6 +14,7 @@ from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.models.weight_buckets import unpack
+from rlhf_ray.models.weight_handoff import HandoffPart, received
 
 
 class GenerationWorker:
@@ -85,6 +86,16 @@ class GenerationWorker:
         """Load the buckets learner rank 0 broadcasts, as they arrive; then this engine serves `version`."""
         start = time.perf_counter()
         tensors = self.engine.load_weights(self.weight_broadcast.receive())
+        self.version = version
+        return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
+
+    def take_weights(self, part: HandoffPart, version: int) -> dict:
+        """Load one part of a colocated handoff (transport ipc) from the learner's memory: its shared-memory files
+        mapped, or its GPU buffers opened; this engine serves `version` once the driver has given it every part."""
+        start = time.perf_counter()
+        tensors = self.engine.load_weights(received(part), complete=False)
+        if part.cuda:
+            torch.cuda.synchronize()  # copied before the learner frees the buffers
         self.version = version
         return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
 

@@ -60,7 +60,7 @@ class GenerationPool:
         self.group, self.engine, self.budget = group, engine, budget
         self.weights: tuple[list, int] | None = None  # (bucket refs, version) of the last broadcast
         self.on_replaced = self._resync
-        """Brings a replacement engine to the current weights; the collective transport sets its own."""
+        """Brings a replacement engine to the current weights; the collective and ipc transports set their own."""
 
     @classmethod
     def start(cls, job, placement_group, bundle_indices: list[int], tokens: TokenConventions,
@@ -143,6 +143,13 @@ class GenerationPool:
         if stale:
             raise RuntimeError(f"{', '.join(stale)} did not reach policy version {version}")
         return {"seconds": time.perf_counter() - start, "engine_seconds": max(r["seconds"] for r in results)}
+
+    def take(self, part, version: int, ranks: list[int] | None = None) -> list[dict]:
+        """Every engine (or those of `ranks`) loads one part of a colocated handoff from the learner's memory."""
+        if ranks is None:
+            return self._call("take_weights", [(part, version)] * len(self.group))
+        return gather([self.group.actors[r].take_weights.remote(part, version) for r in ranks],
+                      [self.group.names[r] for r in ranks], self.group.call_timeout_s, "take_weights")
 
     def receive(self, version: int) -> list:
         """Every engine starts receiving a collective broadcast (returns the call refs)."""

@@ -145,7 +145,7 @@ class VLLMEngine(GenerationEngine):
                                    finished=finished))
         return rows
 
-    def load_weights(self, weights: Weights) -> int:
+    def load_weights(self, weights: Weights, complete: bool = True) -> int:
         if self.sleeping:
             self.wake_up()
         if self.adapter is not None:

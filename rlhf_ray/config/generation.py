@@ -71,15 +71,19 @@ class HfEngineSpec(StrictModel):
 class WeightSyncSpec(StrictModel):
     """How new policy weights reach the engines after each update."""
 
-    transport: Literal["auto", "object_store", "collective"] = "auto"
-    """object_store: rank 0 puts buckets in Ray's object store and every engine reads them. collective: rank 0
-    broadcasts buckets over a process group of its own with the engines (NCCL between GPUs, gloo on CPU), no host
-    round trip. auto: collective when the policy and the engines have GPUs, each a GPU of its own (NCCL cannot
-    put two ranks on one device: on one GPU shared by fractional bundles the job logs it and uses object_store),
-    else object_store."""
+    transport: Literal["auto", "ipc", "collective", "object_store"] = "auto"
+    """ipc: every engine sits with policy rank 0 (its node, on CPU; its GPU, with fractional GPU bundles) and reads
+    the weights in rank 0's memory: a file in shared memory on CPU (where the optimizer updates the parameters in
+    place, ZeRO-0 in fp32, the file is the parameters themselves: no copy before the engine's own), CUDA IPC
+    handles on a GPU; bucket by bucket. collective: rank 0 broadcasts buckets over a process group of its own with
+    the engines (NCCL between GPUs, gloo on CPU), no host round trip. object_store: rank 0 puts buckets in Ray's
+    object store and every engine reads them (works anywhere). auto: ipc where every engine sits with rank 0, else
+    collective where every member has a GPU of its own (NCCL cannot put two ranks on one device), else
+    object_store; the job logs its choice."""
     bucket_mb: float = Field(256, gt=0)
     """Weights travel in flat buckets of about this size; under ZeRO-3 a bucket's parameters are gathered together,
-    so it also bounds the extra memory a learner rank holds during a sync."""
+    so it also bounds the extra memory a learner rank holds during a sync. A bucket holds at least one whole
+    decoder layer."""
     lora: Literal["merged", "adapter"] = "merged"
     """A LoRA policy (policy.model.lora.rank > 0) reaches the engines as merged weights (the adapters folded into
     the base weights: the engines serve a plain model, the sync moves the whole model) or as the adapter alone

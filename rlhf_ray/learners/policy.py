@@ -22,6 +22,7 @@ from rlhf_ray.learners.pretrain_mix import PretrainMix
 from rlhf_ray.models.loading import load_causal_lm
 from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
 from rlhf_ray.models.weight_buckets import pack
+from rlhf_ray.models.weight_handoff import HandoffPart, HandoffSender, ParameterFile
 
 EMA_FILE = "ema.pt"
 GATHER_BYTES = 2**28
@@ -40,6 +41,8 @@ class PolicyLearner(PPOLearnerRank):
         self.ema_beta, self.ema = ema_beta, None
         self.ptx_coef = ptx_coef
         self.mix = PretrainMix(pretrain_data, train_batch_size, self.seed, pad_token_id) if pretrain_data else None
+        self.handoff: HandoffSender | None = None  # rank 0, transport ipc: see handoff_weights
+        self._handoff_parts = None  # the sync in progress
 
     def build_model(self) -> torch.nn.Module:
         return load_causal_lm(self.model_spec)
@@ -182,3 +185,25 @@ class PolicyLearner(PPOLearnerRank):
                 refs.append(ray.put(bucket))
                 total += bucket.nbytes
         return {"refs": refs, "bytes": total, "seconds": time.perf_counter() - start} if self.rank == 0 else None
+
+    def handoff_weights(self, bucket_bytes: int, adapters_only: bool = False) -> HandoffPart | None:
+        """The next bucket of a colocated handoff (transport ipc) on rank 0, None on the others; None on every rank
+        once the last was taken (the next call starts a new sync). Every rank calls it (under ZeRO-3 each bucket is
+        gathered together). Where the optimizer updates the parameters in place (ZeRO-0, fp32, no LoRA, on CPU),
+        rank 0 keeps them in shared memory from the first sync on and hands the whole model over in place."""
+        if self._handoff_parts is None:
+            in_place = self._parameters_stay_in_place()
+            if self.rank == 0 and self.handoff is None:
+                self.handoff = HandoffSender(ParameterFile(self.deepspeed.module) if in_place else None)
+            groups = self.engine_weight_groups(2**62 if in_place else bucket_bytes, adapters_only)
+            self._handoff_parts = self.handoff.parts(groups) if self.rank == 0 else (None for _ in groups)
+        part = next(self._handoff_parts, StopIteration)
+        if part is StopIteration:
+            self._handoff_parts = None
+            return None
+        return part if self.rank == 0 else None
+
+    def _parameters_stay_in_place(self) -> bool:
+        e = self.deepspeed
+        return (e.device.type == "cpu" and e.zero_optimization_stage() == 0 and not self.model_spec.lora.enabled
+                and not (e.fp16_enabled() or e.bfloat16_enabled()))

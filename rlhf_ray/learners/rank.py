@@ -21,7 +21,7 @@ from rlhf_ray.distributed import RendezvousHost, init_process_group
 from rlhf_ray.learners.deepspeed_setup import apply_lora, build_deepspeed
 from rlhf_ray.models.lora_weights import adapter_file_name, is_adapter
 from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
-from rlhf_ray.models.weight_buckets import group_by_size
+from rlhf_ray.models.weight_buckets import group_by_size, whole_layers
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +153,10 @@ class LearnerRank(RendezvousHost):
     # ---- export ------------------------------------------------------------------------------------------
     def gathered_groups(self, bucket_bytes: int, copy: bool = True,
                         only: Callable[[str], bool] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Full weights on rank 0 in groups of about `bucket_bytes`, in the module's order (empty lists on the other
-        ranks, which must iterate along: under ZeRO-3 each group is gathered by every rank together). Only one
-        group is ever materialised at a time, so no rank holds more than a bucket beyond its own shard. With
+        """Full weights on rank 0 in groups of about `bucket_bytes` that never split a decoder layer, in the module's
+        order (empty lists on the other ranks, which must iterate along: under ZeRO-3 each group is gathered by
+        every rank together). Only one group is ever materialised at a time, so no rank holds more than a bucket
+        beyond its own shard. With
         copy=False rank 0 gets the live parameters, valid only until it asks for the next group. `only` keeps the
         parameters whose names it accepts (and then no buffers)."""
         import deepspeed
@@ -168,7 +169,7 @@ class LearnerRank(RendezvousHost):
             numel = p.ds_numel if zero3 and hasattr(p, "ds_numel") else p.numel()
             return numel * p.element_size()
 
-        parts = lora_units(list(params))  # a LoRA layer's weight and adapters stay in one group (they fold together)
+        parts = whole_layers(lora_units(list(params)))  # a layer's tensors stay in one group (LoRA: they fold)
         for unit_groups in group_by_size(((i, sum(nbytes(params[n]) for n in unit)) for i, unit in enumerate(parts)),
                                          bucket_bytes):
             names = [n for i in unit_groups for n in parts[i]]
@@ -181,11 +182,10 @@ class LearnerRank(RendezvousHost):
                     yield [(n, p.detach().cpu().clone()) for n, p in zip(names, group)]
                 else:
                     yield [(n, p.detach()) for n, p in zip(names, group)]
-        if self.rank == 0 and only is None:
+        if only is None:
             persistent = set(module.state_dict().keys())  # rotary caches and the like are rebuilt, not saved
-            buffers = [(n, b.detach().cpu().clone()) for n, b in module.named_buffers() if n in persistent]
-            if buffers:
-                yield buffers
+            if buffers := [(n, b) for n, b in module.named_buffers() if n in persistent]:
+                yield [(n, b.detach().cpu().clone()) for n, b in buffers] if self.rank == 0 else []
 
     def engine_weight_groups(self, bucket_bytes: int, adapters_only: bool = False
                              ) -> Iterator[list[tuple[str, torch.Tensor]]]:

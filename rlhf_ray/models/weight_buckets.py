@@ -98,3 +98,15 @@ def layer_of(name: str) -> str:
         if part.isdigit():
             return ".".join(parts[: i + 1])
     return name
+
+
+def whole_layers(units: list[list[str]]) -> list[list[str]]:
+    """Consecutive units (lists of names) of one decoder layer merged: a bucket never splits a layer, so an engine
+    can reload each bucket on its own (vLLM reloads a layer once all of its tensors came, within one call)."""
+    merged: list[list[str]] = []
+    for unit in units:
+        if merged and layer_of(merged[-1][0]) == layer_of(unit[0]) != unit[0]:
+            merged[-1] = merged[-1] + unit
+        else:
+            merged.append(list(unit))
+    return merged

@@ -1,6 +1,7 @@
 """New policy weights to every generation engine, and the policy version they carry. The transport is chosen once,
-when the run starts: buckets through Ray's object store, or a broadcast over a process group of policy rank 0 and
-the engines (NCCL between GPUs, gloo on CPU)."""
+when the run starts: the engines read the weights in policy rank 0's memory where they sit with it (ipc: shared
+memory on a node's CPUs, CUDA IPC on one GPU), a broadcast over a process group of policy rank 0 and the engines
+(collective: NCCL between GPUs, gloo on CPU), or buckets through Ray's object store."""
 
 from __future__ import annotations
 
@@ -39,26 +40,29 @@ class SyncResult:
     """The slowest engine's own loading time."""
 
 
-def weight_transport(job: PPOJob) -> str:
-    """auto: the collective transport when policy and engines have GPUs (NCCL), the object store otherwise."""
-    chosen = job.generation.weight_sync.transport
-    if chosen == "auto":
-        gpus = job.policy.placement.num_gpus > 0 and job.generation.placement.num_gpus > 0
-        chosen = "collective" if gpus else "object_store"
-    return chosen
-
-
-def collective_or_object_store(requested: str, shared: list[str]) -> str:
-    """The transport once the weight-sync process group's GPUs are known: NCCL cannot put two ranks on one device, so
-    where members share a GPU (`shared`, from gpus_shared) `auto` falls back to the object store and an explicit
-    `collective` is refused naming them."""
-    if not shared:
-        return "collective"
-    if requested == "collective":
+def choose_transport(requested: str, members: dict[str, tuple[str, list]]) -> str:
+    """The transport, once the members' places are known. `members`: policy rank 0 first, then every engine: name
+    -> (node id, the GPU ids Ray gave it). auto: ipc when every engine sits with rank 0 (the same node, on CPU; the
+    same GPU, where they have GPUs), else collective when every member has a GPU of its own (NCCL cannot put two
+    ranks on one device), else the object store. An explicit choice that cannot work here is refused, naming why."""
+    (learner, (node, gpus)), *engines = members.items()
+    apart = [name for name, (n, g) in engines if n != node or sorted(map(str, g)) != sorted(map(str, gpus))]
+    shared = gpus_shared(members)
+    if requested == "ipc" and apart:
+        place = f"GPU {gpus}" if gpus else "node"
+        raise ValueError(f"generation.weight_sync.transport: ipc needs every engine on the {place} of {learner}, "
+                         f"but {', '.join(apart)} {'is' if len(apart) == 1 else 'are'} elsewhere. Use transport: auto "
+                         "or place the engines with the policy (placement.colocate_with: policy)")
+    if requested == "collective" and shared:
         raise ValueError(f"generation.weight_sync.transport: collective needs policy rank 0 and every engine on a "
                          f"GPU of its own (NCCL cannot put two ranks on one device), but {'; '.join(shared)}. Use "
-                         "transport: auto (the object store here) or whole GPUs (placement.num_gpus: 1)")
-    log.info("weight sync: object store (%s; NCCL needs a GPU per member)", "; ".join(shared))
+                         "transport: auto (ipc or the object store here) or whole GPUs (placement.num_gpus: 1)")
+    if requested != "auto":
+        return requested
+    if not apart:
+        return "ipc"
+    if gpus and all(g for _, (_, g) in engines) and not shared:
+        return "collective"
     return "object_store"
 
 
@@ -72,12 +76,14 @@ class WeightSync:
         self.job, self.workers, self.version = job, workers, version
         spec = job.generation.weight_sync
         self.bucket_bytes, self.adapters_only = int(spec.bucket_mb * 2**20), spec.lora == "adapter"
-        self.transport = weight_transport(job)
-        if self.transport == "collective":
-            self.transport = collective_or_object_store(spec.transport, self._gpus_shared())
+        self.transport = choose_transport(spec.transport, self._places())
+        log.info("weight sync: %s", self.transport)
+        self.behind: set[int] | None = None  # ipc: engines replaced during a handoff, given the weights after it
         if self.transport == "collective":
             self._form_broadcast()
             workers.pool.on_replaced = self._rejoin
+        elif self.transport == "ipc":
+            workers.pool.on_replaced = self._hand_off_again
 
     def sync(self, bump: bool = True) -> SyncResult:
         """Policy weights -> every engine, bucket by bucket; the policy version goes up by one (unless `bump` is
@@ -85,6 +91,8 @@ class WeightSync:
         start = time.perf_counter()
         self.version += int(bump)
         policy, pool = self.workers.policy, self.workers.pool
+        if self.transport == "ipc":
+            return self._hand_off(start)
         if self.transport == "collective":
             learner = policy.submit("broadcast_weights", self.bucket_bytes, self.adapters_only)
             engines = pool.receive(self.version)
@@ -120,13 +128,44 @@ class WeightSync:
         policy.gather(learner, "join_weight_sync")
         pool.group.gather(engines, "join_weight_sync")
 
-    def _gpus_shared(self) -> list[str]:
-        """Members of the weight-sync process group (policy rank 0, every engine) on the same GPU as another."""
+    def _hand_off(self, start: float, ranks: list[int] | None = None) -> SyncResult:
+        """ipc: bucket by bucket, policy rank 0 gives where the weights lie in its memory and every engine (or
+        those of `ranks`) loads them from there; the next bucket is asked for once all have. An engine replaced
+        meanwhile is given every bucket once the others have them."""
+        policy, pool = self.workers.policy, self.workers.pool
+        learner_seconds = engine_seconds = 0.0
+        nbytes = 0
+        self.behind = set()
+        while True:
+            asked = time.perf_counter()
+            part = policy.call("handoff_weights", self.bucket_bytes, self.adapters_only)[0]
+            learner_seconds += time.perf_counter() - asked
+            if part is None:
+                break
+            nbytes += part.nbytes
+            loaded = pool.take(part, self.version, ranks)
+            engine_seconds += max(r["seconds"] for r in loaded)
+        behind, self.behind = sorted(self.behind), None
+        if behind:
+            self._hand_off(time.perf_counter(), behind)
+        seconds = time.perf_counter() - start
+        return SyncResult(self.version, float(nbytes), seconds, learner_seconds, learner_seconds,
+                          seconds - learner_seconds, engine_seconds)
+
+    def _hand_off_again(self, rank: int) -> None:
+        """ipc: a replacement engine gets the current weights (after the handoff in progress, if there is one)."""
+        if self.behind is not None:
+            self.behind.add(rank)
+        elif self.version:
+            self._hand_off(time.perf_counter(), [rank])
+
+    def _places(self) -> dict[str, tuple[str, list]]:
+        """Policy rank 0 and every engine: name -> (node id, GPU ids)."""
         policy, pool = self.workers.policy, self.workers.pool
         members = [(policy.names[0], policy.actors[0])] + list(zip(pool.group.names, pool.group.actors))
         found = gather([actor.__ray_call__.remote(_node_and_gpus) for _, actor in members], [n for n, _ in members],
                        self.job.cluster.call_timeout_s, "GPU ids")
-        return gpus_shared(dict(zip([n for n, _ in members], found)))
+        return dict(zip([n for n, _ in members], found))
 
     def _rejoin(self, rank: int) -> None:
         """Collective transport: a replacement engine joins a new group with everyone, then all get the weights."""

@@ -1,0 +1,94 @@
+"""The colocated weight handoff on CPU (models/weight_handoff.py): a learner's parameters moved into shared memory
+keep training in place and another process reads them there, with no copy on the learner's side; tensors that
+are elsewhere are copied into a file that goes with their bucket; files of dead learners are swept. (The whole
+path, learner to engines in a PPO job, is checked in test_ppo_job.py and on a GPU in tests/gpu.)"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+
+import torch
+
+from rlhf_ray.models.weight_buckets import whole_layers
+from rlhf_ray.models.weight_handoff import PREFIX, HandoffSender, ParameterFile, received, remove_stale_files
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(11, 6)
+        self.layer = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied: one tensor, one name
+        self.register_buffer("scale", torch.tensor([2.0]))
+
+    def forward(self, ids):
+        return self.head(self.layer(self.embed(ids)) * self.scale)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    loss = model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_parameters_train_in_shared_memory_and_another_process_reads_them_in_place(tmp_path):
+    model = Tiny()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    train_step(model, optimizer)  # optimizer state exists before the move, as in a learner after its first update
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = ParameterFile(model)
+    try:
+        assert model.head.weight is model.embed.weight
+        assert all(torch.equal(before[n], p) and params.locate(p) is not None for n, p in model.named_parameters())
+        train_step(model, optimizer)  # the optimizer updates the views: the file changes
+        sender = HandoffSender(params)
+        groups = [list(model.named_parameters()), [("scale", model.scale.clone())]]
+        parts = sender.parts(groups)
+        first = next(parts)
+        assert first.copied == 0 and [f.path for f in first.files] == [params.path]
+        assert first.nbytes == sum(p.numel() * 4 for p in model.parameters())
+        script = ("import pickle, sys, torch\n"
+                  "from rlhf_ray.models.weight_handoff import received\n"
+                  "part = pickle.loads(sys.stdin.buffer.read())\n"
+                  "sys.stdout.buffer.write(pickle.dumps({n: t.clone() for n, t in received(part)}))\n")
+        out = subprocess.run([sys.executable, "-c", script], input=pickle.dumps(first), capture_output=True,
+                             check=True, cwd=os.getcwd()).stdout
+        read = pickle.loads(out)
+        live = dict(model.named_parameters())
+        assert set(read) == set(live) and all(torch.equal(read[n], live[n].detach()) for n in read)
+        assert not all(torch.equal(read[n], before[n]) for n in read)  # the step's values, not the old ones
+        second = next(parts)  # a buffer is not in the file: copied into a file of its own
+        assert second.copied > 0 and second.files[0].path != params.path
+        assert [(n, t.tolist()) for n, t in received(second)] == [("scale", [2.0])]
+        assert next(parts, None) is None
+        assert not os.path.exists(second.files[0].path)  # gone with its bucket
+    finally:
+        params.close()
+    assert not os.path.exists(params.path)
+    train_step(model, optimizer)  # the mapping outlives the file name: the learner trains on
+
+
+def test_files_of_dead_writers_are_swept_and_those_of_live_ones_kept(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    stale, live, other = (tmp_path / f"{PREFIX}{dead}-params-x", tmp_path / f"{PREFIX}{os.getpid()}-params-y",
+                          tmp_path / "unrelated")
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    remove_stale_files([str(tmp_path)])
+    assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_buckets_never_split_a_decoder_layer():
+    units = [["model.embed_tokens.weight"], ["model.layers.0.q.weight"], ["model.layers.0.k.weight"],
+             ["model.layers.1.q.base_layer.weight", "model.layers.1.q.lora_A.weight"], ["model.layers.1.k.weight"],
+             ["model.norm.weight"], ["lm_head.weight"]]
+    assert whole_layers(units) == [["model.embed_tokens.weight"], ["model.layers.0.q.weight", "model.layers.0.k.weight"],
+                                   ["model.layers.1.q.base_layer.weight", "model.layers.1.q.lora_A.weight",
+                                    "model.layers.1.k.weight"], ["model.norm.weight"], ["lm_head.weight"]]
