@@ -92,3 +92,49 @@ def test_buckets_never_split_a_decoder_layer():
     assert whole_layers(units) == [["model.embed_tokens.weight"], ["model.layers.0.q.weight", "model.layers.0.k.weight"],
                                    ["model.layers.1.q.base_layer.weight", "model.layers.1.q.lora_A.weight",
                                     "model.layers.1.k.weight"], ["model.norm.weight"], ["lm_head.weight"]]
+
+
+def test_an_engine_replaced_during_a_handoff_gets_every_bucket_after_the_others():
+    """WeightSync's ipc path with stand-ins for the actor groups (the real path runs in test_ppo_job.py): the
+    replacement takes the whole model once the handoff in progress is over; one replaced between syncs gets it
+    at once."""
+    from rlhf_ray.jobs.ppo.weight_sync import WeightSync
+    from rlhf_ray.models.weight_handoff import HandoffPart
+
+    class Policy:
+        def __init__(self):
+            self.parts = None
+
+        def call(self, method, bucket_bytes, adapters_only):
+            assert method == "handoff_weights"
+            if self.parts is None:
+                self.parts = iter([HandoffPart(nbytes=3), HandoffPart(nbytes=5)])
+            part = next(self.parts, None)
+            if part is None:
+                self.parts = None
+            return [part]
+
+    class Pool:
+        def __init__(self):
+            self.taken, self.on_replaced, self.calls = [], None, 0
+
+        def take(self, part, version, ranks=None):
+            self.taken.append((part.nbytes, version, ranks))
+            self.calls += 1
+            if self.calls == 1:
+                self.on_replaced(1)  # what resilient_gather does when engine 1 dies during `take_weights`
+            return [{"seconds": 0.0}]
+
+    class Workers:
+        policy, pool = Policy(), Pool()
+
+    weights = object.__new__(WeightSync)
+    weights.workers, weights.version, weights.transport, weights.behind = Workers(), 0, "ipc", None
+    weights.bucket_bytes, weights.adapters_only = 2**20, False
+    Workers.pool.on_replaced = weights._hand_off_again
+    result = weights.sync()
+    assert Workers.pool.taken == [(3, 1, None), (5, 1, None), (3, 1, [1]), (5, 1, [1])]
+    assert result.version == 1 and result.bytes == 8
+    Workers.pool.taken.clear()
+    weights._hand_off_again(0)  # replaced while generating: brought to version 1 at once
+    assert Workers.pool.taken == [(3, 1, [0]), (5, 1, [0])]

@@ -5,8 +5,9 @@ and skips them all; run them whenever a GPU is lent, and write the results in do
     python benchmarks/bench_memory_model.py --device gpu     # memory model: predicted against the CUDA allocator
 
 - PPO with every role on one GPU (fractional bundles) and vLLM engines: after each weight sync the engines decode
-  exactly like the learner; the weights travel through the object store, since NCCL cannot join two processes on
-  one GPU (the transport `auto` picks that by itself).
+  exactly like the learner; the weights are handed over by CUDA IPC (the transport `auto` picks ipc where the
+  policy and the engines share the GPU: NCCL cannot join two processes on one device).
+- The CUDA IPC handoff itself between two processes on one GPU: every byte arrives (models/weight_handoff.py).
 - NCCL weight sync between a policy and engines on GPUs of their own (two GPUs or more).
 - A tensor-parallel engine (tensor_parallel_size 2) receiving updates (two GPUs or more).
 - vLLM sleep / wake (`vllm.sleep_when_idle`): engines free their GPU memory while the learners train on the same
@@ -36,7 +37,43 @@ ONE_GPU = ["policy.placement.num_gpus=0.2", "critic.placement.num_gpus=0.2", "ge
 def test_every_role_on_one_gpu_engines_decode_like_the_learner(tmp_path, sft_model, rm_model):
     run = engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *ONE_GPU,
                                           "generation.weight_sync.transport=auto")
-    assert run["transport"] == "object_store"  # auto saw the policy and the engine share the GPU
+    assert run["transport"] == "ipc"  # auto saw the policy and the engine share the GPU
+
+
+def _receive_on_the_same_gpu(parts, results) -> None:
+    """Another process: open each handed-over bucket, copy it into memory of its own, report checksums."""
+    from rlhf_ray.models.weight_handoff import received
+
+    torch.cuda.set_device(0)
+    while (part := parts.get()) is not None:
+        sums = {name: float(t.double().sum()) for name, t in received(part)}
+        torch.cuda.synchronize()
+        results.put(sums)
+
+
+def test_cuda_ipc_handoff_between_two_processes_on_one_gpu():
+    import torch.multiprocessing as mp
+
+    from rlhf_ray.models.weight_handoff import HandoffSender
+
+    torch.manual_seed(0)
+    weights = [(f"model.layers.{i}.w", torch.randn(1024, 1024, device="cuda", dtype=torch.float16)) for i in range(8)]
+    ctx = mp.get_context("spawn")
+    parts, results = ctx.Queue(), ctx.Queue()
+    receiver = ctx.Process(target=_receive_on_the_same_gpu, args=(parts, results))
+    receiver.start()
+    try:
+        got = {}
+        for part in HandoffSender().parts([weights[:4], weights[4:]]):
+            assert part.cuda and not part.files and part.nbytes == 4 * 1024 * 1024 * 2
+            parts.put(part)
+            got.update(results.get(timeout=120))  # the bucket stays alive until the receiver has copied it
+        parts.put(None)
+        assert got == {name: float(t.double().sum()) for name, t in weights}
+    finally:
+        receiver.join(timeout=60)
+        if receiver.is_alive():
+            receiver.kill()
 
 
 @pytest.mark.skipif(GPUS < 2, reason="NCCL needs the policy and the engine on GPUs of their own: two GPUs")
@@ -65,4 +102,4 @@ def test_every_role_on_one_gpu_with_the_hf_engine(tmp_path, sft_model, rm_model)
     hf = [o for o in ONE_GPU if not o.startswith("generation.vllm") and o != "generation.engine=vllm"]
     run = engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *hf, "generation.engine=hf",
                                           "generation.weight_sync.transport=auto")
-    assert run["transport"] == "object_store"
+    assert run["transport"] == "ipc"
