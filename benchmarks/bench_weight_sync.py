@@ -59,9 +59,9 @@ def render(results: dict, memcpy: float, args) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'vllm')}. Date: {today()}.", "",
              f"Command: `python benchmarks/bench_weight_sync.py --iterations {args.iterations} --write "
-             "docs/benchmarks.md`: configs/recipes/smollm2-grpo.yaml as written (ZeRO-0, fp32, one vLLM engine, "
-             "2 cores) with each transport in turn, no evaluation; medians of the iterations after the first. "
-             "`memcpy` is one copy of the same bytes in one process (best of 5).", "",
+             "docs/benchmarks.md`: configs/recipes/smollm2-grpo.yaml as written (ZeRO-0, fp32, one engine, 2 "
+             "cores) with the engine and transport of each row, no evaluation; medians of the iterations after the "
+             "first. `memcpy` is one copy of the same bytes into new memory in one process (a clone, best of 5).", "",
              "| engine | transport | MB | sync s | learner s | engine s | sync / memcpy | iteration s |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     for (engine, transport), r in results.items():
@@ -77,7 +77,9 @@ def render(results: dict, memcpy: float, args) -> str:
               "for the buckets) and the engine's load (`engine s`) is the whole sync. The HF engine's load is one "
               "`copy_` per tensor; vLLM's is its layerwise reload (`reload_weights`: each layer's weights are "
               "gathered, loaded by the model's weight loaders and processed again for its CPU kernels), which "
-              "costs the same whichever transport brought the bytes."]
+              "costs the same whichever transport brought the bytes. What would close the vLLM gap: updates in vLLM's "
+              "kernel format (`reload_weights(is_checkpoint_format=False)` copies each tensor straight into its "
+              "parameter, but needs the learner to send fused q/k/v and gate/up tensors in the engine's layout)."]
     return "\n".join(lines) + "\n"
 
 
