@@ -150,12 +150,25 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 
 @pytest.mark.system
 @pytest.mark.usefixtures("shared_ray")
-def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_truth(tmp_path):
+def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_truth(tmp_path, caplog):
     """CI's two-iteration run of configs/recipes/smollm2-grpo.yaml (the packaged model, demo/word-problems through
     the chat template, the last-number checker as reward): every rollout sample logged to samples.jsonl carries the
     `answer` column of the problem in its prompt, its reward is the checker's verdict against that truth, and the
-    iteration's mean reward is the mean of those verdicts. Dropping the column anywhere on the way fails here."""
+    iteration's mean reward is the mean of those verdicts. Dropping the column anywhere on the way fails here.
+    Its weights reach the vLLM engine by ipc from the policy's parameters in shared memory (ZeRO-0, fp32), and the
+    run leaves no file behind there."""
     import json
+    import logging
+    import tempfile
+    from pathlib import Path
+
+    from rlhf_ray.models.weight_handoff import PREFIX
+
+    def handoff_files() -> set:
+        return {p for d in {"/dev/shm", tempfile.gettempdir()} for p in Path(d).glob(PREFIX + "*")}
+
+    before = handoff_files()
+    caplog.set_level(logging.INFO, logger="rlhf_ray.jobs.ppo.weight_sync")
 
     from rlhf_ray.config.data import DatasetSpec
     from rlhf_ray.data.answers import last_number_reward
@@ -168,6 +181,7 @@ def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_tru
                     "logging.progress=false", "cluster.dashboard=false", "checkpoint.every_steps=0"])
     summary = run_ppo(job)
     assert summary["iterations"] == 2 and summary["task_accuracy_before"] is not None
+    assert "weight sync: ipc" in caplog.text and not handoff_files() - before
 
     truth_of = {s.prompt.removeprefix(" Human: ").removesuffix(" Assistant:"): s.columns["answer"]
                 for s in load_raw(DatasetSpec(name="demo/word-problems")).train}

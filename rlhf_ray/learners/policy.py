@@ -203,6 +203,11 @@ class PolicyLearner(PPOLearnerRank):
             return None
         return part if self.rank == 0 else None
 
+    def release_shared_memory(self) -> None:
+        """Remove the handoff's file of parameters (at the end of a run; its mapping lives on with the process)."""
+        if self.handoff is not None:
+            self.handoff.close()
+
     def _parameters_stay_in_place(self) -> bool:
         e = self.deepspeed
         return (e.device.type == "cpu" and e.zero_optimization_stage() == 0 and not self.model_spec.lora.enabled

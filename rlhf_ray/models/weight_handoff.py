@@ -13,6 +13,7 @@ more than one bucket beyond the model."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import mmap
 import os
@@ -94,6 +95,7 @@ class ParameterFile:
             self.buffer = mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_WRITE)  # shared with every mapper
         finally:
             os.close(fd)
+        atexit.register(self.close)
         self.flat = torch.frombuffer(self.buffer, dtype=torch.uint8)
         with torch.no_grad():
             for (_, p), offset in zip(params, offsets):

@@ -5,6 +5,7 @@ driver passes references, the tensors move from actor to actor in the object sto
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -177,7 +178,11 @@ class RoleWorkers:
     def kill(self) -> None:
         """Kill every actor of the run. Before its placement groups go: an actor killed by the removal of its group
         keeps holding its name, so a restarted run could not take it again; the experience and buffer actors
-        live in no group at all."""
+        live in no group at all. First the policy's file in shared memory (transport ipc) is removed: a killed
+        process cannot remove it (a later learner would, as the file of a dead one)."""
+        if self.policy is not None:
+            with contextlib.suppress(Exception):  # dead or hung: the next learner on the node sweeps the file
+                self.policy.call("release_shared_memory", timeout=10)
         for group in (self.policy, self.critic, self.reference, self.reward, self.assembler, self.buffer,
                       self.pool.group):
             if group is not None:
