@@ -138,3 +138,30 @@ def test_an_engine_replaced_during_a_handoff_gets_every_bucket_after_the_others(
     Workers.pool.taken.clear()
     weights._hand_off_again(0)  # replaced while generating: brought to version 1 at once
     assert Workers.pool.taken == [(3, 1, [0]), (5, 1, [0])]
+
+
+def test_a_lora_adapter_is_handed_over_in_one_part_whatever_the_bucket_size():
+    """vLLM loads an adapter as a whole folder (one write per engine call), so an adapter sync by ipc must not be
+    cut into buckets; full weights are (unless they are handed over in place)."""
+    from rlhf_ray.learners.policy import PolicyLearner
+    from rlhf_ray.models.weight_buckets import group_by_size
+
+    tensors = {f"base_model.model.layers.{i}.q_proj.lora_A.weight": torch.ones(64, 4) for i in range(4)}
+
+    def groups(bucket_bytes, adapters_only):
+        for names in group_by_size(((n, t.numel() * 4) for n, t in tensors.items()), bucket_bytes):
+            yield [(n, tensors[n]) for n in names]
+
+    learner = object.__new__(PolicyLearner)
+    learner.rank, learner.handoff, learner._handoff_parts = 0, HandoffSender(), None
+    learner._parameters_stay_in_place = lambda: False
+    learner.engine_weight_groups = groups
+
+    def parts(adapters_only: bool) -> int:
+        count = 0
+        while learner.handoff_weights(1024, adapters_only) is not None:
+            count += 1
+        return count
+
+    assert parts(adapters_only=True) == 1
+    assert parts(adapters_only=False) == 4

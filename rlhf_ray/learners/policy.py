@@ -195,7 +195,8 @@ class PolicyLearner(PPOLearnerRank):
             in_place = self._parameters_stay_in_place()
             if self.rank == 0 and self.handoff is None:
                 self.handoff = HandoffSender(ParameterFile(self.deepspeed.module) if in_place else None)
-            groups = self.engine_weight_groups(2**62 if in_place else bucket_bytes, adapters_only)
+            whole = in_place or adapters_only  # one part: offsets in one file; an adapter is loaded as a whole
+            groups = self.engine_weight_groups(2**62 if whole else bucket_bytes, adapters_only)
             self._handoff_parts = self.handoff.parts(groups) if self.rank == 0 else (None for _ in groups)
         part = next(self._handoff_parts, StopIteration)
         if part is StopIteration:
