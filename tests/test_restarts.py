@@ -141,3 +141,25 @@ def test_a_fresh_run_keeps_its_own_checkpoints_before_an_earlier_runs_later_ones
     fresh.commit(fresh.staging(3), 3, {})
     assert [p.name for p in fresh.complete()] == ["step-00000002", "step-00000003"]
     assert fresh.resumable(resume=False).name == "step-00000003"
+
+
+def test_weights_lost_with_the_policy_node_during_a_sync_end_the_attempt_as_that_ranks_death(tmp_path):
+    """Object-store sync: the node of policy rank 0 dies after it published the buckets and before every engine
+    loaded them. The engines' error (the buckets' owner died) names the engine; the attempt must end as the policy
+    rank's death, which restarts the job from its checkpoint (test_multinode.py hit this once in CI: the job
+    stopped on `generation-0 raised in load_weights: OwnerDiedError`)."""
+    from types import SimpleNamespace
+
+    from rlhf_ray.jobs.ppo.weight_sync import WeightSync
+
+    class Pool:
+        def broadcast(self, refs, version):
+            raise lost_with_node()
+
+    policy = SimpleNamespace(names=["policy-0"], call=lambda method, *a: [{"refs": [], "bytes": 1, "seconds": 0}])
+    weights = object.__new__(WeightSync)
+    weights.workers = SimpleNamespace(policy=policy, pool=Pool())
+    weights.version, weights.transport, weights.bucket_bytes, weights.adapters_only = 0, "object_store", 2**20, False
+    with pytest.raises(LearnerRankDied, match="policy-0 died.*publish_weights"):
+        with learner_deaths_explained(Checkpoints(tmp_path, keep_last=1), ("policy", "critic")):
+            weights.sync()

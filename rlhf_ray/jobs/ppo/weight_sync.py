@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import ray
 
-from rlhf_ray.actors.group import gather
+from rlhf_ray.actors.group import ActorDiedError, gather, results_lost
 from rlhf_ray.buffer.replay_buffer import Minibatches
 from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
@@ -104,7 +104,14 @@ class WeightSync:
             return SyncResult(self.version, float(sent["bytes"]), seconds, seconds, sent["seconds"], seconds, 0.0)
         published = policy.call("publish_weights", self.bucket_bytes, self.adapters_only)[0]
         gathered = time.perf_counter()
-        loaded = pool.broadcast(published["refs"], self.version)
+        try:
+            loaded = pool.broadcast(published["refs"], self.version)
+        except Exception as err:
+            if results_lost(err):  # the buckets went with their owner, policy rank 0 (its node died meanwhile)
+                raise ActorDiedError(f"{policy.names[0]} died during `publish_weights`: the engines could not "
+                                     f"read the weights it had published ({err.cause})", policy.names[0],
+                                     "publish_weights") from err
+            raise
         return SyncResult(self.version, float(published["bytes"]), time.perf_counter() - start, gathered - start,
                           published["seconds"], loaded["seconds"], loaded["engine_seconds"])
 
