@@ -420,3 +420,14 @@ def test_a_prompt_template_is_a_format_string_and_one_way_of_wrapping(write_yaml
     assert "data.datasets.0.prompt_template" in problem and "using only {prompt}" in problem and "job.yaml:14" in problem
     (problem,) = problems_of(write_yaml(base + "      chat_template: true\n      prompt_template: \"Q: {prompt}\"\n"))
     assert "data.datasets.0.prompt_template" in problem and "drop one of the two" in problem
+
+
+def test_a_token_budget_that_cannot_hold_the_longest_row_is_refused_at_its_line(write_yaml):
+    path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n",
+                                  "critic:\n  micro_batch_size: 4\n  max_tokens_per_micro_batch: 300\n"))
+    (problem,) = problems_of(path, ["data.max_prompt_len=256", "generation.sampling.max_new_tokens=64"])
+    assert "critic.max_tokens_per_micro_batch" in problem and "= 320; set at least 320" in problem
+    assert "job.yaml:7:" in problem
+    job = load_job(path, ["data.max_prompt_len=200", "generation.sampling.max_new_tokens=64",
+                          "reference.max_tokens_per_micro_batch=264"])
+    assert (job.critic.max_tokens_per_micro_batch, job.reference.max_tokens_per_micro_batch) == (300, 264)

@@ -163,13 +163,18 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
 # (the hf engine with a ZeRO-2 policy, the defaults, is the first leg of every family's end-to-end test in
 # test_model_families.py; ipc in place, ZeRO-0 fp32, is test_smollm2.py's; the object store is
 # test_fault_tolerance.py's: the same check, not run again here. ipc here: 64 KiB buckets, each vLLM reloads on its own)
-@pytest.mark.parametrize("engine,zero_stage,transport", [("vllm", 3, "ipc"), ("hf", 3, "collective")])
+# the first also cuts every role's micro-batches by a token budget: the two ZeRO-3 policy ranks then need different
+# numbers of micro-batches, and must still run as many forwards (their gathers are collectives)
+BUDGET = [f"{role}.max_tokens_per_micro_batch=100" for role in ("policy", "critic", "reference", "reward")]
+
+
+@pytest.mark.parametrize("engine,zero_stage,transport,budget", [("vllm", 3, "ipc", BUDGET), ("hf", 3, "collective", [])])
 def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
-                                                                transport):
+                                                                transport, budget):
     sft, rm = stage_models
     run = engines_decode_like_the_learner(tmp_path, sft, rm, f"generation.engine={engine}",
                                           f"generation.weight_sync.transport={transport}",
-                                          f"policy.deepspeed.zero_stage={zero_stage}")
+                                          f"policy.deepspeed.zero_stage={zero_stage}", *budget)
     assert run["transport"] == transport
 
 
@@ -281,7 +286,7 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     preprocess([text], sft, tmp_path / "corpus", max_len=32, workers=1)
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.iterations=4", "ppo.rollout_batch_size=16",
                   "ppo.eval_prompts=8", "policy.micro_batch_size=8", "critic.micro_batch_size=8",
-                  "ppo.ema.enabled=true", "ppo.ema.beta=0.5",
+                  "ppo.ema.enabled=true", "ppo.ema.beta=0.5", "policy.max_tokens_per_micro_batch=120",
                   f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5", "ppo.tis_cap=2.0")
     summary = run_ppo(job)
     assert summary["iterations"] == 4

@@ -13,6 +13,7 @@ from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.actors.sharding import ForwardRole, device
 from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.algorithms.experience import pad_answer_columns, unpack_rollouts
+from rlhf_ray.algorithms.micro_batches import used_columns
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
@@ -33,16 +34,16 @@ class ReferenceWorker(ForwardRole):
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, lo: int, hi: int) -> torch.Tensor:
         answer_len = batch.answer_width
-        parts = []
-        for part in self.micro_batches(lo, hi, len(batch)):
-            micro = batch.select(part or slice(0, 1)).trimmed()
+        out = torch.zeros(hi - lo, answer_len)
+        for part in self.micro_batches(lo, hi, len(batch), batch.attention_mask[lo:hi], batch.action_mask[lo:hi]):
+            micro = batch.select(part if part is not None else [0]).trimmed()
             seq, mask, action = (t.to(device()) for t in (micro.sequences, micro.attention_mask, micro.action_mask))
             logp, _ = answer_logprobs_and_entropy(self.forward, self.model, seq, mask, action.shape[1],
                                                   self.temperature, share_prompts=not self.sharded,
                                                   chunked=not self.sharded, with_entropy=False)
             if part is not None:
-                parts.append(pad_answer_columns((logp * action).cpu(), answer_len))
-        return torch.cat(parts) if parts else torch.zeros(0, answer_len)
+                out[torch.as_tensor(part - lo)] = pad_answer_columns((logp * action).cpu().float(), answer_len)
+        return out
 
 
 class RewardWorker(ForwardRole):
@@ -88,16 +89,18 @@ class RewardWorker(ForwardRole):
             seq, mask = self.retokenize(batch, lo, hi)
         else:
             seq, mask = batch.sequences[lo:hi], batch.attention_mask[lo:hi]
-        parts = []
-        for part in self.micro_batches(lo, hi, len(batch)):
+        out = torch.zeros(hi - lo)
+        # lengths for the token budget: the retokenised rows are right-padded (all "answer"); the batch's are its layout
+        answers = mask if self.bridge is not None else mask[:, mask.shape[1] - batch.answer_width:]
+        for part in self.micro_batches(lo, hi, len(batch), mask, answers):
             if part is None:  # a sharded replica keeping step with the others: one pad token, result dropped
                 token_values(self.model, torch.full((1, 1), self.tokens.pad_id, device=device()),
                              torch.ones(1, 1, dtype=torch.long, device=device()), forward=self.forward)
                 continue
-            rows, rows_mask = seq[part.start - lo: part.stop - lo].to(device()), mask[part.start - lo: part.stop - lo]
-            values = token_values(self.model, rows, rows_mask.to(device()), forward=self.forward)
-            parts.append(end_scores(values, rows_mask.to(device())).cpu())
-        return torch.cat(parts) if parts else torch.zeros(0)
+            rows, rows_mask = used_columns(seq[part - lo], mask[part - lo])
+            values = token_values(self.model, rows.to(device()), rows_mask.to(device()), forward=self.forward)
+            out[torch.as_tensor(part - lo)] = end_scores(values, rows_mask.to(device())).cpu().float()
+        return out
 
     def set_threads(self, n: int) -> int:
         """Score on `n` threads from now on (the held-out evaluation, when the other roles idle, gives it the

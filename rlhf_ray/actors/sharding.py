@@ -13,9 +13,11 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
+from rlhf_ray.algorithms.micro_batches import by_token_budget, row_lengths
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.distributed import RendezvousHost, build_zero3_inference, init_process_group
 
@@ -28,11 +30,12 @@ class ForwardRole(RendezvousHost):
     """What the reference and reward workers share: the model (whole, or this replica's shard), how it is called,
     and the micro-batches of a replica's rows."""
 
-    def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, sharded: bool = False):
+    def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, sharded: bool = False,
+                 max_tokens_per_micro_batch: int | None = None):
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.spec = ModelSpec.model_validate(model)
-        self.micro = micro_batch_size
+        self.micro, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
         self.deepspeed = None
         self.model = None if sharded else self.load_model().to(device()).eval()
 
@@ -60,11 +63,24 @@ class ForwardRole(RendezvousHost):
         return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
                    for p in self.model.parameters())
 
-    def micro_batches(self, lo: int, hi: int, rows: int) -> list[slice | None]:
-        """Slices of rows [lo, hi) of a `rows`-row batch, micro-batch by micro-batch; sharded, padded with None
-        (a forward whose result is dropped) to as many as the largest replica's share needs."""
-        mine = [slice(lo + s.start, lo + s.stop) for s in row_slices(hi - lo, self.micro)]
-        if not self.sharded:
-            return mine
-        most = max(math.ceil((b - a) / self.micro) for a, b in row_bounds(rows, self.world_size))
-        return mine + [None] * (most - len(mine))
+    def micro_batches(self, lo: int, hi: int, rows: int, attention_mask: torch.Tensor, answer_mask: torch.Tensor
+                      ) -> list[np.ndarray | None]:
+        """Row indices (of the batch) of rows [lo, hi) of a `rows`-row batch, micro-batch by micro-batch: every
+        micro_batch_size rows in order, or with a token budget, sorted by length and cut by it (`attention_mask`
+        and `answer_mask`: those rows' [b, P + A] mask and [b, A] answer tokens); sharded, padded with None (a
+        forward whose result is dropped) to as many as the replica that needs most."""
+        if self.max_tokens is None:
+            mine = [np.arange(lo + s.start, lo + s.stop) for s in row_slices(hi - lo, self.micro)]
+            most = max(math.ceil((b - a) / self.micro) for a, b in row_bounds(rows, self.world_size))
+        else:
+            mine = [lo + part for part in by_token_budget(*row_lengths(attention_mask, answer_mask), self.max_tokens)]
+            most = self._most(len(mine)) if self.sharded else len(mine)
+        return mine + [None] * (most - len(mine)) if self.sharded else mine
+
+    def _most(self, count: int) -> int:
+        """The largest micro-batch count of the sharded replicas (a collective)."""
+        import torch.distributed as dist
+
+        tensor = torch.tensor([count], dtype=torch.long, device=device())
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())

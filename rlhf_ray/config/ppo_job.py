@@ -17,7 +17,19 @@ from rlhf_ray.config.ppo import CRITIC_FREE, PPOSpec
 from rlhf_ray.config.jobs import JobBase, check_global_batch
 
 
-class LearnerRoleSpec(StrictModel):
+class TokenBudget(StrictModel):
+    """How a role of PPO cuts its rows into micro-batches, besides its micro_batch_size."""
+
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Cut each replica's rows by tokens instead of rows: the rows are sorted by length and a micro-batch takes
+    rows while rows x (its longest prompt + its longest answer) stays within this budget, so short answers run many
+    to a forward and little of it is padding (the metric `<role>/padding_fraction`). Applies to every forward of
+    the role (and to the PPO epochs of a learner, whose optimizer still steps once per mini-batch); every rank of a
+    ZeRO group runs as many micro-batches as the rank that needs most. Must hold the longest row:
+    data.max_prompt_len + the answer's token limit. None: every micro_batch_size rows in their order."""
+
+
+class LearnerRoleSpec(TokenBudget):
     """A trained role of PPO (policy or critic): a DeepSpeed ZeRO learner group."""
 
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -27,12 +39,11 @@ class LearnerRoleSpec(StrictModel):
     micro_batch_size: int = Field(4, ge=1)
     """Samples per rank per forward/backward in the PPO update. Gradient accumulation follows from
     ppo.train_batch_size / (micro_batch_size x replicas) unless deepspeed.gradient_accumulation_steps is set."""
-
     def accumulation_steps(self, train_batch_size: int) -> int:
         return train_batch_size // (self.micro_batch_size * self.placement.replicas)
 
 
-class InferenceRoleSpec(StrictModel):
+class InferenceRoleSpec(TokenBudget):
     """A forward-only role of PPO (reference model)."""
 
     model: ModelSpec = Field(default_factory=ModelSpec)
@@ -216,6 +227,15 @@ class PPOJob(JobBase):
                                f"an iteration yields ppo.rollout_batch_size ({self.ppo.rollout_batch_size}) x "
                                f"n_samples_per_prompt ({self.generation.sampling.n_samples_per_prompt}) = {samples} "
                                f"samples, which do not split into batches of {train_batch}; use a divisor of {samples}")
+        longest = self.data.max_prompt_len + self.generation.max_answer_tokens
+        for name, role in {"policy": self.policy, "critic": self.critic, "reference": self.reference,
+                           "reward": self.reward}.items():
+            if role is not None and role.max_tokens_per_micro_batch is not None and \
+                    role.max_tokens_per_micro_batch < longest:
+                raise FieldProblem(f"{name}.max_tokens_per_micro_batch",
+                                   f"{role.max_tokens_per_micro_batch} tokens cannot hold the longest row: "
+                                   f"data.max_prompt_len ({self.data.max_prompt_len}) + the answer's limit "
+                                   f"({self.generation.max_answer_tokens}) = {longest}; set at least {longest}")
         for name, role in {"policy": self.policy, "critic": self.critic}.items():
             if role is None:
                 continue

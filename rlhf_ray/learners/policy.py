@@ -110,10 +110,13 @@ class PolicyLearner(PPOLearnerRank):
         if self.mix is None:
             return []
         k = minibatches.meta.rollout_index * len(minibatches.rows) + step
-        parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
+        if self.max_tokens is None:
+            parts = self.mix.micro_batches(k, self.rank, self.world_size, self.micro_batch_size)
+        else:  # PPO micro-batches cut by tokens: as many mix parts, whatever their rows
+            parts = self.mix.split(k, self.rank, self.world_size, micro_batches)
         if len(parts) != micro_batches:
             raise RuntimeError(f"pretraining mix gave {len(parts)} micro-batches for {micro_batches} PPO ones")
-        (tokens,) = self.all_reduce_sum([float(sum(loss_tokens(p["labels"]) for p in parts))])
+        (tokens,) = self.all_reduce_sum([float(sum(loss_tokens(p["labels"]) for p in parts if p is not None))])
 
         def mix_loss(part: dict) -> tuple[torch.Tensor, dict[str, float]]:
             part = {k: v.to(self.deepspeed.device) for k, v in part.items()}
@@ -121,7 +124,7 @@ class PolicyLearner(PPOLearnerRank):
             lm = lm_loss_sum(logits, part["labels"]) / max(tokens, 1.0)
             return self.ptx_coef * lm, {"ptx_loss": lm.item()}
 
-        return [functools.partial(mix_loss, part) for part in parts]
+        return [None if part is None else functools.partial(mix_loss, part) for part in parts]
 
     # ---- EMA ----------------------------------------------------------------------------------------------
     @torch.no_grad()

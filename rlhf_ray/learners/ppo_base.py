@@ -12,6 +12,7 @@ import torch
 from rlhf_ray.algorithms.batch import Experience, RolloutBatch
 from rlhf_ray.algorithms.experience import pad_answer_columns, row_slices
 from rlhf_ray.algorithms.losses import LossAggregation, loss_units
+from rlhf_ray.algorithms.micro_batches import by_token_budget, row_lengths, split_to
 from rlhf_ray.learners.rank import LearnerRank
 
 TokenLoss = Callable[[Experience], tuple[torch.Tensor, dict[str, float]]]
@@ -21,9 +22,10 @@ class PPOLearnerRank(LearnerRank):
     loss_aggregation: LossAggregation = "token_mean"
     """What `token_loss`'s sum is averaged over (algorithms/losses.aggregated_sum): the critic's is token_mean."""
 
-    def __init__(self, *, temperature: float, **kwargs):
+    def __init__(self, *, temperature: float, max_tokens_per_micro_batch: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.temperature = temperature
+        self.max_tokens = max_tokens_per_micro_batch
 
     def rank_slice(self, n: int) -> slice:
         """Contiguous equal chunks: every rank runs the same number of forwards (ZeRO-3 gathers are collective)."""
@@ -37,9 +39,25 @@ class PPOLearnerRank(LearnerRank):
         """`forward` (per-token results of a micro-batch) over this rank's slice of the batch (rank order),
         micro-batch by micro-batch, in eval mode: [rows, A]."""
         self.deepspeed.eval()
-        rows = torch.arange(len(batch))[self.rank_slice(len(batch))]
-        return torch.cat([pad_answer_columns(forward(self.micro_batch(batch, rows[s])).cpu(), batch.answer_width)
-                          for s in row_slices(len(rows), self.micro_batch_size)])
+        rows = np.arange(len(batch))[self.rank_slice(len(batch))]
+        out = None
+        for part in self.micro_rows(batch, rows):
+            values = pad_answer_columns(forward(self.micro_batch(batch, torch.as_tensor(part))).cpu(), batch.answer_width)
+            if out is None:
+                out = values.new_zeros(len(rows), batch.answer_width)
+            out[torch.as_tensor(part - rows[0])] = values
+        return out
+
+    def micro_rows(self, batch: RolloutBatch, rows: np.ndarray) -> list[np.ndarray]:
+        """This rank's `rows` of the batch in micro-batches: every `micro_batch_size` rows in their order, or, with a
+        token budget (`max_tokens_per_micro_batch`), sorted by length and cut by it (algorithms/micro_batches.py),
+        as many micro-batches on every rank."""
+        if self.max_tokens is None:
+            return [rows[s] for s in row_slices(len(rows), self.micro_batch_size)]
+        prompt, answer = row_lengths(batch.attention_mask[rows], batch.action_mask[rows])
+        parts = by_token_budget(prompt, answer, self.max_tokens)
+        (count,) = self.all_reduce_max([len(parts)])
+        return [rows[p] for p in split_to(parts, prompt, answer, int(count))]
 
     def micro_batch(self, batch: RolloutBatch, rows):
         """Rows of the batch (or experience) on this rank's device, without the pad columns all of them share."""
@@ -77,12 +95,14 @@ class PPOLearnerRank(LearnerRank):
             # (models/shared_prompt.py); a mini-batch's gradient is the same sum whatever its rows' order
             rows = np.sort(np.asarray(minibatch))
             mine = rows[self.rank_slice(len(rows))]
-            micro = [mine[s] for s in row_slices(len(mine), self.micro_batch_size)]
+            micro = self.micro_rows(batch, mine)
             mask = batch.action_mask[mine]
             tokens, units = (max(n, 1.0) for n in self.all_reduce_sum(
                 [float(mask.sum()), loss_units(mask, self.loss_aggregation)]))
             extras = self.auxiliary_losses(minibatches, step, len(micro)) or [None] * len(micro)
-            for part, extra in zip(micro, extras):
+            for i, (part, extra) in enumerate(zip(micro, extras)):
+                # the last micro-batch of the mini-batch steps the optimizer, however many there were
+                self.deepspeed.set_gradient_accumulation_boundary(i == len(micro) - 1)
                 micro_batch = self.micro_batch(batch, torch.as_tensor(part))
                 padding = [total + n for total, n in zip(padding, micro_batch.padding())]
                 loss_sum, stats = token_loss(micro_batch)

@@ -39,6 +39,12 @@ class PretrainMix:
         rows = self.rank_rows(k, rank, world_size)
         return [collate_lm(rows[s: s + micro_batch_size], self.pad) for s in range(0, len(rows), micro_batch_size)]
 
+    def split(self, k: int, rank: int, world_size: int, parts: int) -> list[dict | None]:
+        """This rank's share of global batch k in `parts` micro-batches of near-equal rows (None: no row left)."""
+        rows = self.rank_rows(k, rank, world_size)
+        bounds = [len(rows) * i // parts for i in range(parts + 1)]
+        return [collate_lm(rows[a:b], self.pad) if b > a else None for a, b in zip(bounds, bounds[1:])]
+
     def heldout_rows(self, corpus: int) -> list[dict]:
         """One corpus' held-out samples (needs `heldout`)."""
         return self._rows([(corpus, int(i)) for i in self.splits[corpus].heldout_indices()])

@@ -83,10 +83,16 @@ class LearnerRank(RendezvousHost):
 
     # ---- collectives helpers -----------------------------------------------------------------------------
     def all_reduce_sum(self, values: list[float]) -> list[float]:
+        return self._all_reduce(values, "SUM")
+
+    def all_reduce_max(self, values: list[float]) -> list[float]:
+        return self._all_reduce(values, "MAX")
+
+    def _all_reduce(self, values: list[float], op: str) -> list[float]:
         import torch.distributed as dist
 
         tensor = torch.tensor(values, dtype=torch.float64, device=self.deepspeed.device)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
         return tensor.tolist()
 
     def optimizer_step(self) -> None:

@@ -77,7 +77,8 @@ def _learner(name: str, spec, deepspeed, replicas: int, micro: int, seq: int, po
 
 def _scorer(name: str, role, seq: int, positions: int, scalar: bool, derived: dict[str, ModelShape]
             ) -> RoleMemory:
-    spec, micro = role.model, role.micro_batch_size
+    spec = role.model
+    micro, seq, positions = _micro_batch(role, seq, positions)
     shape, model = _shape(spec, derived)
     if shape is None:
         return RoleMemory(name, model, None, f"shape of {model} unknown: set {name}.model.size_like")
@@ -117,18 +118,29 @@ def dpo_memory_roles(job, gpu_bytes: int | None, derived: dict[str, ModelShape])
             "reference": _scorer("reference", reference, seq, seq, False, derived)}
 
 
+def _micro_batch(role, seq: int, positions: int) -> tuple[int, int, int]:
+    """(rows, tokens per row, logit positions per row) a learner's micro-batch is sized as. Cut by a token budget,
+    it holds at most the budget's tokens: sized as the full-length rows the budget holds (activations, attention)
+    with logits at up to every budgeted token (short rows: many answers to a forward)."""
+    budget = getattr(role, "max_tokens_per_micro_batch", None)  # a DPO reference has none
+    if budget is None:
+        return role.micro_batch_size, seq, positions
+    rows = max(1, budget // seq)
+    return rows, seq, -(-budget // rows) if positions else 0
+
+
 def ppo_memory_roles(job, gpu_bytes: int | None, derived: dict[str, ModelShape]) -> dict[str, RoleMemory]:
     """PPO: policy, reference, critic, reward and the generation engines."""
     answer = job.generation.max_answer_tokens
     seq = job.data.max_prompt_len + answer
     policy = job.policy
     out = {"policy": _learner("policy", policy.model, policy.deepspeed, policy.placement.replicas,
-                              policy.micro_batch_size, seq, answer + 1, policy.placement.num_gpus > 0, False, derived),
+                              *_micro_batch(policy, seq, answer + 1), policy.placement.num_gpus > 0, False, derived),
            "reference": _scorer("reference", job.reference, seq, answer + 1, False, derived)}
     if job.critic is not None:
         critic = job.critic
         out["critic"] = _learner("critic", critic.model, critic.deepspeed, critic.placement.replicas,
-                                 critic.micro_batch_size, seq, 0, critic.placement.num_gpus > 0, True, derived)
+                                 *_micro_batch(critic, seq, 0), critic.placement.num_gpus > 0, True, derived)
     if job.reward.is_model:
         out["reward"] = _scorer("reward", job.reward, seq, 0, True, derived)
     elif job.reward.http is not None:

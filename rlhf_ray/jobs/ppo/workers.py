@@ -88,8 +88,8 @@ def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
     accumulation = role.accumulation_steps(job.train_batch_size)
     deepspeed = role.deepspeed.model_copy(update={"gradient_accumulation_steps": accumulation})
     return dict(model=role.model.model_dump(), optim=role.optim.model_dump(), deepspeed=deepspeed.model_dump(),
-                micro_batch_size=role.micro_batch_size, seed=job.seed,
-                temperature=job.generation.sampling.temperature)
+                micro_batch_size=role.micro_batch_size, max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
+                seed=job.seed, temperature=job.generation.sampling.temperature)
 
 
 class RoleWorkers:
@@ -121,6 +121,7 @@ class RoleWorkers:
         self.reference = self._inference_group(ReferenceWorker, "reference", job.reference.placement,
                                                slots("reference"), model=job.reference.model.model_dump(),
                                                micro_batch_size=job.reference.micro_batch_size,
+                                               max_tokens_per_micro_batch=job.reference.max_tokens_per_micro_batch,
                                                temperature=job.generation.sampling.temperature,
                                                sharded=job.reference.sharded)
         self.reward = self._reward_group(job, tokenizer, slots("reward"))
@@ -164,6 +165,7 @@ class RoleWorkers:
                      "for it", job.reward.model.tokenizer_path, bridge)
         return self._inference_group(RewardWorker, "reward", job.reward.placement, slot,
                                      model=job.reward.model.model_dump(), micro_batch_size=job.reward.micro_batch_size,
+                                     max_tokens_per_micro_batch=job.reward.max_tokens_per_micro_batch,
                                      tokens=TokenConventions.from_tokenizer(rm_tokenizer, job.reward.model.path),
                                      bridge_from=bridge, sharded=job.reward.sharded)
 
