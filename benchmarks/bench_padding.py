@@ -1,11 +1,13 @@
-"""How much of the policy's and critic's training compute is padding, on the SmolLM2 recipes: the figure issue 38
-asks for before micro-batches are packed by a token budget.
+"""How much of the policy's and critic's training compute is padding on the SmolLM2 recipes, with micro-batches
+cut by rows (every micro_batch_size rows in prompt order) and by a token budget (`max_tokens_per_micro_batch`:
+rows sorted by length), side by side in one run.
 
 Each recipe (configs/recipes/smollm2-grpo.yaml, smollm2-ppo.yaml) runs as a real `rlhf-ray ppo` job in a fresh
-process for a few iterations, without evaluation or checkpoints. `policy/padding_fraction` and
-`critic/padding_fraction` are the share of the tokens of every training forward (each micro-batch trimmed to its
-own longest prompt and answer) that are pads; a forward's cost grows with its tokens, so that share of the
-training time is spent on pads.
+process for a few iterations, without evaluation or checkpoints, once as written and once with every role's
+budget at micro_batch_size x (max_prompt_len + max_new_tokens): the row path's worst case, so the budget bounds
+memory as the rows did. `policy/padding_fraction` and `critic/padding_fraction` are the share of the tokens of
+every training forward (each micro-batch trimmed to its own longest prompt and answer) that are pads; a forward's
+cost grows with its tokens, so that share of the training time is spent on pads.
 
 Run: python benchmarks/bench_padding.py [--iterations N] [--write docs/benchmarks.md]
 """
@@ -20,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, run_job, steady, today, versions, write_section  # noqa: E402
 
@@ -32,6 +36,17 @@ def mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def budget_overrides(config: Path) -> list[str]:
+    """Every role's token budget at its micro_batch_size x the longest row."""
+    spec = yaml.safe_load(config.read_text())
+    longest = spec["data"]["max_prompt_len"] + spec["generation"]["sampling"]["max_new_tokens"]
+    roles = ["policy", "reference"] + (["critic"] if spec.get("critic") else []) + \
+        (["reward"] if "model" in (spec.get("reward") or {}) else [])
+    default = {"policy": 4, "critic": 4, "reference": 8, "reward": 8}
+    return [f"{r}.max_tokens_per_micro_batch={(spec.get(r) or {}).get('micro_batch_size', default[r]) * longest}"
+            for r in roles]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iterations", type=int, default=3)
@@ -40,16 +55,18 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in RECIPES.items():
-            t = time.perf_counter()
-            _, rows = run_job("ppo", config, [f"output_dir={Path(tmp) / name.split()[0]}",
-                                              f"ppo.iterations={args.iterations}", "ppo.eval_prompts=0",
-                                              "checkpoint.every_steps=0"])
-            print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
-            results[name] = {"policy": mean(rows, "policy/padding_fraction"),
-                             "critic": mean(rows, "critic/padding_fraction"),
-                             "train": steady(rows, "compute/train_seconds"),
-                             "iteration": steady(rows, "time/iteration"),
-                             "length": mean(rows, "answer/length")}
+            for cut, extra in (("rows", []), ("token budget", budget_overrides(config))):
+                t = time.perf_counter()
+                _, rows = run_job("ppo", config, [f"output_dir={Path(tmp) / name.split()[0] / cut.split()[0]}",
+                                                  f"ppo.iterations={args.iterations}", "ppo.eval_prompts=0",
+                                                  "checkpoint.every_steps=0", *extra])
+                print(f"{name}, {cut}: {time.perf_counter() - t:.0f} s {extra}", flush=True)
+                results[(name, cut)] = {"policy": mean(rows, "policy/padding_fraction"),
+                                        "critic": mean(rows, "critic/padding_fraction"),
+                                        "train": steady(rows, "compute/train_seconds"),
+                                        "policy_s": steady(rows, "compute/policy_seconds"),
+                                        "iteration": steady(rows, "time/iteration"),
+                                        "length": mean(rows, "answer/length"), "budget": extra}
     text = render(results, args)
     if args.write:
         write_section(args.write, SECTION, text)
@@ -65,21 +82,28 @@ def render(results: dict, args) -> str:
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
              f"Date: {today()}.", "",
              f"Command: `python benchmarks/bench_padding.py --iterations {args.iterations} --write "
-             "docs/benchmarks.md`: each recipe as written (fp32, 2 cores), no evaluation, medians of the iterations "
-             "after the first for the times, means over every iteration for the rest.", "",
-             "| recipe | policy padding | critic padding | mean answer tokens | training s / iteration | "
-             "iteration s |", "|---|---:|---:|---:|---:|---:|"]
-    for name, r in results.items():
-        lines.append(f"| {name} | {pct(r['policy'])} | {pct(r['critic'])} | {r['length']:.1f} | {r['train']:.1f} | "
-                     f"{r['iteration']:.1f} |")
-    worst = max(fraction for r in results.values() for fraction in (r["policy"], r["critic"])
+             "docs/benchmarks.md`: each recipe as written (fp32, 2 cores), no evaluation, once with micro-batches "
+             "by rows and once with every role's `max_tokens_per_micro_batch` at micro_batch_size x the longest "
+             "row (the rows' worst case: the same memory bound); medians of the iterations after the first for the "
+             "times, means over every iteration for the rest. Padding: the share of the training forwards' tokens "
+             "that are pads.", "",
+             "| recipe | micro-batches | policy padding | critic padding | mean answer tokens | "
+             "training s / iteration | iteration s |", "|---|---|---:|---:|---:|---:|---:|"]
+    for (name, cut), r in results.items():
+        lines.append(f"| {name} | {cut} | {pct(r['policy'])} | {pct(r['critic'])} | {r['length']:.1f} | "
+                     f"{r['train']:.1f} | {r['iteration']:.1f} |")
+    budgeted = [r for (_, cut), r in results.items() if cut != "rows"]
+    worst = max(fraction for r in budgeted for fraction in (r["policy"], r["critic"])
                 if not math.isnan(fraction))  # a recipe without a critic has no critic fraction
-    lines += ["", f"Goal (issue 38): padding under 5% of every role's training tokens: {pct(worst)} at worst "
-              f"({'met' if worst < 0.05 else 'missed'}). This is the figure before packing: micro-batches are rows "
-              "in prompt order (a GRPO prompt's answers together, so the prompt's forward is shared), each trimmed "
-              "to its own longest prompt and answer; the pads are the shorter prompts' left padding and the shorter "
-              "answers' right padding. What would close it: micro-batches by a token budget with rows sorted by "
-              "length (issue 38, part 2)."]
+    lines += ["", f"Goal (issue 38): padding under 5% of every role's training tokens with the token budget: "
+              f"{pct(worst)} at worst ({'met' if worst < 0.05 else 'missed'}); and the iteration faster by what "
+              "the padding cost:"]
+    for name in dict.fromkeys(n for n, _ in results):
+        rows, tokens = results[(name, "rows")], results[(name, "token budget")]
+        lines.append(f"- {name}: training {rows['train']:.1f} -> {tokens['train']:.1f} s per iteration "
+                     f"({rows['train'] / tokens['train']:.2f}x), iteration {rows['iteration']:.1f} -> "
+                     f"{tokens['iteration']:.1f} s; padding {pct(rows['policy'])} -> {pct(tokens['policy'])} "
+                     "(policy).")
     return "\n".join(lines) + "\n"
 
 
