@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
             job.add_argument("--stop-after", type=int, metavar="STEP",
                              help="checkpoint at this optimizer step and exit; run again to resume")
 
+    rehearse = sub.add_parser("rehearse", help="run a PPO job for a few iterations with random weights in its "
+                                               "models' shapes: measured memory per role beside the plan, time "
+                                               "split, weight-sync bandwidth")
+    _add_config_args(rehearse, positional=True)
+    rehearse.add_argument("--iterations", type=int, default=3, help="iterations to run (default 3; the first "
+                                                                    "is start-up, the report takes the others)")
+    rehearse.add_argument("--out", help="folder for the random models and the run (default: "
+                                        "<output_dir>/rehearsal)")
+
     init = sub.add_parser("init-model", help="build a tiny Llama model locally, or write a package-shipped real "
                                              "model as an HF folder (no hub needed)")
     init.add_argument("--out", required=True, help="directory to write the HF model into")
@@ -136,6 +145,20 @@ def cmd_job(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from rlhf_ray.jobs.rehearsal import rehearse
+
+    source = ConfigSource.from_file(args.config).override(args.overrides)
+    job = validate_job(source, expect="ppo")
+    if args.iterations < 1:
+        raise ValueError("--iterations must be at least 1")
+    folder = Path(args.out) if args.out else Path(job.output_dir) / "rehearsal"
+    result = rehearse(job, folder, args.iterations)
+    out.print("\n".join(result.lines(args.config, args.iterations)), markup=False, highlight=False)
+    out.print(f"written: {folder / 'rehearsal.json'}", markup=False, highlight=False)
+    return EXIT_OK
+
+
 def cmd_init_model(args: argparse.Namespace) -> int:
     if args.source != "tiny":
         from rlhf_ray.models.sources import import_gguf
@@ -192,7 +215,7 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "schema": cmd_schema, "pretrain": cmd_job, "sft": cmd_job, "rm": cmd_job, "dpo": cmd_job, "ppo": cmd_job,
-    "pipeline": cmd_job, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf, "quickstart": cmd_quickstart,
+    "pipeline": cmd_job, "rehearse": cmd_rehearse, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf, "quickstart": cmd_quickstart,
     "preprocess": cmd_preprocess,
     "compare": cmd_compare,
 }

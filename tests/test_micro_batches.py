@@ -16,23 +16,32 @@ from rlhf_ray.algorithms.micro_batches import by_token_budget, padded_tokens, ro
 
 
 def test_rows_sorted_by_length_are_cut_within_the_budget_and_padding_falls():
+    """16 prompts x 4 answers (GRPO-like: the answers to one prompt are neighbours, prompts of 20-120 tokens,
+    answers of 10-64)."""
     rng = np.random.default_rng(0)
-    prompt, answer = rng.integers(5, 40, 64), rng.integers(1, 200, 64)
-    parts = by_token_budget(prompt, answer, 600)
-    assert sorted(np.concatenate(parts).tolist()) == list(range(64))  # every row once
-    assert all(padded_tokens(prompt[p], answer[p]) <= 600 for p in parts)
-    lengths = (prompt + answer)[np.concatenate(parts)]
-    assert (np.diff(lengths) >= 0).all()  # shortest first
-    by_rows = [np.arange(i, i + 4) for i in range(0, 64, 4)]  # the row-count path: 4 rows in their order
-    cost = lambda split: sum(padded_tokens(prompt[p], answer[p]) for p in split)  # noqa: E731
-    real = int((prompt + answer).sum())
-    assert (cost(parts) - real) / cost(parts) < 0.5 * (cost(by_rows) - real) / cost(by_rows)
-    # one more row would pass the budget: no micro-batch could have taken the next one
-    for a, b in zip(parts, parts[1:]):
+    groups = np.repeat(np.arange(16), 4)
+    prompt, answer = rng.integers(20, 120, 16)[groups], rng.integers(10, 65, 64)
+    parts = by_token_budget(prompt, answer, 900, groups)
+    order = np.concatenate(parts)
+    assert sorted(order.tolist()) == list(range(64))  # every row once
+    assert all(padded_tokens(prompt[p], answer[p]) <= 900 for p in parts)
+    assert (np.diff(prompt[order]) >= 0).all() or (np.diff(np.maximum.reduceat(answer[order], np.arange(0, 64, 4))) >= 0).all()
+    assert all(len(set(order[i: i + 4] // 4)) == 1 for i in range(0, 64, 4))  # a prompt's answers stay together
+    for a, b in zip(parts, parts[1:]):  # one more row would pass the budget
         both = np.concatenate([a, b[:1]])
-        assert padded_tokens(prompt[both], answer[both]) > 600
-    # equal lengths keep their order: the answers to one prompt stay neighbours
-    assert [p.tolist() for p in by_token_budget(np.full(6, 3), np.full(6, 2), 10)] == [[0, 1], [2, 3], [4, 5]]
+        assert padded_tokens(prompt[both], answer[both]) > 900
+    by_rows = [np.arange(i, i + 8) for i in range(0, 64, 8)]  # the row-count path: 8 rows in prompt order
+
+    def padding(split):
+        cost = sum(padded_tokens(prompt[p], answer[p]) for p in split)
+        return (cost - int((prompt + answer).sum())) / cost
+
+    assert padding(parts) < padding(by_rows), (padding(parts), padding(by_rows))
+    # rows of their own (PPO), answers varying more than prompts: sorted by answer length, most pads go
+    prompt, answer = rng.integers(60, 80, 64), rng.integers(5, 300, 64)
+    parts, by_rows = by_token_budget(prompt, answer, 1500), [np.arange(i, i + 4) for i in range(0, 64, 4)]
+    assert (np.diff(answer[np.concatenate(parts)]) >= 0).all()
+    assert padding(parts) < 0.35 * padding(by_rows), (padding(parts), padding(by_rows))
 
 
 def test_a_rank_that_needs_fewer_micro_batches_halves_its_costliest_until_the_counts_match():

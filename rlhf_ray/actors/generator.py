@@ -15,11 +15,13 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.models.weight_buckets import unpack
 from rlhf_ray.models.weight_handoff import HandoffPart, received
+from rlhf_ray.memory.probe import PeakMemory
 
 
 class GenerationWorker:
     def __init__(self, *, rank: int, world_size: int, model: dict, generation: dict, engine: str,
                  tokens: TokenConventions):
+        self.memory = PeakMemory()  # before the engine: its peak counts the weights, the KV cache and the rest
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank = rank
         self.spec = GenerationSpec.model_validate(generation)
@@ -33,6 +35,10 @@ class GenerationWorker:
 
             self.episodes = EpisodeRunner(self.spec.environment, load_tokenizer(model_spec), tokens,
                                           self.spec.sampling)
+
+    def peak_memory(self) -> dict:
+        """This engine's peak memory above what its process held before the engine (memory/probe.py)."""
+        return self.memory.peak()
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
                  columns: list[dict] | None = None) -> list[dict]:

@@ -35,7 +35,8 @@ class ReferenceWorker(ForwardRole):
     def logprobs(self, batch: RolloutBatch, lo: int, hi: int) -> torch.Tensor:
         answer_len = batch.answer_width
         out = torch.zeros(hi - lo, answer_len)
-        for part in self.micro_batches(lo, hi, len(batch), batch.attention_mask[lo:hi], batch.action_mask[lo:hi]):
+        for part in self.micro_batches(lo, hi, len(batch), batch.sequences[lo:hi], batch.attention_mask[lo:hi],
+                                       batch.action_mask[lo:hi]):
             micro = batch.select(part if part is not None else [0]).trimmed()
             seq, mask, action = (t.to(device()) for t in (micro.sequences, micro.attention_mask, micro.action_mask))
             logp, _ = answer_logprobs_and_entropy(self.forward, self.model, seq, mask, action.shape[1],
@@ -92,7 +93,7 @@ class RewardWorker(ForwardRole):
         out = torch.zeros(hi - lo)
         # lengths for the token budget: the retokenised rows are right-padded (all "answer"); the batch's are its layout
         answers = mask if self.bridge is not None else mask[:, mask.shape[1] - batch.answer_width:]
-        for part in self.micro_batches(lo, hi, len(batch), mask, answers):
+        for part in self.micro_batches(lo, hi, len(batch), seq, mask, answers):
             if part is None:  # a sharded replica keeping step with the others: one pad token, result dropped
                 token_values(self.model, torch.full((1, 1), self.tokens.pad_id, device=device()),
                              torch.ones(1, 1, dtype=torch.long, device=device()), forward=self.forward)

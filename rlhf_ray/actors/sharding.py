@@ -17,9 +17,10 @@ import numpy as np
 import torch
 
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
-from rlhf_ray.algorithms.micro_batches import by_token_budget, row_lengths
+from rlhf_ray.algorithms.micro_batches import by_token_budget, prompt_groups, row_lengths
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.distributed import RendezvousHost, build_zero3_inference, init_process_group
+from rlhf_ray.memory.probe import PeakMemory
 
 
 def device() -> torch.device:
@@ -32,6 +33,7 @@ class ForwardRole(RendezvousHost):
 
     def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, sharded: bool = False,
                  max_tokens_per_micro_batch: int | None = None):
+        self.memory = PeakMemory()  # before the model: its peak counts what the model and forwards add
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.spec = ModelSpec.model_validate(model)
@@ -53,6 +55,10 @@ class ForwardRole(RendezvousHost):
         self.model = self.deepspeed.module
         return {"rank": self.rank, "held_bytes": self.held_bytes()}
 
+    def peak_memory(self) -> dict:
+        """This replica's peak memory above what its process held before the model (memory/probe.py)."""
+        return self.memory.peak()
+
     @property
     def forward(self):
         """What runs the model: the DeepSpeed engine of a sharded replica (its hooks gather the weights)."""
@@ -63,17 +69,19 @@ class ForwardRole(RendezvousHost):
         return sum((p.ds_tensor if hasattr(p, "ds_tensor") else p).numel() * p.element_size()
                    for p in self.model.parameters())
 
-    def micro_batches(self, lo: int, hi: int, rows: int, attention_mask: torch.Tensor, answer_mask: torch.Tensor
-                      ) -> list[np.ndarray | None]:
+    def micro_batches(self, lo: int, hi: int, rows: int, sequences: torch.Tensor, attention_mask: torch.Tensor,
+                      answer_mask: torch.Tensor) -> list[np.ndarray | None]:
         """Row indices (of the batch) of rows [lo, hi) of a `rows`-row batch, micro-batch by micro-batch: every
-        micro_batch_size rows in order, or with a token budget, sorted by length and cut by it (`attention_mask`
-        and `answer_mask`: those rows' [b, P + A] mask and [b, A] answer tokens); sharded, padded with None (a
-        forward whose result is dropped) to as many as the replica that needs most."""
+        micro_batch_size rows in order, or with a token budget, sorted by length and cut by it (`sequences`,
+        `attention_mask` and `answer_mask`: those rows' [b, P + A] tokens and mask and [b, A] answer tokens);
+        sharded, padded with None (a forward whose result is dropped) to as many as the replica that needs most."""
         if self.max_tokens is None:
             mine = [np.arange(lo + s.start, lo + s.stop) for s in row_slices(hi - lo, self.micro)]
             most = max(math.ceil((b - a) / self.micro) for a, b in row_bounds(rows, self.world_size))
         else:
-            mine = [lo + part for part in by_token_budget(*row_lengths(attention_mask, answer_mask), self.max_tokens)]
+            groups = prompt_groups(sequences, answer_mask.shape[1])
+            mine = [lo + part for part in by_token_budget(*row_lengths(attention_mask, answer_mask), self.max_tokens,
+                                                          groups)]
             most = self._most(len(mine)) if self.sharded else len(mine)
         return mine + [None] * (most - len(mine)) if self.sharded else mine
 

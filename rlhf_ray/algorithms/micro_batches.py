@@ -2,11 +2,12 @@
 
 A micro-batch runs at the width of its longest prompt plus its longest answer (left-padded prompts, right-padded
 answers: `RolloutBatch.trimmed`), so its cost is rows x that width, pads included. Cutting a fixed number of rows in
-prompt order mixes short rows with long ones and pays for the difference in pads. Here the rows are sorted by
-length and cut where the next row would take the micro-batch past the budget: rows of a similar length run
-together, and a micro-batch of short rows holds more of them. A rank may need fewer micro-batches than another; the
-split is then refined (the costliest micro-batch halved) until every rank runs the same number, as ZeRO's
-collectives in each forward and backward require.
+prompt order mixes short prompts with long ones and pays for the difference in pads. Here the rows are sorted (by
+prompt length, then answer length; the answers to one prompt kept together, so they still share its forward) and
+cut where the next row would take the micro-batch past the budget: rows of a similar length run together, and a
+micro-batch of short rows holds more of them. A rank may need fewer micro-batches than another; the split is then
+refined (the costliest micro-batch halved) until every rank runs the same number, as ZeRO's collectives in each
+forward and backward require.
 """
 
 from __future__ import annotations
@@ -26,16 +27,35 @@ def row_lengths(attention_mask: torch.Tensor, action_mask: torch.Tensor) -> tupl
     return prompt.astype(np.int64), last.numpy().astype(np.int64)
 
 
+def prompt_groups(sequences: torch.Tensor, answer_width: int) -> np.ndarray:
+    """Each row's group: rows with the same prompt (a GRPO prompt's answers) share one id."""
+    _, inverse = torch.unique(sequences[:, : sequences.shape[1] - answer_width], dim=0, return_inverse=True)
+    return inverse.numpy()
+
+
 def padded_tokens(prompt: np.ndarray, answer: np.ndarray) -> int:
     """Tokens of one forward over these rows, pads included: rows x (longest prompt + longest answer)."""
     return int(len(prompt) * (prompt.max() + answer.max())) if len(prompt) else 0
 
 
-def by_token_budget(prompt: np.ndarray, answer: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Row positions of each micro-batch: rows sorted by length (shortest first; equal lengths keep their order, so
-    the answers to one prompt stay neighbours and share its forward), cut where one more row would pass `budget`
-    padded tokens. A row longer than the budget on its own runs alone (validation keeps that from happening)."""
-    order = np.lexsort((np.arange(len(prompt)), prompt + answer))
+def by_token_budget(prompt: np.ndarray, answer: np.ndarray, budget: int, groups: np.ndarray | None = None
+                    ) -> list[np.ndarray]:
+    """Row positions of each micro-batch: rows sorted by length and cut where one more row would pass `budget`
+    padded tokens. Two orders are tried, prompt length first or answer length first (a group's longest answer
+    standing for its rows while `groups` keeps the answers to one prompt together: they share its forward), and
+    the one with fewer padded tokens is kept. A row longer than the budget on its own runs alone (validation keeps
+    that from happening)."""
+    n = len(prompt)
+    groups = np.arange(n) if groups is None else np.asarray(groups)
+    longest = np.zeros(groups.max() + 1 if n else 0, dtype=np.int64)
+    np.maximum.at(longest, groups, answer)
+    orders = [np.lexsort((np.arange(n), answer, groups, longest[groups], prompt)),  # the last key sorts first
+              np.lexsort((np.arange(n), answer, groups, prompt, longest[groups]))]
+    cuts = [_cut(order, prompt, answer, budget) for order in orders]
+    return min(cuts, key=lambda parts: sum(padded_tokens(prompt[p], answer[p]) for p in parts))
+
+
+def _cut(order: np.ndarray, prompt: np.ndarray, answer: np.ndarray, budget: int) -> list[np.ndarray]:
     parts: list[np.ndarray] = []
     start, widest_prompt, widest_answer = 0, 0, 0
     for i, row in enumerate(order):

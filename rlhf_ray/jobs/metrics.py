@@ -20,7 +20,7 @@ class MetricsLogger:
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.spec = spec
-        self.jsonl = (self.dir / "metrics.jsonl").open("a")
+        self.jsonl = (self.dir / METRICS_FILE).open("a")
         self.tb = None
         if spec.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -41,7 +41,7 @@ class MetricsLogger:
         self.jsonl.close()
         dropped = _keep_lines(self.dir / "metrics.jsonl", "step", step)
         dropped += _keep_lines(self.dir / SAMPLES_FILE, "iteration", step)
-        self.jsonl = (self.dir / "metrics.jsonl").open("a")
+        self.jsonl = (self.dir / METRICS_FILE).open("a")
         if dropped:
             log.info("resuming at step %d: dropped %d logged lines of the steps to be redone", step, dropped)
         return dropped
@@ -79,6 +79,7 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 
 

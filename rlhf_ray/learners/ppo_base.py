@@ -12,7 +12,7 @@ import torch
 from rlhf_ray.algorithms.batch import Experience, RolloutBatch
 from rlhf_ray.algorithms.experience import pad_answer_columns, row_slices
 from rlhf_ray.algorithms.losses import LossAggregation, loss_units
-from rlhf_ray.algorithms.micro_batches import by_token_budget, row_lengths, split_to
+from rlhf_ray.algorithms.micro_batches import by_token_budget, prompt_groups, row_lengths, split_to
 from rlhf_ray.learners.rank import LearnerRank
 
 TokenLoss = Callable[[Experience], tuple[torch.Tensor, dict[str, float]]]
@@ -55,7 +55,7 @@ class PPOLearnerRank(LearnerRank):
         if self.max_tokens is None:
             return [rows[s] for s in row_slices(len(rows), self.micro_batch_size)]
         prompt, answer = row_lengths(batch.attention_mask[rows], batch.action_mask[rows])
-        parts = by_token_budget(prompt, answer, self.max_tokens)
+        parts = by_token_budget(prompt, answer, self.max_tokens, prompt_groups(batch.sequences[rows], batch.answer_width))
         (count,) = self.all_reduce_max([len(parts)])
         return [rows[p] for p in split_to(parts, prompt, answer, int(count))]
 

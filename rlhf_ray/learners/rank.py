@@ -22,6 +22,7 @@ from rlhf_ray.learners.deepspeed_setup import apply_lora, build_deepspeed
 from rlhf_ray.models.lora_weights import adapter_file_name, is_adapter
 from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
 from rlhf_ray.models.weight_buckets import group_by_size, whole_layers
+from rlhf_ray.memory.probe import PeakMemory
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class LearnerRank(RendezvousHost):
 
     def __init__(self, *, rank: int, world_size: int, model: dict, optim: dict, deepspeed: dict,
                  micro_batch_size: int, seed: int):
+        self.memory = PeakMemory()  # before the model: its peak counts what the model and training add
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.model_spec = ModelSpec.model_validate(model)
         self.optim_spec = OptimizerSpec.model_validate(optim)
@@ -94,6 +96,10 @@ class LearnerRank(RendezvousHost):
         tensor = torch.tensor(values, dtype=torch.float64, device=self.deepspeed.device)
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
         return tensor.tolist()
+
+    def peak_memory(self) -> dict:
+        """This rank's peak memory above what its process held before the model (memory/probe.py)."""
+        return self.memory.peak()
 
     def optimizer_step(self) -> None:
         """`engine.step()` after a micro-batch's backward. At an accumulation boundary DeepSpeed skips the update

@@ -126,7 +126,8 @@ class PPOTrainer:
             self.workers.policy.call("export_ema", str(out / EMA_MODEL_DIR))
         summary = {"iterations": iterations, "seconds": round(time.time() - self.started, 2),
                    "reward_before": self.before.get("reward"), "reward_after": after.get("reward"),
-                   "eval_prompts": len(self.evaluator.rows)}
+                   "eval_prompts": len(self.evaluator.rows), "weight_sync": self.weights.transport,
+                   "peak_memory_gib": {role: round(n / 2**30, 4) for role, n in self.workers.peak_memory().items()}}
         for key in sorted(self.before.keys() - {"reward"}):  # task accuracy, sampled_*, episodes' turns and tool calls
             summary.update({f"{key}_before": self.before[key], f"{key}_after": after[key]})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -177,6 +177,14 @@ class RoleWorkers:
                           call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
                           env_vars=actor_env(placement))
 
+    def peak_memory(self) -> dict[str, int]:
+        """Each role's peak bytes (its largest replica) above what its processes held before their models: what the
+        plan predicts (memory/probe.py). A reward function or server has no model and no entry."""
+        groups = {"policy": self.policy, "critic": self.critic, "reference": self.reference,
+                  "reward": self.reward if self.job.reward.is_model else None, "generation": self.pool.group}
+        return {role: max(p["bytes"] for p in group.call("peak_memory"))
+                for role, group in groups.items() if group is not None}
+
     def kill(self) -> None:
         """Kill every actor of the run. Before its placement groups go: an actor killed by the removal of its group
         keeps holding its name, so a restarted run could not take it again; the experience and buffer actors

@@ -1,0 +1,93 @@
+"""How close the plan's memory prediction comes to what each role really holds: `rlhf-ray rehearse` on the SmolLM2
+recipes (random weights in SmolLM2-135M's shape, every role on this machine's CPU), one row per role.
+
+Each recipe runs as `rlhf-ray rehearse CONFIG --iterations N` in a fresh process; the numbers are its
+rehearsal.json. Measured: the role's largest replica's peak resident set above what its process held before its
+model; predicted: what `rlhf-ray validate` computes for that replica (device + host on CPU).
+
+Run: python benchmarks/bench_rehearsal.py [--iterations N] [--write docs/benchmarks.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, today, versions, write_section  # noqa: E402
+
+SECTION = "## Rehearsal: plan against measured memory"
+RECIPES = {"GRPO": ROOT / "configs/recipes/smollm2-grpo.yaml", "PPO (critic, RM)": ROOT / "configs/recipes/smollm2-ppo.yaml"}
+GOAL = 0.10
+
+
+def rehearse(config: Path, out: Path, iterations: int) -> dict:
+    command = [sys.executable, "-m", "rlhf_ray.cli", "rehearse", str(config), "--iterations", str(iterations),
+               "--out", str(out), "--set", "cluster.dashboard=false", "--set", "logging.progress=false",
+               "--set", "logging.tensorboard=false"]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING"}
+    proc = subprocess.run(command, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{proc.stderr[-4000:]}")
+    print(proc.stdout, flush=True)
+    return {**json.loads((out / "rehearsal.json").read_text()), "printed": proc.stdout}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
+    args = parser.parse_args()
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, config in RECIPES.items():
+            t = time.perf_counter()
+            results[name] = rehearse(config, Path(tmp) / name.split()[0], args.iterations)
+            print(f"{name}: {time.perf_counter() - t:.0f} s", flush=True)
+    text = render(results, args)
+    if args.write:
+        write_section(args.write, SECTION, text)
+    print(text)
+    return 0
+
+
+def render(results: dict, args) -> str:
+    lines = [SECTION, "",
+             f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
+             f"Date: {today()}.", "",
+             f"Command: `python benchmarks/bench_rehearsal.py --iterations {args.iterations} --write "
+             "docs/benchmarks.md`: `rlhf-ray rehearse` on each recipe as written (random weights in SmolLM2-135M's "
+             "shape, fp32, every role on 2 cores). Measured: each role's largest replica's peak resident set above "
+             "what its process held before its model; plan: what `validate` predicts for that replica (device + "
+             "host). Error = (plan - measured) / measured.", "",
+             "| recipe | role | plan GiB | measured GiB | error |", "|---|---|---:|---:|---:|"]
+    errors = []
+    for name, r in results.items():
+        for role, m in r["memory_gib"].items():
+            error = (m["plan"] - m["measured"]) / m["measured"] if m["plan"] is not None and m["measured"] else None
+            errors.append((abs(error), f"{name} {role}") if error is not None else None)
+            plan = "-" if m["plan"] is None else f"{m['plan']:.2f}"
+            lines.append(f"| {name} | {role} | {plan} | {m['measured']:.2f} | "
+                         f"{'-' if error is None else f'{error:+.0%}'} |")
+    known = [e for e in errors if e is not None]
+    within = sum(e <= GOAL for e, _ in known)
+    worst = max(known, default=(float("nan"), "-"))
+    lines += ["", f"Goal (issue 38): every role within {GOAL:.0%} of its measured peak: {within} of {len(known)} "
+              f"({'met' if within == len(known) else 'missed'}; worst {worst[0]:.0%}, {worst[1]})."]
+    for name, r in results.items():
+        t = r["seconds"]
+        lines.append(f"- {name}: iteration {t['iteration']:.1f} s (generation {t['generation']:.1f}, experience "
+                     f"{t['experience']:.1f}, training {t['training']:.1f}, sync {t['sync']:.2f}; orchestration "
+                     f"{r['orchestration_fraction']:.0%}); weight sync {r['sync_bytes'] / 1e6:.0f} MB by "
+                     f"{r['transport']}.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
