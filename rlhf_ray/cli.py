@@ -221,12 +221,24 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler writing to whatever sys.stderr is when a message comes (a caller may have swapped it since)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def setup_logging() -> None:
     """rlhf_ray's own messages (engine choice, resume point, replaced actors) on stderr; RLHF_RAY_LOG_LEVEL
     changes the level (e.g. WARNING for quiet runs, DEBUG for more)."""
     logger = logging.getLogger("rlhf_ray")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _Stderr()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
     logger.setLevel(os.environ.get("RLHF_RAY_LOG_LEVEL", "INFO").upper())

@@ -116,15 +116,16 @@ class Rehearsal:
         return max(errors, default=float("nan"))
 
     def lines(self, config: str, iterations: int) -> list[str]:
-        """The report, at most 80 columns wide."""
-        out = [f"rehearsal of {config}: {iterations} iterations, random weights ({self.device})", "",
+        """The report, at most 80 columns wide (but for the config's path)."""
+        out = [f"rehearsal: {iterations} iterations with random weights ({self.device})", f"config: {config}", "",
                f"{'role':<12}{'plan GiB':>10}{'measured GiB':>14}{'error':>8}"]
         for role, (plan, got) in self.memory.items():
             error = f"{(plan - got) / got:+.0%}" if plan is not None and got > 0 else "-"
             out.append(f"{role:<12}{'-' if plan is None else f'{plan:.2f}':>10}{got:>14.2f}{error:>8}")
         t = self.times
-        out += ["", f"measured: each role's largest replica, above its process's runtime; goal within {GOAL:.0%}: "
-                f"{'met' if self.worst_error <= GOAL else 'missed'} (worst {self.worst_error:.0%})", "",
+        out += ["", "measured: each role's largest replica, above its process before the model",
+                f"within {GOAL:.0%} of the plan: {'yes' if self.worst_error <= GOAL else 'no'} (worst "
+                f"{self.worst_error:.0%})", "",
                 f"iteration {t['iteration']:.2f} s: generation {t['generation']:.2f} s, experience "
                 f"{t['experience']:.2f} s,", f"  training {t['training']:.2f} s, weight sync {t['sync']:.2f} s, "
                 f"orchestration {self.orchestration:.0%}"]
@@ -146,7 +147,7 @@ def rehearse(job: PPOJob, folder: Path, iterations: int = 3) -> Rehearsal:
         return statistics.median(m[key] for m in later)
 
     planned = role_memory(rehearsed)
-    on_gpu = any(role.placement.num_gpus > 0 for role in rehearsed.placement_roles().values())
+    on_gpu = any(placement.num_gpus > 0 for placement in rehearsed.placement_roles().values())
     result = Rehearsal(device="cuda" if on_gpu else "cpu", transport=summary["weight_sync"])
     for role, got in summary["peak_memory_gib"].items():
         bytes_ = planned[role].bytes if role in planned else None
