@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, today, versions, write_section  # noqa: E402
 
 SECTION = "## Rehearsal: plan against measured memory"
-RECIPES = {"GRPO": ROOT / "configs/recipes/smollm2-grpo.yaml", "PPO (critic, RM)": ROOT / "configs/recipes/smollm2-ppo.yaml"}
+RECIPES = {"GRPO": ROOT / "configs/recipes/smollm2-grpo.yaml", "PPO (critic)": ROOT / "configs/recipes/smollm2-ppo.yaml"}
 GOAL = 0.10
 
 
