@@ -14,7 +14,6 @@ Run: python benchmarks/bench_padding.py [--iterations N] [--write docs/benchmark
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, run_job, steady, today, versions, write_section  # noqa: E402
+from common import ROOT, machine, publish, recipe_args, run_job, steady, today, versions  # noqa: E402
 
 SECTION = "## Padding in training forwards (SmolLM2 recipes)"
 RECIPES = {"GRPO": ROOT / "configs/recipes/smollm2-grpo.yaml", "PPO (critic)": ROOT / "configs/recipes/smollm2-ppo.yaml"}
@@ -48,10 +47,7 @@ def budget_overrides(config: Path) -> list[str]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
-    args = parser.parse_args()
+    args = recipe_args(__doc__, iterations=3)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in RECIPES.items():
@@ -68,10 +64,7 @@ def main() -> int:
                                         "iteration": steady(rows, "time/iteration"),
                                         "length": mean(rows, "answer/length"), "budget": extra}
     text = render(results, args)
-    if args.write:
-        write_section(args.write, SECTION, text)
-    print(text)
-    return 0
+    return publish(text, args.write, SECTION)
 
 
 def render(results: dict, args) -> str:

@@ -11,7 +11,6 @@ Run: python benchmarks/bench_weight_sync.py [--iterations N] [--write docs/bench
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_iteration import memcpy_seconds  # noqa: E402
-from common import ROOT, machine, run_job, steady, today, versions, write_section  # noqa: E402
+from common import ROOT, machine, publish, recipe_args, run_job, steady, today, versions  # noqa: E402
 
 SECTION = "## Weight sync at SmolLM2 size (CPU)"
 RECIPE = ROOT / "configs/recipes/smollm2-grpo.yaml"
@@ -30,10 +29,7 @@ GOAL = 1.5
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
-    args = parser.parse_args()
+    args = recipe_args(__doc__, iterations=4)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for engine, transport in RUNS:
@@ -49,10 +45,7 @@ def main() -> int:
                                   "iteration": steady(rows, "time/iteration")}
     memcpy = memcpy_seconds(int(results["vllm", "ipc"]["bytes"]))
     text = render(results, memcpy, args)
-    if args.write:
-        write_section(args.write, SECTION, text)
-    print(text)
-    return 0
+    return publish(text, args.write, SECTION)
 
 
 def render(results: dict, memcpy: float, args) -> str:

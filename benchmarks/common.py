@@ -3,6 +3,7 @@ docs/benchmarks.md (up to the next '## ' heading) without touching the others.""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -169,3 +170,19 @@ def trl_step_timer(marks: list[float]):
             marks.append(time.perf_counter())
 
     return StepTimes()
+
+
+def recipe_args(doc: str, iterations: int) -> argparse.Namespace:
+    """The arguments of a benchmark that runs recipes: --iterations N, --write FILE (the section to replace)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=iterations)
+    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
+    return parser.parse_args()
+
+
+def publish(text: str, doc: Path | None, heading: str) -> int:
+    """Print a benchmark's section and, given `doc`, replace it there."""
+    if doc:
+        write_section(doc, heading, text)
+    print(text)
+    return 0

@@ -3,6 +3,7 @@ its weights belong to, and the receiving end of weight broadcasts."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
@@ -22,7 +23,7 @@ class GenerationWorker:
     def __init__(self, *, rank: int, world_size: int, model: dict, generation: dict, engine: str,
                  tokens: TokenConventions):
         if engine == "vllm":  # the library's own import is runtime, as torch's is: not what the engine holds
-            import vllm  # noqa: F401
+            importlib.import_module("vllm")
         self.memory = PeakMemory()  # before the engine: its peak counts the weights, the KV cache and the rest
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank = rank
