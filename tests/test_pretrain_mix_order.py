@@ -19,6 +19,10 @@ class RecordingEngine:
 
     def __init__(self, events: list[str]):
         self.events, self.weight = events, torch.nn.Parameter(torch.zeros(5))
+        self.boundaries: list[bool] = []
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        self.boundaries.append(is_boundary)
 
     def __call__(self, input_ids, attention_mask):
         self.events.append("mix forward")
@@ -42,7 +46,8 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
     rank = SimpleNamespace(deepspeed=RecordingEngine(events), mix=mix, rank=0, world_size=1, micro_batch_size=2,
                            ptx_coef=0.5, all_reduce_sum=lambda values: values, optimizer_step=lambda: None,
                            step_info=lambda: {}, loss_aggregation="token_mean",
-                           step_counts={"applied": 0, "skipped": 0})
+                           step_counts={"applied": 0, "skipped": 0}, max_tokens=None)
+    rank.micro_rows = lambda batch, rows: PPOLearnerRank.micro_rows(rank, batch, rows)
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
     rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)
     rank.auxiliary_losses = lambda minibatches, step, n: PolicyLearner.auxiliary_losses(rank, minibatches, step, n)
@@ -56,4 +61,5 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
 
     metrics = PPOLearnerRank.run_epochs(rank, batch, minibatches, token_loss)
     assert events == ["ppo forward", "mix forward", "backward"] * 2
+    assert rank.deepspeed.boundaries == [False, True]  # the optimizer steps after the mini-batch's last one
     assert metrics["ptx_loss"] > 0

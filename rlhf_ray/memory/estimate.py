@@ -139,11 +139,14 @@ def inference_bytes(shape: ModelShape, *, dtype: str, micro_batch: int, seq_len:
 def engine_bytes(shape: ModelShape, *, dtype: str, device_bytes: int | None, gpu_memory_utilization: float,
                  kv_cache_gb: float, tensor_parallel: int = 1) -> RoleBytes:
     """A vLLM engine. On a GPU it takes gpu_memory_utilization of the whole device, whatever the model needs (the
-    KV cache fills the rest; per GPU of a tensor-parallel engine); on CPU its weights plus `kv_cache_gb` (a
-    tensor-parallel engine's workers share the bundle's host memory: the whole model and cache, counted once)."""
+    KV cache fills the rest; per GPU of a tensor-parallel engine); on CPU its weights twice plus `kv_cache_gb` (a
+    tensor-parallel engine's workers share the bundle's host memory: the whole model and cache, counted once).
+    Twice: vLLM's CPU kernels re-lay each linear layer's weights for oneDNN when they load (the LM head keeps both
+    layouts), and the process keeps the memory of the first layout; measured with SmolLM2 in fp32 (vllm 0.32,
+    docs/benchmarks.md "Rehearsal"): 1.99 GB above the runtime for 0.51 GB of weights and a 1 GiB cache."""
     d = DTYPE_BYTES[dtype]
     weights = d * shape.params // (tensor_parallel if device_bytes else 1)
     if device_bytes:
         reserved = int(gpu_memory_utilization * device_bytes)
         return RoleBytes(weights=weights, kv_cache=max(reserved - weights, 0))
-    return RoleBytes(weights=weights, kv_cache=int(kv_cache_gb * GiB))
+    return RoleBytes(weights=2 * weights, kv_cache=int(kv_cache_gb * GiB))
