@@ -85,17 +85,20 @@ def render(results: dict, args) -> str:
 
 NOTES = [
     "What the rows say (2026-11-27, CPU, fp32):",
-    "- Learners of the PPO recipe (policy, critic: ZeRO-0, 8 rows per micro-batch) are within 10% (-8%, -6%).",
-    "- The GRPO policy is predicted 40% high: the plan sizes a micro-batch as micro_batch_size rows at the longest "
+    "- Learners of the PPO recipe (policy, critic: ZeRO-0, 8 rows per micro-batch) are within 10%.",
+    "- The GRPO policy is predicted about 40% high: the plan sizes a micro-batch as micro_batch_size rows at the longest "
     "prompt plus answer (16 x 224 tokens), each running its own prompt; the run's prompts were shorter (~100 "
     "tokens) and GRPO's shared-prompt forward runs each prompt once for its 4 answers. For this recipe the plan "
     "is an upper bound, not an estimate; modelling the shared prompt would tighten it.",
-    "- The reference is predicted 16-19% low: its forward holds more than the weights, activations and logits "
+    "- The reference is predicted 15-25% low: its forward holds more than the weights, activations and logits "
     "the model counts (not yet broken down).",
-    "- The vLLM engine is predicted 45% low: the plan counts its weights and `vllm.kv_cache_gb`; the measured peak "
-    "also holds what is not yet in the model: likely the policy's shared-memory pages it reads during an ipc "
-    "load (resident in both processes) and vLLM's re-laid-out copy of the weights for its CPU kernels. Measuring "
-    "those apart (object-store sync; `/proc` smaps) is the next step.",
+    "- The vLLM engine: the plan counts its weights twice (vLLM's CPU kernels re-lay every linear layer's weights "
+    "for oneDNN and the process keeps the first layout's memory: measured alone, 1.99 GB above the runtime after "
+    "start-up for 0.51 GB of weights and a 1 GiB cache) and `vllm.kv_cache_gb`. What is left is the weights in "
+    "flight: during an ipc load the engine maps the policy's shared-memory file and reads every page of it "
+    "(measured alone: +0.55 GB while loading from a mapped file), pages that are the policy's parameters, "
+    "resident in both processes, not memory of the engine's own. The plan leaves them out so that a node's "
+    "total stays right; on a GPU (CUDA IPC, the allocator's peak) they do not count.",
     "",
     "Rehearsal on a GPU (the CUDA allocator's peak, which holds no shared pages) has not been run: no GPU was "
     "lent to the sessions since it was built.",
