@@ -79,6 +79,15 @@ def rendezvous_store(host: str, port: int, rank: int, world_size: int, timeout: 
     return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
 
 
+def all_reduce(values: list[float], op: str, device: torch.device) -> list[float]:
+    """`values` reduced over the default process group (op: "SUM", "MAX", ...), as float64 on `device`."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
+    return tensor.tolist()
+
+
 def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int,
                        listener: socket.socket | None = None, timeout_s: float = 1800.0) -> None:
     """One torch.distributed world per learner group (NCCL on GPUs, gloo on CPU), its store bound to the master's

@@ -69,6 +69,11 @@ def test_two_replicas_hold_half_the_weights_each_and_score_like_one_process(sft_
                     assert 0.45 * whole < rank["held_bytes"] < 0.6 * whole, (rank, whole)
                 got = _split_call(group, method, ray.put(batch), 3)
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+                # with a 6-token budget replica 0 runs its rows (6 and 5 tokens) apart and replica 1 its one row:
+                # the replicas agree on two forwards (an all-reduce), and the numbers stay
+                ray.get([a.__ray_call__.remote(lambda actor: setattr(actor, "max_tokens", 6)) for a in group.actors])
+                got = _split_call(group, method, ray.put(batch), 3)
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
             finally:
                 group.kill()
 

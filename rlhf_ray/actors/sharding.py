@@ -19,7 +19,7 @@ import torch
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
 from rlhf_ray.algorithms.micro_batches import by_token_budget, prompt_groups, row_lengths
 from rlhf_ray.config.model import ModelSpec
-from rlhf_ray.distributed import RendezvousHost, build_zero3_inference, init_process_group
+from rlhf_ray.distributed import RendezvousHost, all_reduce, build_zero3_inference, init_process_group
 from rlhf_ray.memory.probe import PeakMemory
 
 
@@ -82,13 +82,5 @@ class ForwardRole(RendezvousHost):
             groups = prompt_groups(sequences, answer_mask.shape[1])
             mine = [lo + part for part in by_token_budget(*row_lengths(attention_mask, answer_mask), self.max_tokens,
                                                           groups)]
-            most = self._most(len(mine)) if self.sharded else len(mine)
+            most = int(all_reduce([len(mine)], "MAX", device())[0]) if self.sharded else len(mine)
         return mine + [None] * (most - len(mine)) if self.sharded else mine
-
-    def _most(self, count: int) -> int:
-        """The largest micro-batch count of the sharded replicas (a collective)."""
-        import torch.distributed as dist
-
-        tensor = torch.tensor([count], dtype=torch.long, device=device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())

@@ -39,6 +39,7 @@ class LearnerRoleSpec(TokenBudget):
     micro_batch_size: int = Field(4, ge=1)
     """Samples per rank per forward/backward in the PPO update. Gradient accumulation follows from
     ppo.train_batch_size / (micro_batch_size x replicas) unless deepspeed.gradient_accumulation_steps is set."""
+
     def accumulation_steps(self, train_batch_size: int) -> int:
         return train_batch_size // (self.micro_batch_size * self.placement.replicas)
 

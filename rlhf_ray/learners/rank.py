@@ -17,7 +17,7 @@ import torch
 from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
-from rlhf_ray.distributed import RendezvousHost, init_process_group
+from rlhf_ray.distributed import RendezvousHost, all_reduce, init_process_group
 from rlhf_ray.learners.deepspeed_setup import apply_lora, build_deepspeed
 from rlhf_ray.models.lora_weights import adapter_file_name, is_adapter
 from rlhf_ray.models.lora_weights import folded as lora_folded, units as lora_units
@@ -85,17 +85,10 @@ class LearnerRank(RendezvousHost):
 
     # ---- collectives helpers -----------------------------------------------------------------------------
     def all_reduce_sum(self, values: list[float]) -> list[float]:
-        return self._all_reduce(values, "SUM")
+        return all_reduce(values, "SUM", self.deepspeed.device)
 
     def all_reduce_max(self, values: list[float]) -> list[float]:
-        return self._all_reduce(values, "MAX")
-
-    def _all_reduce(self, values: list[float], op: str) -> list[float]:
-        import torch.distributed as dist
-
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.deepspeed.device)
-        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op))
-        return tensor.tolist()
+        return all_reduce(values, "MAX", self.deepspeed.device)
 
     def peak_memory(self) -> dict:
         """This rank's peak memory above what its process held before the model (memory/probe.py)."""
