@@ -85,7 +85,7 @@ class Workers:
     def score(self, rollout: FakeRollout, keep_samples: int = 0) -> Scored:
         self.events.append(f"put {rollout.index}")
         return Scored(experience=rollout.index, rows=rollout.samples,
-                      metrics={"rollout": rollout.index, "compute/advantages_seconds": 0.0},
+                      metrics={"rollout": rollout.index, "compute/assembly_seconds": 0.0},
                       role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:
@@ -95,4 +95,5 @@ class Workers:
 
 
 def feed(workers: Workers, ahead: int, redo_limit: int = 0) -> RolloutFeed:
-    return RolloutFeed(workers, Prompts(), ahead=ahead, redo_limit=redo_limit, train_batch_size=4, epochs=1, seed=0)
+    return RolloutFeed(workers, Prompts(), ahead=ahead, redo_limit=redo_limit,
+                       capacity=workers.buffer.target.capacity, train_batch_size=4, epochs=1, seed=0)

@@ -97,22 +97,33 @@ def test_buckets_never_split_a_decoder_layer():
 def test_an_engine_replaced_during_a_handoff_gets_every_bucket_after_the_others():
     """WeightSync's ipc path with stand-ins for the actor groups (the real path runs in test_ppo_job.py): the
     replacement takes the whole model once the handoff in progress is over; one replaced between syncs gets it
-    at once."""
+    at once. After a part marked last the driver asks for no more: the call that frees it is submitted, not waited
+    for, and collected before the next handoff starts."""
     from rlhf_ray.jobs.ppo.weight_sync import WeightSync
     from rlhf_ray.models.weight_handoff import HandoffPart
 
     class Policy:
         def __init__(self):
-            self.parts = None
+            self.parts, self.log = None, []
 
         def call(self, method, bucket_bytes, adapters_only):
             assert method == "handoff_weights"
             if self.parts is None:
-                self.parts = iter([HandoffPart(nbytes=3), HandoffPart(nbytes=5)])
-            part = next(self.parts, None)
-            if part is None:
-                self.parts = None
-            return [part]
+                assert self.log[-1:] in ([], ["collected"]), "a handoff started before the last one was closed"
+                self.parts = iter([HandoffPart(nbytes=3), HandoffPart(nbytes=5, last=True), None])
+            self.log.append("asked")
+            return [next(self.parts)]
+
+        def submit(self, method, bucket_bytes, adapters_only):
+            assert method == "handoff_weights" and next(self.parts) is None
+            self.parts = None
+            self.log.append("closing")
+            return ["ref"]
+
+        def gather(self, refs, method):
+            assert refs == ["ref"] and method == "handoff_weights"
+            self.log.append("collected")
+            return [None]
 
     class Pool:
         def __init__(self):
@@ -130,14 +141,59 @@ def test_an_engine_replaced_during_a_handoff_gets_every_bucket_after_the_others(
 
     weights = object.__new__(WeightSync)
     weights.workers, weights.version, weights.transport, weights.behind = Workers(), 0, "ipc", None
-    weights.bucket_bytes, weights.adapters_only = 2**20, False
+    weights.bucket_bytes, weights.adapters_only, weights.closing = 2**20, False, None
     Workers.pool.on_replaced = weights._hand_off_again
     result = weights.sync()
     assert Workers.pool.taken == [(3, 1, None), (5, 1, None), (3, 1, [1]), (5, 1, [1])]
     assert result.version == 1 and result.bytes == 8
+    assert Workers.policy.log == ["asked", "asked", "closing", "collected", "asked", "asked", "closing"]
     Workers.pool.taken.clear()
     weights._hand_off_again(0)  # replaced while generating: brought to version 1 at once
     assert Workers.pool.taken == [(3, 1, [0]), (5, 1, [0])]
+    assert Workers.policy.log[-4:] == ["collected", "asked", "asked", "closing"]
+
+
+REAL_LEARNER = """
+import os, torch
+os.environ["DS_ACCELERATOR"] = "cpu"
+from rlhf_ray.config.deepspeed import DeepSpeedSpec
+from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.optim import OptimizerSpec
+from rlhf_ray.distributed import init_process_group, listen
+from rlhf_ray.learners.deepspeed_setup import build_deepspeed
+from rlhf_ray.learners.policy import PolicyLearner
+
+sock = listen("127.0.0.1")
+init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 120)
+spec = ModelSpec(path="{model}", dtype="fp32")
+learner = PolicyLearner(rank=0, world_size=1, model=spec.model_dump(), optim=OptimizerSpec().model_dump(),
+                        deepspeed=DeepSpeedSpec(zero_stage=0).model_dump(), micro_batch_size=2, seed=0,
+                        temperature=1.0, pad_token_id=0, clip_ratio=0.2, dual_clip=None, train_batch_size=2)
+learner.deepspeed, _ = build_deepspeed(learner.build_model(), spec, OptimizerSpec(), DeepSpeedSpec(zero_stage=0), 2, 1, 10)
+for size in (1, 2**14, 2**16, 2**62):
+    assert learner.engine_weight_group_count(size) == sum(1 for _ in learner.engine_weight_groups(size)), size
+for in_place in (False, True):
+    learner._parameters_stay_in_place = lambda: in_place
+    learner.handoff = None
+    for sync in range(2):
+        lasts, nbytes = [], 0
+        while (part := learner.handoff_weights(2**14)) is not None:
+            lasts.append(part.last)
+            nbytes += part.nbytes
+        assert lasts[-1] and not any(lasts[:-1]) and (len(lasts) == 1) == in_place, (in_place, lasts)
+        assert nbytes == sum(p.numel() * 4 for p in learner.deepspeed.module.parameters()), nbytes
+    learner.release_shared_memory()
+print("ok")
+"""
+
+
+def test_a_real_learner_marks_the_last_part_of_its_handoff(tiny_model):
+    """The policy learner knows how many parts a handoff has before gathering them (so the driver need not ask once
+    more to find out): only the last part says last, in place (one part) or in 16 KiB buckets, sync after sync;
+    the count agrees with the groups the learner yields for every bucket size."""
+    done = subprocess.run([sys.executable, "-c", REAL_LEARNER.format(model=tiny_model)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def test_a_lora_adapter_is_handed_over_in_one_part_whatever_the_bucket_size():
@@ -156,6 +212,8 @@ def test_a_lora_adapter_is_handed_over_in_one_part_whatever_the_bucket_size():
     learner.rank, learner.handoff, learner._handoff_parts = 0, HandoffSender(), None
     learner._parameters_stay_in_place = lambda: False
     learner.engine_weight_groups = groups
+    learner.engine_weight_group_count = lambda bucket_bytes, adapters_only: sum(1 for _ in groups(bucket_bytes,
+                                                                                                  adapters_only))
 
     def parts(adapters_only: bool) -> int:
         count = 0

@@ -25,36 +25,42 @@ class ExperienceWorker:
         torch.set_num_threads(1)
         self.spec, self.group_size, self.pad = PPOSpec.model_validate(ppo), group_size, pad_token_id
         self.max_answer_tokens = max_answer_tokens
+        self.packing_seconds = 0.0
+        """The last `batch` call's packing time (counted with the experience assembled from that batch)."""
 
     def batch(self, sample_refs: list) -> RolloutBatch:
         """Engine outputs (one list of samples per engine, in engine order) -> the padded rollout batch."""
         samples = [s for part in ray.get(sample_refs) for s in part]
+        start = time.perf_counter()
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad,
                               [s.get("answer_mask") for s in samples])
         engine_logp = torch.zeros(batch.action_mask.shape)
         for row, s in enumerate(samples):
             engine_logp[row, :len(s["logprobs"])] = torch.tensor(s["logprobs"])
-        return dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
-                                   columns=[s.get("columns", {}) for s in samples], engine_logp=engine_logp,
-                                   version=torch.tensor([s["version"] for s in samples]))
+        batch = dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
+                                    columns=[s.get("columns", {}) for s in samples], engine_logp=engine_logp,
+                                    version=torch.tensor([s["version"] for s in samples]))
+        self.packing_seconds = time.perf_counter() - start
+        return batch
 
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                    value_refs: list | None, keep_samples: int = 0) -> dict:
         """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
-        "samples": the first `keep_samples` rows as token ids with their score and dataset columns}."""
-        start = time.perf_counter()
+        "samples": the first `keep_samples` rows as token ids with their score and dataset columns}. The metric
+        compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
+        and writes)."""
 
         def cat(refs):
             return torch.cat(ray.get(refs)) if refs else None
 
         scores, old_logp, ref_logp, values = cat(score_refs), cat(old_logp_refs), cat(ref_logp_refs), cat(value_refs)
+        start = time.perf_counter()
         targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
                                   self.group_size, self.max_answer_tokens)
         metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
                    "answer/length": batch.action_mask.sum(-1).mean().item(),
                    "reward/length_correlation": correlation(scores, batch.action_mask.sum(-1)),
-                   "answer/ended": batch.ended.float().mean().item(),
-                   "compute/advantages_seconds": time.perf_counter() - start}
+                   "answer/ended": batch.ended.float().mean().item()}
         if targets.overlong_penalty is not None:
             metrics["answer/overlong_penalty"] = targets.overlong_penalty.mean().item()
         full = Experience.of(batch, dataclasses.replace(targets, overlong_penalty=None))
@@ -68,8 +74,9 @@ class ExperienceWorker:
         if old_logp is not None:  # else the policy measures it in its training forward
             metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, old_logp, batch.action_mask)
             metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, old_logp, batch.action_mask)
-        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full),
-                "samples": sample_rows(batch, scores, keep_samples)}
+        samples = sample_rows(batch, scores, keep_samples)
+        metrics["compute/assembly_seconds"] = self.packing_seconds + time.perf_counter() - start
+        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full), "samples": samples}
 
 
 def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]:

@@ -4,6 +4,7 @@ publishes its weights for the generation engines."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -43,6 +44,7 @@ class PolicyLearner(PPOLearnerRank):
         self.mix = PretrainMix(pretrain_data, train_batch_size, self.seed, pad_token_id) if pretrain_data else None
         self.handoff: HandoffSender | None = None  # rank 0, transport ipc: see handoff_weights
         self._handoff_parts = None  # the sync in progress
+        self._handoff_left = 0  # its parts not yet handed over
 
     def build_model(self) -> torch.nn.Module:
         return load_causal_lm(self.model_spec)
@@ -190,22 +192,26 @@ class PolicyLearner(PPOLearnerRank):
         return {"refs": refs, "bytes": total, "seconds": time.perf_counter() - start} if self.rank == 0 else None
 
     def handoff_weights(self, bucket_bytes: int, adapters_only: bool = False) -> HandoffPart | None:
-        """The next bucket of a colocated handoff (transport ipc) on rank 0, None on the others; None on every rank
-        once the last was taken (the next call starts a new sync). Every rank calls it (under ZeRO-3 each bucket is
-        gathered together). Where the optimizer updates the parameters in place (ZeRO-0, fp32, no LoRA, on CPU),
-        rank 0 keeps them in shared memory from the first sync on and hands the whole model over in place."""
+        """The next bucket of a colocated handoff (transport ipc) on rank 0, None on the others; the last one says
+        so (`last`), and the call after it returns None on every rank, once the engines have taken it, freeing it
+        (the next call starts a new sync). Every rank calls it (under ZeRO-3 each bucket is gathered together).
+        Where the optimizer updates the parameters in place (ZeRO-0, fp32, no LoRA, on CPU), rank 0 keeps them in
+        shared memory from the first sync on and hands the whole model over in place."""
         if self._handoff_parts is None:
             in_place = self._parameters_stay_in_place()
             if self.rank == 0 and self.handoff is None:
                 self.handoff = HandoffSender(ParameterFile(self.deepspeed.module) if in_place else None)
             whole = in_place or adapters_only  # one part: offsets in one file; an adapter is loaded as a whole
-            groups = self.engine_weight_groups(2**62 if whole else bucket_bytes, adapters_only)
+            size = 2**62 if whole else bucket_bytes
+            groups = self.engine_weight_groups(size, adapters_only)
             self._handoff_parts = self.handoff.parts(groups) if self.rank == 0 else (None for _ in groups)
+            self._handoff_left = self.engine_weight_group_count(size, adapters_only)
         part = next(self._handoff_parts, StopIteration)
         if part is StopIteration:
             self._handoff_parts = None
             return None
-        return part if self.rank == 0 else None
+        self._handoff_left -= 1
+        return dataclasses.replace(part, last=self._handoff_left == 0) if self.rank == 0 else None
 
     def release_shared_memory(self) -> None:
         """Remove the handoff's file of parameters (at the end of a run; its mapping lives on with the process)."""

@@ -166,18 +166,9 @@ class LearnerRank(RendezvousHost):
         parameters whose names it accepts (and then no buffers)."""
         import deepspeed
 
-        module = self.deepspeed.module
         zero3 = self.deepspeed.zero_optimization_stage() == 3
-        params = {n: p for n, p in module.named_parameters() if only is None or only(n)}
-
-        def nbytes(p: torch.Tensor) -> int:
-            numel = p.ds_numel if zero3 and hasattr(p, "ds_numel") else p.numel()
-            return numel * p.element_size()
-
-        parts = whole_layers(lora_units(list(params)))  # a layer's tensors stay in one group (LoRA: they fold)
-        for unit_groups in group_by_size(((i, sum(nbytes(params[n]) for n in unit)) for i, unit in enumerate(parts)),
-                                         bucket_bytes):
-            names = [n for i in unit_groups for n in parts[i]]
+        params, groups = self._weight_groups(bucket_bytes, only)
+        for names in groups:
             group = [params[n] for n in names]
             gather = deepspeed.zero.GatheredParameters(group, modifier_rank=None) if zero3 else nullcontext()
             with gather:
@@ -187,10 +178,33 @@ class LearnerRank(RendezvousHost):
                     yield [(n, p.detach().cpu().clone()) for n, p in zip(names, group)]
                 else:
                     yield [(n, p.detach()) for n, p in zip(names, group)]
-        if only is None:
-            persistent = set(module.state_dict().keys())  # rotary caches and the like are rebuilt, not saved
-            if buffers := [(n, b) for n, b in module.named_buffers() if n in persistent]:
-                yield [(n, b.detach().cpu().clone()) for n, b in buffers] if self.rank == 0 else []
+        if only is None and (buffers := self._persistent_buffers()):
+            yield [(n, b.detach().cpu().clone()) for n, b in buffers] if self.rank == 0 else []
+
+    def gathered_group_count(self, bucket_bytes: int, only: Callable[[str], bool] | None = None) -> int:
+        """How many groups `gathered_groups` yields with these arguments (nothing is gathered to count them)."""
+        return len(self._weight_groups(bucket_bytes, only)[1]) + int(only is None and bool(self._persistent_buffers()))
+
+    def _weight_groups(self, bucket_bytes: int, only: Callable[[str], bool] | None
+                       ) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
+        """The parameters `only` keeps (by name), and their names in each group of about `bucket_bytes` (a layer's
+        tensors stay in one group; LoRA: they fold), in the module's order."""
+        zero3 = self.deepspeed.zero_optimization_stage() == 3
+        params = {n: p for n, p in self.deepspeed.module.named_parameters() if only is None or only(n)}
+
+        def nbytes(p: torch.Tensor) -> int:
+            numel = p.ds_numel if zero3 and hasattr(p, "ds_numel") else p.numel()
+            return numel * p.element_size()
+
+        parts = whole_layers(lora_units(list(params)))
+        sizes = ((i, sum(nbytes(params[n]) for n in unit)) for i, unit in enumerate(parts))
+        return params, [[n for i in units for n in parts[i]] for units in group_by_size(sizes, bucket_bytes)]
+
+    def _persistent_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Buffers the module saves (rotary caches and the like are rebuilt, not saved)."""
+        module = self.deepspeed.module
+        persistent = set(module.state_dict().keys())
+        return [(n, b) for n, b in module.named_buffers() if n in persistent]
 
     def engine_weight_groups(self, bucket_bytes: int, adapters_only: bool = False
                              ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -203,6 +217,10 @@ class LearnerRank(RendezvousHost):
             return
         for group in self.gathered_groups(bucket_bytes, copy=False):
             yield lora_folded(self.deepspeed.module, group) if group and self.model_spec.lora.enabled else group
+
+    def engine_weight_group_count(self, bucket_bytes: int, adapters_only: bool = False) -> int:
+        """How many groups `engine_weight_groups` yields."""
+        return self.gathered_group_count(bucket_bytes, is_adapter if adapters_only else None)
 
     def gathered_state_dict(self, bucket_bytes: int = 2**28) -> dict[str, torch.Tensor] | None:
         """Full weights on rank 0 (None elsewhere); a collective under ZeRO-3."""

@@ -54,6 +54,8 @@ class HandoffPart:
     """Bytes of the tensors the engine reads."""
     copied: int = 0
     """Bytes the learner copied to hand them over (0 where they were read in place)."""
+    last: bool = False
+    """The sync's last part: the driver asks for no more (its closing call frees this one without waiting)."""
 
 
 def remove_stale_files(directories: Iterable[str]) -> None:

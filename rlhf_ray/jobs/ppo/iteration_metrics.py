@@ -17,7 +17,7 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
     put, minibatches = taken.put, taken.minibatches
     rollout, scored = put.rollout, put.scored
     roles = {f"compute/{role}_seconds": seconds for role, seconds in scored.role_seconds.items()}
-    experience_compute = max(roles.values()) + scored.metrics["compute/advantages_seconds"]  # the roles run at once
+    experience_compute = max(roles.values()) + scored.metrics["compute/assembly_seconds"]  # the roles run at once
     line = {**scored.metrics, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
             **minibatches.stats,
             "compute/experience_seconds": experience_compute, "time/experience": put.seconds,

@@ -62,9 +62,11 @@ class RolloutFeed:
     updates have run (`ahead` 0 in sync mode: each rollout starts after the update before it). `workers` gives the
     pool, the buffer and the scoring (RoleWorkers, or a stand-in)."""
 
-    def __init__(self, workers, prompts: PromptSchedule, *, ahead: int, redo_limit: int, train_batch_size: int,
-                 epochs: int, seed: int, keep_samples: int = 0, sleep_engines: bool = False):
+    def __init__(self, workers, prompts: PromptSchedule, *, ahead: int, redo_limit: int, capacity: int,
+                 train_batch_size: int, epochs: int, seed: int, keep_samples: int = 0, sleep_engines: bool = False):
         self.workers, self.prompts, self.ahead, self.redo_limit = workers, prompts, ahead, redo_limit
+        self.capacity = capacity
+        """The buffer's: a put into a full buffer evicts its oldest entry."""
         self.take_args = (train_batch_size, epochs, seed)
         self.keep_samples, self.sleep_engines = keep_samples, sleep_engines
         self.first = self.next_index = 0
@@ -76,7 +78,9 @@ class RolloutFeed:
         self.puts: dict[int, Put] = {}
         """Rollouts put in the buffer, until trained on (or dropped: evicted, too stale)."""
         self.held = 0
-        """Entries the buffer holds, as it said after the last put or take."""
+        """Entries the buffer holds: as it said after the last take, plus the puts since (counted as kept)."""
+        self.unanswered: list[tuple[int, list]] = []
+        """Puts whose answer the feed has not read yet: (rollout index, call refs); read at the next take."""
         self.waited = 0.0
 
     def resume_at(self, index: int) -> None:
@@ -94,7 +98,9 @@ class RolloutFeed:
         refused everything it held as too stale, a rollout starts for this update and the take is tried again."""
         while True:
             self._top_up(version, updates_left)
-            (minibatches,) = self.workers.buffer.call("take", version, *self.take_args)
+            taking = self.workers.buffer.submit("take", version, *self.take_args)
+            self._read_put_answers()
+            (minibatches,) = self.workers.buffer.gather(taking, "take")
             self.held = minibatches.stats["buffer/entries"] if minibatches is not None else 0
             if minibatches is not None:
                 break
@@ -107,7 +113,7 @@ class RolloutFeed:
 
     def put(self, index: int, rollout: Rollout, version: int) -> None:
         """Score rollout `index` and put its experience in the buffer (the buffer refuses it when it is already too
-        stale). When a node took results the scoring needed, the dead actors are replaced as the scoring fails and
+        stale; its answer is read at the next take, which the buffer runs after the put: one round trip less). When a node took results the scoring needed, the dead actors are replaced as the scoring fails and
         the rollout is generated again: same prompts, same seed, same weights in sync mode, so the same numbers."""
         began = time.perf_counter()
         self.next_index = max(self.next_index, index + 1)
@@ -125,10 +131,17 @@ class RolloutFeed:
             self.workers.pool.sleep()  # engines are idle until the weight sync, which wakes them
         meta = {"version": rollout.version, "samples": scored.rows, "rollout_index": index,
                 "prompt_indices": self.prompts.indices(index)}
-        (state,) = self.workers.buffer.call("put", [scored.experience], meta, version)
-        self.held = state.entries
-        if state.accepted:
-            self.puts[index] = Put(index, rollout, scored, time.perf_counter() - began)
+        self.unanswered.append((index, self.workers.buffer.submit("put", [scored.experience], meta, version)))
+        self.held = min(self.held + 1, self.capacity)
+        self.puts[index] = Put(index, rollout, scored, time.perf_counter() - began)
+
+    def _read_put_answers(self) -> None:
+        """Forget the rollouts the buffer refused as too stale (their puts were not waited for)."""
+        for index, refs in self.unanswered:
+            (state,) = self.workers.buffer.gather(refs, "put")
+            if not state.accepted:
+                self.puts.pop(index, None)
+        self.unanswered.clear()
 
     # ---- what may start, what is put -----------------------------------------------------------------------------
     def _top_up(self, version: int, updates_left: int) -> None:

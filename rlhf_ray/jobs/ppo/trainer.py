@@ -39,8 +39,8 @@ class PPOTrainer:
         self.weights = WeightSync(job, workers)
         self.rollouts = RolloutFeed(workers, PromptSchedule(data.train, ppo.prompts_per_rollout, job.seed),
                                     ahead=ppo.rollouts_ahead if ppo.mode == "async" else 0,
-                                    redo_limit=job.cluster.max_actor_restarts, train_batch_size=job.train_batch_size,
-                                    epochs=ppo.ppo_epochs, seed=job.seed,
+                                    redo_limit=job.cluster.max_actor_restarts, capacity=ppo.buffer_capacity,
+                                    train_batch_size=job.train_batch_size, epochs=ppo.ppo_epochs, seed=job.seed,
                                     keep_samples=job.logging.samples_per_iteration,
                                     sleep_engines=job.generation.vllm.sleep_when_idle and ppo.mode == "sync")
         self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)

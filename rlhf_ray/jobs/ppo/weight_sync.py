@@ -79,6 +79,7 @@ class WeightSync:
         self.transport = choose_transport(spec.transport, self._places())
         log.info("weight sync: %s", self.transport)
         self.behind: set[int] | None = None  # ipc: engines replaced during a handoff, given the weights after it
+        self.closing: list | None = None  # ipc: the call that frees the last part, not waited for
         if self.transport == "collective":
             self._form_broadcast()
             workers.pool.on_replaced = self._rejoin
@@ -137,9 +138,13 @@ class WeightSync:
 
     def _hand_off(self, start: float, ranks: list[int] | None = None) -> SyncResult:
         """ipc: bucket by bucket, policy rank 0 gives where the weights lie in its memory and every engine (or
-        those of `ranks`) loads them from there; the next bucket is asked for once all have. An engine replaced
-        meanwhile is given every bucket once the others have them."""
+        those of `ranks`) loads them from there; the next bucket is asked for once all have. After the last one the
+        call that frees it is not waited for (the policy runs it before anything else; the next handoff collects
+        it). An engine replaced meanwhile is given every bucket once the others have them."""
         policy, pool = self.workers.policy, self.workers.pool
+        if self.closing is not None:
+            policy.gather(self.closing, "handoff_weights")
+            self.closing = None
         learner_seconds = engine_seconds = 0.0
         nbytes = 0
         self.behind = set()
@@ -152,6 +157,9 @@ class WeightSync:
             nbytes += part.nbytes
             loaded = pool.take(part, self.version, ranks)
             engine_seconds += max(r["seconds"] for r in loaded)
+            if part.last:
+                self.closing = policy.submit("handoff_weights", self.bucket_bytes, self.adapters_only)
+                break
         behind, self.behind = sorted(self.behind), None
         if behind:
             self._hand_off(time.perf_counter(), behind)
