@@ -50,7 +50,8 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     job = ppo_job(tmp_path, sft, rm, "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
                   "ppo.rollout_batch_size=8", "ppo.iterations=3", "critic=null", "reward.model.path=null",
                   "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
-                  "ppo.kl_in_loss=true", "ppo.kl_estimator=k3", "ppo.kl_coef=0.5", "policy.optim.lr=1e-3")
+                  "ppo.kl_in_loss=true", "ppo.kl_estimator=k3", "ppo.kl_coef=0.5", "policy.optim.lr=1e-3",
+                  "logging.timeline=true")
     assert job.critic is None and "critic" not in job.placement_roles()
     assert job.old_logprobs_from_training
     summary = run_ppo(job)
@@ -64,6 +65,9 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert all(abs(r["policy/approx_kl"]) < 1e-12 and r["policy/clip_fraction"] == 0 for r in steps)  # ratio 1
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
     assert all(0 < r["policy/padding_fraction"] < 1 for r in steps)  # sorted answers differ in length: some pads
+    # logging.timeline: every actor call of the run in a Chrome trace
+    calls = [e["name"] for e in json.loads((tmp_path / "ppo" / "timeline.json").read_text()) if e.get("ph") == "X"]
+    assert calls.count("train") == 3 and calls.count("rollout") == 3 and "take_weights" in calls, sorted(set(calls))
 
 
 def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):

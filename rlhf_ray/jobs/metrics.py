@@ -81,6 +81,17 @@ class MetricsLogger:
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+TIMELINE_FILE = "timeline.json"
+"""Ray's timeline of the run's actor calls (logging.timeline), a Chrome trace."""
+
+
+def write_timeline(path: Path, report_interval_s: float = 1.0) -> None:
+    """Ray's timeline of every task and actor call so far, as a Chrome trace. Processes report their calls to Ray
+    every `report_interval_s` (Ray's task_events_report_interval_ms): the last report is waited for first."""
+    import ray
+
+    time.sleep(2 * report_interval_s)
+    ray.timeline(str(path))
 
 
 def _keep_lines(path: Path, key: str, last: int) -> int:

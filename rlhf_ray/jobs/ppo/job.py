@@ -15,7 +15,7 @@ from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
 from rlhf_ray.jobs.checkpoints import Checkpoints
-from rlhf_ray.jobs.metrics import MetricsLogger
+from rlhf_ray.jobs.metrics import TIMELINE_FILE, MetricsLogger, write_timeline
 from rlhf_ray.jobs.ppo.trainer import PPOTrainer
 from rlhf_ray.jobs.ppo.workers import RoleWorkers, learner_groups
 from rlhf_ray.jobs.preflight import check_corpora
@@ -58,6 +58,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
             with learner_deaths_explained(checkpoints, learner_groups(job)):
                 return trainer.fit()
         finally:
+            if job.logging.timeline:
+                write_timeline(out / TIMELINE_FILE)
             if workers is not None:
                 workers.kill()
 
