@@ -335,6 +335,35 @@ def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_exper
     assert all(m["buffer/entries"] <= 3 for m in steps)
 
 
+def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch):
+    """generation.partial_rollouts on the hf engine, with the test hook holding every rollout after 3 of its 8
+    tokens (5 s at most): rollout 0 (the starting weights) waits out the hold; each later rollout is generating
+    when the update trained on the one before reaches its engine, so its answers are 3 tokens of the old version
+    and 5 of the new one, and the update that trains on them finds 3/8 of their tokens one version old."""
+    import json
+
+    from rlhf_ray.actors.update_gate import HOLD_ENV
+
+    monkeypatch.setenv(HOLD_ENV, "3:5")
+    sft, rm = stage_models
+    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "generation.engine=hf", "generation.partial_rollouts=true",
+                  "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
+                  "ppo.rollout_batch_size=8", "ppo.iterations=4", "ppo.eval_prompts=0", "critic=null",
+                  "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",
+                  "reward.placement.colocate_with=policy", "generation.sampling.max_new_tokens=8",
+                  "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0")
+    assert run_ppo(job)["iterations"] == 4
+    logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "experience/staleness" in m]
+    assert [m["generate/multi_version_answers"] for m in steps] == [0, 1, 1, 1]
+    assert steps[0]["experience/tokens_staleness_0"] == 1
+    assert all(m["experience/tokens_staleness_1"] == 3 / 8 and m["experience/tokens_staleness_0"] == 5 / 8
+               for m in steps[1:]), [(m["experience/tokens_staleness_0"], m["experience/tokens_staleness_1"])
+                                     for m in steps]
+    assert [m["experience/staleness"] for m in steps] == [0, 1, 1, 1]  # a row is as old as its oldest token
+    assert all(m["policy/tis_weight"] > 0 for m in steps)
+
+
 def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_path, stage_models):
     """demo/arithmetic through two engines and two reward actors, GRPO with the last-number checker: every row the
     reward function scores carries the `answer` column of its own prompt (through pool, experience and buffer),

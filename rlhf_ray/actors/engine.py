@@ -13,12 +13,13 @@ import logging
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypedDict
 
 import torch
 
+from rlhf_ray.actors.update_gate import HOLD_ENV
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
@@ -47,8 +48,11 @@ class GenerationEngine(ABC):
     name: str
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False) -> list[Sample]:
-        """`n_samples_per_prompt` answers per prompt (1 when greedy), consecutive per prompt, in prompt order."""
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False,
+                 stop: Callable[[int], bool] | None = None) -> list[Sample]:
+        """`n_samples_per_prompt` answers per prompt (1 when greedy), consecutive per prompt, in prompt order. `stop`
+        (asked after each token with the tokens this call has drawn so far per answer): when it says so, every
+        answer ends where it is, `finished` false (a weight update waits: generation.partial_rollouts)."""
 
     @abstractmethod
     def load_weights(self, weights: Weights, complete: bool = True) -> int:
@@ -83,6 +87,8 @@ def intel_openmp_library() -> str | None:
 def engine_env(engine: str, spec: GenerationSpec, threads: int) -> dict[str, str]:
     """Environment of an engine actor's process, fixed before it starts (OpenMP and vLLM read it at import)."""
     env = {"OMP_NUM_THREADS": str(threads)}
+    if HOLD_ENV in os.environ:  # the partial-rollout test hook reaches the engines of a job started in a test
+        env[HOLD_ENV] = os.environ[HOLD_ENV]
     if engine != "vllm":
         return env
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in the actor's process: 2 s start, not 15 s

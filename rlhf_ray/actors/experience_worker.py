@@ -35,18 +35,21 @@ class ExperienceWorker:
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples], self.pad,
                               [s.get("answer_mask") for s in samples])
         engine_logp = torch.zeros(batch.action_mask.shape)
+        token_version = torch.zeros(batch.action_mask.shape, dtype=torch.long)
         for row, s in enumerate(samples):
             engine_logp[row, :len(s["logprobs"])] = torch.tensor(s["logprobs"])
+            token_version[row, :len(s["versions"])] = torch.tensor(s["versions"], dtype=torch.long)
         batch = dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
                                     columns=[s.get("columns", {}) for s in samples], engine_logp=engine_logp,
-                                    version=torch.tensor([s["version"] for s in samples]))
+                                    version=torch.tensor([s["version"] for s in samples]), token_version=token_version)
         self.packing_seconds = time.perf_counter() - start
         return batch
 
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                    value_refs: list | None, keep_samples: int = 0) -> dict:
         """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
-        "samples": the first `keep_samples` rows as token ids with their score and dataset columns}. The metric
+        "samples": the first `keep_samples` rows as token ids with their score and dataset columns,
+        "token_versions": answer tokens per policy version that sampled them}. The metric
         compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
         and writes)."""
 
@@ -75,8 +78,13 @@ class ExperienceWorker:
             metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, old_logp, batch.action_mask)
             metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, old_logp, batch.action_mask)
         samples = sample_rows(batch, scores, keep_samples)
+        versions = batch.token_version[batch.action_mask.bool()]
+        metrics["generate/multi_version_answers"] = (  # answers a weight update reached mid-generation
+            ((batch.token_version.masked_fill(batch.action_mask == 0, -1).amax(-1) > batch.version).float().mean()
+             .item()))
         metrics["compute/assembly_seconds"] = self.packing_seconds + time.perf_counter() - start
-        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full), "samples": samples}
+        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full), "samples": samples,
+                "token_versions": {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))}}
 
 
 def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]:

@@ -3,6 +3,7 @@ its weights belong to, and the receiving end of weight broadcasts."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import time
@@ -10,6 +11,8 @@ import time
 import torch
 
 from rlhf_ray.actors.engine import build_engine
+from rlhf_ray.actors.partial_rollout import generate_through_updates
+from rlhf_ray.actors.update_gate import HOLD_ENV, UpdateGate, hold_point
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
@@ -31,6 +34,9 @@ class GenerationWorker:
         model_spec = ModelSpec.model_validate(model)
         self.engine = build_engine(model_spec, self.spec, tokens, engine)
         self.version = 0
+        self.gate = UpdateGate() if self.spec.partial_rollouts else None
+        """partial_rollouts: weight updates arrive in a thread of their own and take the engine between tokens."""
+        self.hold = hold_point(os.environ.get(HOLD_ENV))
         self.episodes = None
         if self.spec.environment is not None:
             from rlhf_ray.envs.episode import EpisodeRunner
@@ -48,11 +54,15 @@ class GenerationWorker:
         """Samples of `prompts` (see GenerationEngine.generate), each tagged with this engine's policy version; with
         an environment, one multi-turn episode per sample (envs/episode.py), its prompt the environment's first
         messages and its statistics in `episode`."""
+        if self.gate is not None:
+            samples = generate_through_updates(self.engine, prompts, self.spec.sampling, seed, greedy, self.gate,
+                                               lambda: self.version, self.hold)
+            return [{**s, "version": min(s["versions"], default=self.version)} for s in samples]
         if self.episodes is not None:
             samples = self.episodes.play(self.engine, prompts, columns, seed, greedy)
         else:
             samples = self.engine.generate(prompts, self.spec.sampling, seed, greedy)
-        return [{**s, "version": self.version} for s in samples]
+        return [{**s, "version": self.version, "versions": [self.version] * len(s["answer_ids"])} for s in samples]
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
         """`generate`, but the samples stay in the object store: the caller gets a reference and a summary. Each
@@ -65,7 +75,8 @@ class GenerationWorker:
             samples = [{**s, "columns": {**(columns[s["prompt_index"]] if columns else {}), **s.get("episode", {})}}
                        for s in samples]
         episodes = [s["episode"] for s in samples if "episode" in s]
-        return {"ref": ray.put(samples), "samples": len(samples), "version": self.version,
+        return {"ref": ray.put(samples), "samples": len(samples),
+                "version": min((s["version"] for s in samples), default=self.version),  # its oldest token's
                 "tokens": sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
                 "seconds": time.perf_counter() - start,
                 "episodes": {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS} if episodes else {}}
@@ -81,8 +92,9 @@ class GenerationWorker:
             for ref in bucket_refs:
                 yield from unpack(ray.get(ref))
 
-        tensors = self.engine.load_weights(stream())
-        self.version = version
+        with self._updating():
+            tensors = self.engine.load_weights(stream())
+            self.version = version
         return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> int:
@@ -94,19 +106,25 @@ class GenerationWorker:
     def receive_weights(self, version: int) -> dict:
         """Load the buckets learner rank 0 broadcasts, as they arrive; then this engine serves `version`."""
         start = time.perf_counter()
-        tensors = self.engine.load_weights(self.weight_broadcast.receive())
-        self.version = version
+        with self._updating():
+            tensors = self.engine.load_weights(self.weight_broadcast.receive())
+            self.version = version
         return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
 
     def take_weights(self, part: HandoffPart, version: int) -> dict:
         """Load one part of a colocated handoff (transport ipc) from the learner's memory: its shared-memory files
         mapped, or its GPU buffers opened; this engine serves `version` once the driver has given it every part."""
         start = time.perf_counter()
-        tensors = self.engine.load_weights(received(part), complete=False)
-        if part.cuda:
-            torch.cuda.synchronize()  # copied before the learner frees the buffers
-        self.version = version
+        with self._updating(last=part.last):  # a rollout waits until the last part is in
+            tensors = self.engine.load_weights(received(part), complete=False)
+            if part.cuda:
+                torch.cuda.synchronize()  # copied before the learner frees the buffers
+            self.version = version
         return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
+
+    def _updating(self, last: bool = True):
+        """The engine for a weight update: at once, or (partial_rollouts) when the running rollout pauses."""
+        return self.gate.update(last) if self.gate is not None else contextlib.nullcontext()
 
     def get_version(self) -> int:
         return self.version

@@ -99,7 +99,7 @@ class ActorGroup:
                  bundle_indices: list[int] | None = None, num_cpus: float = 1, num_gpus: float = 0,
                  args: tuple = (), kwargs: dict | None = None, call_timeout_s: float = 1800,
                  start_timeout_s: float = 300, env_vars: dict[str, str] | None = None,
-                 ray_options: dict | None = None):
+                 ray_options: dict | None = None, threads: dict[str, list[str]] | None = None):
         if replicas < 1:
             raise ValueError(f"{role}: replicas must be >= 1, got {replicas}")
         if placement_group is None and bundle_indices is not None:
@@ -113,7 +113,11 @@ class ActorGroup:
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         self.names = [f"{role}-{rank}" for rank in range(replicas)]
-        self._remote_cls = ray.remote(actor_cls)
+        self.thread_of = {method: name for name, methods in (threads or {}).items() for method in methods}
+        """Methods that run in a thread of their own (a Ray concurrency group, one call at a time), beside the
+        actor's other calls: `threads` maps the thread's name to its methods."""
+        self._remote_cls = (ray.remote(concurrency_groups=dict.fromkeys(threads, 1))(actor_cls) if threads
+                            else ray.remote(actor_cls))
         self._spawn_args = (args, kwargs or {}, num_cpus, num_gpus, placement_group, bundle_indices, env_vars,
                             ray_options or {})
         self.actors: list = []
@@ -190,10 +194,15 @@ class ActorGroup:
         if not callable(getattr(self.actor_cls, method, None)):
             raise AttributeError(f"{self.actor_cls.__name__} (role {self.role}) has no method `{method}`")
 
+    def bound(self, actor, method: str):
+        """`actor.method`, in its own thread where the group puts it there."""
+        bound = getattr(actor, method)
+        return bound.options(concurrency_group=self.thread_of[method]) if method in self.thread_of else bound
+
     def submit(self, method: str, *args, **kwargs) -> list:
         """Start `method` on every rank and return the refs without waiting (fan-out, overlap)."""
         self._method(method)
-        return [getattr(a, method).remote(*args, **kwargs) for a in self.actors]
+        return [self.bound(a, method).remote(*args, **kwargs) for a in self.actors]
 
     def gather(self, refs: Sequence[Any], what: str, timeout: float | None = None) -> list:
         """Wait for refs from `submit` under this group's names and call timeout."""
@@ -209,7 +218,7 @@ class ActorGroup:
         if len(per_rank_args) != len(self.actors):
             raise ValueError(f"{self.role}: call_each(`{method}`) got {len(per_rank_args)} argument tuples "
                              f"for {len(self.actors)} ranks")
-        refs = [getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
+        refs = [self.bound(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)]
         return self.gather(refs, method, timeout)
 
     def kill(self) -> None:
@@ -271,5 +280,5 @@ def resilient_gather(group: ActorGroup, method: str, per_rank_args: Sequence[tup
                 group.replace(rank)
                 if after_replace is not None:
                     after_replace(rank)
-                ref = getattr(group.actors[rank], method).remote(*per_rank_args[rank])
+                ref = group.bound(group.actors[rank], method).remote(*per_rank_args[rank])
     return results

@@ -25,6 +25,11 @@ from rlhf_ray.distributed import threads
 log = logging.getLogger(__name__)
 
 
+WEIGHT_CALLS = ("load_weights", "take_weights", "receive_weights")
+"""An engine's calls that load weights: with partial rollouts they run beside its rollouts, in a thread of their
+own."""
+
+
 def with_model_len(job) -> "GenerationSpec":
     """The generation spec with vllm.max_model_len defaulted to the job's prompt + answer limits (vLLM would
     otherwise size its KV cache for the model's full context)."""
@@ -76,7 +81,8 @@ class GenerationPool:
                            kwargs={"model": job.policy.model.model_dump(), "generation": spec.model_dump(),
                                    "engine": engine, "tokens": tokens},
                            call_timeout_s=job.cluster.call_timeout_s, start_timeout_s=job.cluster.startup_timeout_s,
-                           env_vars=engine_env(engine, spec, threads(placement)))
+                           env_vars=engine_env(engine, spec, threads(placement)),
+                           threads={"weights": list(WEIGHT_CALLS)} if spec.partial_rollouts else None)
         if wait:
             group.wait_ready(job.cluster.startup_timeout_s)
         return cls(group, engine, budget or RestartBudget(job.cluster.max_actor_restarts))
@@ -90,13 +96,14 @@ class GenerationPool:
         """A replacement engine starts from the model files (version 0); bring it to the current version."""
         if self.weights is not None:
             refs, version = self.weights
-            gather([self.group.actors[rank].load_weights.remote(refs, version)], [self.group.names[rank]],
+            gather([self.group.bound(self.group.actors[rank], "load_weights").remote(refs, version)],
+                   [self.group.names[rank]],
                    self.group.call_timeout_s, "load_weights")
             log.info("%s re-synced to policy version %d", self.group.names[rank], version)
 
     def _call(self, method: str, per_rank_args: list[tuple], refs: list | None = None) -> list:
         if refs is None:
-            refs = [getattr(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
+            refs = [self.group.bound(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
         return resilient_gather(self.group, method, per_rank_args, refs, self.budget, lambda rank: self.on_replaced(rank))
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
@@ -148,12 +155,12 @@ class GenerationPool:
         """Every engine (or those of `ranks`) loads one part of a colocated handoff from the learner's memory."""
         if ranks is None:
             return self._call("take_weights", [(part, version)] * len(self.group))
-        return gather([self.group.actors[r].take_weights.remote(part, version) for r in ranks],
+        return gather([self.group.bound(self.group.actors[r], "take_weights").remote(part, version) for r in ranks],
                       [self.group.names[r] for r in ranks], self.group.call_timeout_s, "take_weights")
 
     def receive(self, version: int) -> list:
         """Every engine starts receiving a collective broadcast (returns the call refs)."""
-        return [actor.receive_weights.remote(version) for actor in self.group.actors]
+        return [self.group.bound(actor, "receive_weights").remote(version) for actor in self.group.actors]
 
     def sleep(self) -> None:
         """vLLM engines on GPUs with `vllm.sleep_when_idle` release their memory until the next call wakes them

@@ -7,6 +7,7 @@ workers take whole-layer chunks from shared memory, each copying only its shard 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -125,8 +126,12 @@ class VLLMEngine(GenerationEngine):
         return SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k if sampling.top_k > 0 else -1, **common)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False,
+                 stop: Callable[[int], bool] | None = None) -> list[Sample]:
         from vllm.inputs import TokensPrompt
+
+        if stop is not None:  # validate refuses partial_rollouts with this engine
+            raise NotImplementedError("the vLLM engine does not stop mid-generation for weight updates yet")
 
         if self.sleeping:
             self.wake_up()

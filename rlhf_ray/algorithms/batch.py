@@ -33,7 +33,10 @@ class RolloutBatch:
     engine_logp: torch.Tensor | None = None
     """[B, A]: the engine's log-probs of the tokens it sampled. Rollouts only."""
     version: torch.Tensor | None = None
-    """[B]: the policy version that sampled each row. Rollouts only."""
+    """[B]: the policy version that sampled each row (the oldest of its tokens'). Rollouts only."""
+    token_version: torch.Tensor | None = None
+    """[B, A]: the policy version that sampled each answer token (several per row when a weight update reached
+    the engine mid-answer: generation.partial_rollouts; 0 on padding). Rollouts only."""
 
     def __len__(self) -> int:
         return self.sequences.shape[0]

@@ -128,6 +128,13 @@ class GenerationSpec(StrictModel):
     weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
     environment: EnvironmentSpec | None = None
     """Multi-turn episodes with an environment instead of one answer per sample."""
+    partial_rollouts: bool = False
+    """Async PPO: a weight update that reaches an engine while it generates a rollout no longer waits for the
+    rollout to end. The engine stops its answers where they are, loads the new weights, and continues the unfinished
+    answers from the tokens already generated (prompt and answer so far prefilled again with the new weights; no
+    re-tokenising). Each answer token records the policy version that sampled it and its sampling log-prob (which
+    the policy loss uses as the behaviour policy with `ppo.tis_cap`). hf engine only so far; one answer per sample
+    (no environment)."""
 
     @property
     def max_answer_tokens(self) -> int:
@@ -145,4 +152,10 @@ class GenerationSpec(StrictModel):
             )
         if self.engine == "hf" and tp > 1:
             raise FieldProblem("vllm.tensor_parallel_size", "the hf engine has no tensor parallelism; use engine: vllm")
+        if self.partial_rollouts and self.engine != "hf":
+            raise FieldProblem("partial_rollouts", f"interrupting a rollout for a weight update is built for the hf "
+                                                   f"engine only so far, not engine: {self.engine}; set engine: hf")
+        if self.partial_rollouts and self.environment is not None:
+            raise FieldProblem("partial_rollouts", "multi-turn episodes (environment) take weight updates between "
+                                                   "rollouts only so far; remove partial_rollouts or the environment")
         return self

@@ -200,6 +200,9 @@ class PPOJob(JobBase):
         if self.ppo.mode == "async" and self.ppo.max_staleness < 1:
             raise FieldProblem("ppo.max_staleness", "async mode trains on experience sampled one policy version "
                                                     "earlier; set ppo.max_staleness: 1 (or more), or ppo.mode: sync")
+        if self.generation.partial_rollouts and self.ppo.mode != "async":
+            raise FieldProblem("generation.partial_rollouts", "in sync mode no weight update reaches an engine during "
+                                                              "a rollout; set ppo.mode: async, or remove it")
         for name, role in {"reference": self.reference, "reward": self.reward}.items():
             if role.sharded and role.placement.replicas < 2:
                 raise FieldProblem(f"{name}.placement.replicas", f"{name}.sharded splits the model's weights over "

@@ -34,8 +34,20 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
     if "policy/engine_logprob_gap" in line:
         line.setdefault("generate/logprob_gap", line["policy/engine_logprob_gap"])
         line.setdefault("generate/mismatch_kl", line["policy/engine_mismatch_kl"])
+    line |= token_staleness(scored.token_versions, minibatches.meta.version + minibatches.staleness)
     compute = rollout.engine_seconds + experience_compute + trained.seconds + line["compute/sync_seconds"]
     return line | {"time/generate_wait": taken.wait_seconds, "time/iteration": elapsed,
                    "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,
                    "generate/tokens_per_s": rollout.tokens / max(rollout.engine_seconds, 1e-9),
                    "generate/engine_utilisation": rollout.engine_busy_seconds / (engines * elapsed)}
+
+
+def token_staleness(token_versions: dict[int, int], trained_at: int) -> dict[str, float]:
+    """Shares of the answer tokens an update trained on by how many versions older than the policy they were
+    sampled: 0, 1, 2 or more (partial rollouts mix versions within an answer)."""
+    total = sum(token_versions.values()) or 1
+    by_age = [0, 0, 0]
+    for version, count in token_versions.items():
+        by_age[min(2, trained_at - version)] += count
+    return {"experience/tokens_staleness_0": by_age[0] / total, "experience/tokens_staleness_1": by_age[1] / total,
+            "experience/tokens_staleness_2plus": by_age[2] / total}

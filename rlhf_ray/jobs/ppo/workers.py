@@ -66,6 +66,8 @@ class Scored:
     """Compute seconds of each role (reference, reward, policy, critic), the slowest replica's."""
     samples: list[dict] = field(default_factory=list)
     """Its first `logging.samples_per_iteration` rows: token ids, score, dataset columns (for samples.jsonl)."""
+    token_versions: dict[int, int] = field(default_factory=dict)
+    """Answer tokens per policy version that sampled them (several versions: partial rollouts)."""
 
 
 @dataclass
@@ -247,7 +249,8 @@ class RoleWorkers:
                                                                     parts["reference"], parts.get("critic"),
                                                                     keep_samples)], "experience")
         return Scored(out["ref"], out["rows"], out["metrics"],
-                      {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"])
+                      {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
+                      out["token_versions"])
 
     # ---- training -------------------------------------------------------------------------------------------
     def train(self, minibatches: Minibatches) -> Trained:
