@@ -212,7 +212,10 @@ def render(results: dict, args, iterations: int) -> str:
         + ".",
         "", "Where a goal is missed, why: a tiny iteration is a few tens of milliseconds of compute, so the fixed "
         "cost of the calls between actors is a visible share of it; with the 26M model of the TRL comparison it is "
-        "under 1% (`time/orchestration_fraction`)."]
+        "under 1% (`time/orchestration_fraction`). The share also moves with the compute around it: compare it "
+        "within one run of this script, not across machines (the experience step alone, reference and policy "
+        "forwards at once with 2 threads each on 2 cores, took 0.09 s per GRPO iteration on an AMD EPYC and "
+        "0.31 s on an Intel Xeon)."]
     if calls:
         lines[-1] += (f" Ray's timeline of the GRPO run (`logging.timeline: true`; median iteration): "
                       f"{calls['calls']:.0f} actor calls, most of them one after the other (rollout, batch, the "

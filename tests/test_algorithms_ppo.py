@@ -10,7 +10,7 @@ from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, informative_gro
 from rlhf_ray.algorithms.experience import make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
 from rlhf_ray.algorithms.losses import (aggregate, aggregated_sum, first_predicting_column, lm_loss_sum, loss_units,
-                                       policy_loss, truncated_is_weights, value_loss)
+                                       policy_loss, policy_token_loss, truncated_is_weights, value_loss)
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten
 from rlhf_ray.algorithms.rewards import kl_estimate, last_action_index, overlong_penalty, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
@@ -201,6 +201,25 @@ def test_truncated_importance_weights_correct_for_the_engine_and_stop_at_the_cap
     close(weights, [[1.5, 0.5, 0.0]])
     assert not weights.requires_grad
     close(truncated_is_weights(learner, engine, MASK, cap=3.0), [[2.0, 0.5, 0.0]])
+
+
+def test_the_decoupled_loss_weights_each_token_by_its_own_sampling_policy():
+    """Golden, as the policy learner composes it (policy_token_loss x truncated_is_weights, token mean): an answer
+    whose first two tokens were drawn by version 0 and the last two by version 1 after a mid-answer update (partial
+    rollouts); each token's weight is min(pi_old / pi_behaviour, cap) with its own behaviour log-prob, then the
+    clipped ratio against the learner's old log-probs. Worked by hand for clip 0.2, cap 2, advantage 1."""
+    old = T([[math.log(0.5), math.log(0.5), math.log(0.4), math.log(0.2)]])
+    behaviour = T([[math.log(0.25), math.log(0.5), math.log(0.4), math.log(0.8)]])  # v0, v0 | v1, v1
+    new = T([[math.log(0.6), math.log(0.5), math.log(0.6), math.log(0.2)]], requires_grad=True)
+    mask, advantages = torch.ones(1, 4), torch.ones(1, 4)
+    loss, _ = policy_token_loss(new, old, advantages, mask, clip_ratio=0.2)
+    weighted = loss * truncated_is_weights(old, behaviour, mask, cap=2.0)
+    # ratios 1.2, 1, 1.5 (clipped to 1.2), 1 -> -min(r, clip(r)) = -1.2, -1, -1.2, -1
+    # weights 0.5/0.25 = 2 (the cap), 1, 1, 0.2/0.8 = 0.25
+    close(weighted, [[-2.4, -1.0, -1.2, -0.25]])
+    close(aggregate(weighted, mask, "token_mean"), (-2.4 - 1.0 - 1.2 - 0.25) / 4)
+    aggregate(weighted, mask, "token_mean").backward()
+    assert new.grad[0, 2] == 0 and new.grad[0, 0] != 0  # the clipped token carries no gradient
 
 
 def test_mismatch_kl_is_zero_when_engine_and_learner_agree():
