@@ -98,8 +98,29 @@ def test_trained_tokens_are_the_sampled_tokens_across_turns(smollm2):
     assert (episode["turns"], episode["reward"], episode["tool_calls"], episode["valid_calls"]) == (3, 1.0, 2, 2)
     # every turn continued from the exact ids so far
     assert seen_prompts[1] == [prompt + turns[0] + obs] and seen_prompts[2] == [prompt + turns[0] + obs + turns[1] + obs]
+    assert episode["versions"] == [0] * len(episode["answer_ids"])  # turns that carry no versions: 0
     text = tokenizer.decode(prompt + episode["answer_ids"])
     assert tokenizer(text, add_special_tokens=False)["input_ids"] != prompt + episode["answer_ids"]
+
+
+def test_an_episode_keeps_the_policy_version_of_each_turn(smollm2):
+    """Partial rollouts reach multi-turn episodes between turns: each turn's tokens keep the version that sampled
+    them, an observation the version of the turn before it."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    end = tokenizer.eos_token_id
+    said = tokenizer(" <calc>1+1</calc>", add_special_tokens=False)["input_ids"] + [end]
+    calls = []
+
+    def generate(prompts):
+        calls.append(len(calls))
+        return [{"answer_ids": said, "logprobs": [-0.5] * len(said), "finished": True, "versions": [len(calls)] *
+                 len(said)} for _ in prompts]
+
+    renderer = ObservationRenderer(tokenizer)
+    prompt = tokenizer(" Add", add_special_tokens=False)["input_ids"]
+    (episode,) = run_episodes(generate, [Scripted()], [prompt], tokenizer, renderer, max_turns=2, max_answer_tokens=256)
+    obs = list(renderer.ids("ok"))
+    assert episode["versions"] == [1] * len(said) + [1] * len(obs) + [2] * len(said)
 
 
 def test_episodes_end_on_limits_and_slow_or_broken_steps(smollm2):

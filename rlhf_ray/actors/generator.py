@@ -51,18 +51,27 @@ class GenerationWorker:
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
                  columns: list[dict] | None = None) -> list[dict]:
-        """Samples of `prompts` (see GenerationEngine.generate), each tagged with this engine's policy version; with
-        an environment, one multi-turn episode per sample (envs/episode.py), its prompt the environment's first
-        messages and its statistics in `episode`."""
-        if self.gate is not None:
+        """Samples of `prompts` (see GenerationEngine.generate), each with `versions` (the policy version of each
+        answer token) and `version` (its oldest); with an environment, one multi-turn episode per sample
+        (envs/episode.py), its prompt the environment's first messages and its statistics in `episode`. With
+        partial rollouts a weight update gets the engine between tokens (between turns, for episodes)."""
+        if self.episodes is not None:
+            with self.gate.generation() if self.gate is not None else contextlib.nullcontext():
+                samples = self.episodes.play(self.engine, prompts, columns, seed, greedy, self._turn_version)
+        elif self.gate is not None:
             samples = generate_through_updates(self.engine, prompts, self.spec.sampling, seed, greedy, self.gate,
                                                lambda: self.version, self.hold)
-            return [{**s, "version": min(s["versions"], default=self.version)} for s in samples]
-        if self.episodes is not None:
-            samples = self.episodes.play(self.engine, prompts, columns, seed, greedy)
         else:
-            samples = self.engine.generate(prompts, self.spec.sampling, seed, greedy)
-        return [{**s, "version": self.version, "versions": [self.version] * len(s["answer_ids"])} for s in samples]
+            samples = [{**s, "versions": [self.version] * len(s["answer_ids"])}
+                       for s in self.engine.generate(prompts, self.spec.sampling, seed, greedy)]
+        return [{**s, "version": min(s["versions"], default=self.version)} for s in samples]
+
+    def _turn_version(self) -> int:
+        """Before an episode's turn: a weight update that waits loads first (partial rollouts); the version the
+        turn samples with."""
+        if self.gate is not None and self.gate.requested:
+            self.gate.pause()
+        return self.version
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
         """`generate`, but the samples stay in the object store: the caller gets a reference and a summary. Each

@@ -133,8 +133,8 @@ class GenerationSpec(StrictModel):
     rollout to end. The engine stops its answers where they are, loads the new weights, and continues the unfinished
     answers from the tokens already generated (prompt and answer so far prefilled again with the new weights; no
     re-tokenising). Each answer token records the policy version that sampled it and its sampling log-prob (which
-    the policy loss uses as the behaviour policy with `ppo.tis_cap`). hf engine only so far; one answer per sample
-    (no environment)."""
+    the policy loss uses as the behaviour policy with `ppo.tis_cap`). Multi-turn episodes (environment) take the
+    update between two turns. hf engine only so far."""
 
     @property
     def max_answer_tokens(self) -> int:
@@ -155,7 +155,4 @@ class GenerationSpec(StrictModel):
         if self.partial_rollouts and self.engine != "hf":
             raise FieldProblem("partial_rollouts", f"interrupting a rollout for a weight update is built for the hf "
                                                    f"engine only so far, not engine: {self.engine}; set engine: hf")
-        if self.partial_rollouts and self.environment is not None:
-            raise FieldProblem("partial_rollouts", "multi-turn episodes (environment) take weight updates between "
-                                                   "rollouts only so far; remove partial_rollouts or the environment")
         return self

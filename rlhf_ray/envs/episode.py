@@ -29,8 +29,10 @@ def run_episodes(generate: Generate, envs: list[Environment], prompt_ids: list[l
     episode ends when its environment says done or gives no observation, after `max_turns` policy turns, when a turn
     is cut off (no stop token), when the next observation and a next turn of up to `turn_tokens` would pass
     `max_answer_tokens`, or when a `step` raises or takes longer than `step_timeout_s` (reward 0 for that step,
-    logged naming the environment)."""
-    episodes = [{"prompt_ids": list(p), "answer_ids": [], "answer_mask": [], "logprobs": [], "reward": 0.0,
+    logged naming the environment). A turn's samples may carry `versions` (the policy version of each token:
+    weight updates between turns); an observation's tokens take the version of the turn before them."""
+    episodes = [{"prompt_ids": list(p), "answer_ids": [], "answer_mask": [], "logprobs": [], "versions": [],
+                 "reward": 0.0,
                  "turns": 0, "tool_calls": 0, "valid_calls": 0, "finished": False, "done": False}
                 for p in prompt_ids]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(16, max(1, len(envs))))
@@ -46,6 +48,7 @@ def run_episodes(generate: Generate, envs: list[Environment], prompt_ids: list[l
                 e["answer_ids"] += out["answer_ids"]
                 e["answer_mask"] += [1] * len(out["answer_ids"])
                 e["logprobs"] += list(out["logprobs"])
+                e["versions"] += out.get("versions") or [0] * len(out["answer_ids"])
                 e["turns"] += 1
                 e["finished"] = bool(out["finished"])
                 if not out["finished"]:
@@ -70,6 +73,7 @@ def run_episodes(generate: Generate, envs: list[Environment], prompt_ids: list[l
                 e["answer_ids"] += observation
                 e["answer_mask"] += [0] * len(observation)
                 e["logprobs"] += [0.0] * len(observation)
+                e["versions"] += e["versions"][-1:] * len(observation)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)  # a step that hangs is abandoned, not waited for
     for e in episodes:
@@ -121,7 +125,9 @@ class EpisodeRunner:
         self.sampling = sampling
 
     def play(self, engine, prompts: list[list[int]], columns: list[dict] | None, seed: int,
-             greedy: bool = False) -> list[dict[str, Any]]:
+             greedy: bool = False, before_turn: Callable[[], int] = lambda: 0) -> list[dict[str, Any]]:
+        """The episodes; `before_turn()` runs before each turn and returns the policy version that turn samples
+        with (the engine's, after any weight update that waited for the turn to end)."""
         from rlhf_ray.data.split import stable_seed
 
         n = 1 if greedy else self.sampling.n_samples_per_prompt
@@ -137,7 +143,9 @@ class EpisodeRunner:
         turns = iter(range(self.spec.max_turns))
 
         def generate(batch: list[list[int]]) -> list[dict[str, Any]]:
-            return engine.generate(batch, one, stable_seed(seed, "turn", next(turns)), greedy)
+            version = before_turn()
+            samples = engine.generate(batch, one, stable_seed(seed, "turn", next(turns)), greedy)
+            return [{**s, "versions": [version] * len(s["answer_ids"])} for s in samples]
 
         episodes = run_episodes(generate, envs, starts, self.tokenizer, self.renderer, self.spec.max_turns,
                                 self.spec.max_episode_tokens, self.spec.step_timeout_s, one.max_new_tokens)
@@ -146,6 +154,6 @@ class EpisodeRunner:
             stats = {"episode_reward": e["reward"], "turns": e["turns"], "tool_calls": e["tool_calls"],
                      "valid_calls": e["valid_calls"]}
             out.append({"prompt_index": i, "prompt_ids": e["prompt_ids"], "answer_ids": e["answer_ids"],
-                        "answer_mask": e["answer_mask"], "logprobs": e["logprobs"], "finished": e["finished"],
-                        "episode": stats})
+                        "answer_mask": e["answer_mask"], "logprobs": e["logprobs"], "versions": e["versions"],
+                        "finished": e["finished"], "episode": stats})
         return out
