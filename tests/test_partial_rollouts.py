@@ -1,7 +1,7 @@
 """Partial rollouts (generation.partial_rollouts): a weight update that reaches an engine mid-rollout pauses the
 answers, loads, and the answers go on from where they stopped with the new weights. The gate alone with threads;
 then a real engine actor (hf) whose update arrives in a thread of its own while the rollout is held at a known
-token (the test hook)."""
+token (the test hook), for each engine."""
 
 from __future__ import annotations
 
@@ -51,15 +51,18 @@ def test_a_failing_update_gives_the_engine_back():
     assert done.wait(5), "a generation waited for an update that had failed"
 
 
-MAX_NEW, HOLD = 16, 5
+MAX_NEW, HOLD = 16, 2
 
 
 @pytest.mark.system
-def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(shared_ray, sft_model, tiny_model):
-    """Rollout held after 5 tokens, the update (other weights: the tiny base model's) loads in the engine's weights
-    thread, the answers go on: their first 5 tokens are those of the same rollout without an update (same seed) and
-    carry version 0, the other 11 version 1; every token's sampling log-prob is the one of the weights that drew it,
-    the new weights' computed over prompt and answer so far (their KV recomputed, not the old)."""
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(shared_ray, sft_model, tiny_model,
+                                                                             engine):
+    """Each engine: rollout held after 2 tokens, the update (other weights: the tiny base model's) loads in the
+    engine's weights thread, the answers go on: their first 2 tokens are those of the same rollout without an
+    update (same seed) and carry version 0, the rest version 1; every token's sampling log-prob is the one of the
+    weights that drew it, the new weights' computed over prompt and answer so far (their KV recomputed, not the
+    old). (No min_new_tokens: vLLM reports log-probs after its min-tokens mask, the learner before it.)"""
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,20 +76,21 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
     from rlhf_ray.data.tokens import TokenConventions
     from rlhf_ray.models.weight_buckets import pack
 
-    spec = GenerationSpec.model_validate({"engine": "hf", "partial_rollouts": True, "sampling": {
-        "max_new_tokens": MAX_NEW, "min_new_tokens": MAX_NEW, "n_samples_per_prompt": 2, "temperature": 1.0}})
+    spec = GenerationSpec.model_validate({"engine": engine, "partial_rollouts": True,
+                                          "vllm": {"dtype": "fp32", "max_model_len": 256}, "sampling": {
+        "max_new_tokens": MAX_NEW, "n_samples_per_prompt": 2, "temperature": 1.0}})
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     prompts = [tokenizer(t)["input_ids"] for t in (" Human: Sort 3 1 2 Assistant:", " Human: Sort 9 4 Assistant:")]
 
-    def engine(name: str, env: dict) -> ActorGroup:
+    def start(name: str, env: dict) -> ActorGroup:
         return ActorGroup(GenerationWorker, name, 1, num_cpus=0.5,
                           kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
-                                      generation=spec.model_dump(), engine="hf",
+                                      generation=spec.model_dump(), engine=engine,
                                       tokens=TokenConventions.from_tokenizer(tokenizer, sft_model)),
-                          env_vars={**engine_env("hf", spec, 1), **env}, call_timeout_s=300,
+                          env_vars={**engine_env(engine, spec, 1), **env}, call_timeout_s=300,
                           threads={"weights": list(WEIGHT_CALLS)})
 
-    plain, held = engine("plain", {}), engine("held", {HOLD_ENV: str(HOLD)})
+    plain, held = start("plain", {}), start("held", {HOLD_ENV: str(HOLD)})
     try:
         for group in (plain, held):
             group.wait_ready(300)
@@ -103,13 +107,16 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
         held.kill()
     assert result["version"] == 1
     old = AutoModelForCausalLM.from_pretrained(sft_model).eval()
+    assert any(len(s["answer_ids"]) > HOLD for s in samples), "no answer went on past the hold"
     for before, after in zip(straight, samples):
-        assert before["versions"] == [0] * MAX_NEW
-        assert after["versions"] == [0] * HOLD + [1] * (MAX_NEW - HOLD) and after["version"] == 0
-        assert after["answer_ids"][:HOLD] == before["answer_ids"][:HOLD]
-        torch.testing.assert_close(after["logprobs"][:HOLD], before["logprobs"][:HOLD], rtol=0, atol=1e-5)
+        assert before["versions"] == [0] * len(before["answer_ids"])
+        held_for = min(HOLD, len(after["answer_ids"]))  # an answer that ended before the hold: all version 0
+        length = len(after["answer_ids"])
+        assert after["versions"] == [0] * held_for + [1] * (length - held_for) and after["version"] == 0
+        assert after["answer_ids"][:held_for] == before["answer_ids"][:held_for]
+        torch.testing.assert_close(after["logprobs"][:held_for], before["logprobs"][:held_for], rtol=0, atol=1e-5)
         ids = torch.tensor([after["prompt_ids"] + after["answer_ids"]])
         with torch.no_grad():
-            by_old, by_new = (answer_logprobs(m(ids).logits, ids, MAX_NEW)[0] for m in (old, new))
-        torch.testing.assert_close(torch.tensor(after["logprobs"][:HOLD]), by_old[:HOLD], rtol=0, atol=1e-3)
-        torch.testing.assert_close(torch.tensor(after["logprobs"][HOLD:]), by_new[HOLD:], rtol=0, atol=1e-3)
+            by_old, by_new = (answer_logprobs(m(ids).logits, ids, length)[0] for m in (old, new))
+        torch.testing.assert_close(torch.tensor(after["logprobs"][:held_for]), by_old[:held_for], rtol=0, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(after["logprobs"][held_for:]), by_new[held_for:], rtol=0, atol=1e-3)

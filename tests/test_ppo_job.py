@@ -335,8 +335,10 @@ def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_exper
     assert all(m["buffer/entries"] <= 3 for m in steps)
 
 
-def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch):
-    """generation.partial_rollouts on the hf engine, with the test hook holding every rollout after 3 of its 8
+@pytest.mark.parametrize("engine", [["generation.engine=hf"], ["generation.engine=vllm", "generation.vllm.dtype=fp32"]],
+                         ids=["hf", "vllm"])
+def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch, engine):
+    """generation.partial_rollouts on each engine, with the test hook holding every rollout after 3 of its 8
     tokens (5 s at most): rollout 0 (the starting weights) waits out the hold; each later rollout is generating
     when the update trained on the one before reaches its engine, so its answers are 3 tokens of the old version
     and 5 of the new one, and the update that trains on them finds 3/8 of their tokens one version old."""
@@ -346,7 +348,7 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
 
     monkeypatch.setenv(HOLD_ENV, "3:5")
     sft, rm = stage_models
-    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "generation.engine=hf", "generation.partial_rollouts=true",
+    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", *engine, "generation.partial_rollouts=true",
                   "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
                   "ppo.rollout_batch_size=8", "ppo.iterations=4", "ppo.eval_prompts=0", "critic=null",
                   "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",

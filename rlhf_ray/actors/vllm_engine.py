@@ -111,6 +111,8 @@ class VLLMEngine(GenerationEngine):
         self.last_load: dict = {}
         """What the workers took from the shared chunks of the last update, by worker pid (tensor-parallel path)."""
         self.sleeping = False
+        self.requests = 0
+        """Stoppable generations so far (their requests' ids)."""
         self.adapter = AdapterSlot(model) if spec.weight_sync.lora == "adapter" else None
         """Adapter sync: where the policy's latest LoRA adapter is written for vLLM to load (None: merged)."""
         log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
@@ -130,11 +132,10 @@ class VLLMEngine(GenerationEngine):
                  stop: Callable[[int], bool] | None = None) -> list[Sample]:
         from vllm.inputs import TokensPrompt
 
-        if stop is not None:  # validate refuses partial_rollouts with this engine
-            raise NotImplementedError("the vLLM engine does not stop mid-generation for weight updates yet")
-
         if self.sleeping:
             self.wake_up()
+        if stop is not None:
+            return self._generate_stoppable(prompts, sampling, seed, greedy, stop)
         n = 1 if greedy else sampling.n_samples_per_prompt
         # a hashed seed per prompt: the draw depends on (seed, place), not on the batch, and neighbouring prompts
         # never share a random stream (seed + i would: vLLM offsets the n samples of a request by +1 each)
@@ -148,6 +149,43 @@ class VLLMEngine(GenerationEngine):
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs, answer)]
                 rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=answer, logprobs=logprobs,
                                    finished=finished))
+        return rows
+
+    def _generate_stoppable(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool,
+                            stop: Callable[[int], bool]) -> list[Sample]:
+        """`generate`, stepping the engine here so `stop` is asked after each token: one request per answer (its own
+        seed), and when `stop` says so the unfinished ones are aborted where they are."""
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        engine = self.llm.llm_engine
+        n = 1 if greedy else sampling.n_samples_per_prompt
+        expanded = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+        self.requests += 1
+        ids = []
+        for k, (i, prompt) in enumerate(expanded):
+            params = self._params(sampling, stable_seed(seed, i, k) % 2**31, greedy, 1)
+            params.output_kind = RequestOutputKind.CUMULATIVE  # each step's output holds the answer so far
+            ids.append(f"stoppable-{self.requests}-{k}")  # outputs and aborts name requests by these ids
+            engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=prompt), params,
+                               lora_request=self.adapter.request if self.adapter else None)
+        latest: dict[str, object] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                latest[out.request_id] = out
+            drawn = max((len(o.outputs[0].token_ids) for o in latest.values()), default=0)
+            if stop(drawn):
+                engine.abort_request([r for r in ids if not (r in latest and latest[r].finished)])
+                break
+        rows: list[Sample] = []
+        for (index, prompt), request in zip(expanded, ids):
+            answer, finished, logprobs = [], False, []
+            if (out := latest.get(request)) is not None:
+                completion = out.outputs[0]
+                answer, finished = self.tokens.cut(list(completion.token_ids))
+                logprobs = [step[token].logprob for step, token in zip(completion.logprobs, answer)]
+            rows.append(Sample(prompt_index=index, prompt_ids=prompt, answer_ids=answer, logprobs=logprobs,
+                               finished=finished))
         return rows
 
     def load_weights(self, weights: Weights, complete: bool = True) -> int:

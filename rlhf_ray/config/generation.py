@@ -134,7 +134,7 @@ class GenerationSpec(StrictModel):
     answers from the tokens already generated (prompt and answer so far prefilled again with the new weights; no
     re-tokenising). Each answer token records the policy version that sampled it and its sampling log-prob (which
     the policy loss uses as the behaviour policy with `ppo.tis_cap`). Multi-turn episodes (environment) take the
-    update between two turns. hf engine only so far."""
+    update between two turns."""
 
     @property
     def max_answer_tokens(self) -> int:
@@ -152,7 +152,4 @@ class GenerationSpec(StrictModel):
             )
         if self.engine == "hf" and tp > 1:
             raise FieldProblem("vllm.tensor_parallel_size", "the hf engine has no tensor parallelism; use engine: vllm")
-        if self.partial_rollouts and self.engine != "hf":
-            raise FieldProblem("partial_rollouts", f"interrupting a rollout for a weight update is built for the hf "
-                                                   f"engine only so far, not engine: {self.engine}; set engine: hf")
         return self
