@@ -23,9 +23,10 @@ class LoggingSpec(StrictModel):
     progress: bool = True
     """Show progress bars on the driver."""
     timeline: bool = False
-    """PPO: write Ray's timeline of every actor call of the run (start, end, argument and result transfers) to
-    `<output_dir>/timeline.json` when the job ends, as a Chrome trace (open it in ui.perfetto.dev or
-    chrome://tracing) to see where an iteration's time goes between the actors."""
+    """PPO: write Ray's timeline of every actor call of the run (start, end, argument and result transfers; this
+    job's calls since it started, not other jobs' on the same cluster) to `<output_dir>/timeline.json` when the job
+    ends, as a Chrome trace (open it in ui.perfetto.dev or chrome://tracing) to see where an iteration's time goes
+    between the actors."""
     samples_per_iteration: int = Field(0, ge=0)
     """PPO: the first N rollout samples of every logged iteration (prompt, answer, reward, dataset columns) are
     appended to `<output_dir>/samples.jsonl`, to read what the policy writes and what it was scored on."""

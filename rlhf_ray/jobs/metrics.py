@@ -85,13 +85,18 @@ TIMELINE_FILE = "timeline.json"
 """Ray's timeline of the run's actor calls (logging.timeline), a Chrome trace."""
 
 
-def write_timeline(path: Path, report_interval_s: float = 1.0) -> None:
-    """Ray's timeline of every task and actor call so far, as a Chrome trace. Processes report their calls to Ray
-    every `report_interval_s` (Ray's task_events_report_interval_ms): the last report is waited for first."""
+def write_timeline(path: Path, since: float, report_interval_s: float = 1.0) -> None:
+    """Ray's timeline of this job's tasks and actor calls from `since` (a time.time()) on, as a Chrome trace: a
+    cluster's timeline holds every job it ran (a shared or long-lived cluster), so other jobs' calls and earlier
+    ones are left out. Processes report their calls to Ray every `report_interval_s` (Ray's
+    task_events_report_interval_ms): the last report is waited for first."""
     import ray
 
     time.sleep(2 * report_interval_s)
-    ray.timeline(str(path))
+    job = ray.get_runtime_context().get_job_id()
+    events = [e for e in ray.timeline() if e.get("ts", since * 1e6) >= since * 1e6
+              and e.get("args", {}).get("task_id", job)[-len(job):] == job]  # a task id ends with its job's id
+    path.write_text(json.dumps(events))
 
 
 def _keep_lines(path: Path, key: str, last: int) -> int:

@@ -59,7 +59,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
                 return trainer.fit()
         finally:
             if job.logging.timeline:
-                write_timeline(out / TIMELINE_FILE)
+                write_timeline(out / TIMELINE_FILE, started)
             if workers is not None:
                 workers.kill()
 
