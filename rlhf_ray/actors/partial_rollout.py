@@ -24,13 +24,13 @@ def generate_through_updates(engine: GenerationEngine, prompts: list[list[int]],
         now = version()
         rows = [{**s, "versions": [now] * len(s["answer_ids"])}
                 for s in engine.generate(prompts, sampling, seed, greedy, stop)]
-        restart, drawn = 0, sum(len(r["answer_ids"]) for r in rows)
+        restart, drawn = 0, None
         while todo := [i for i, r in enumerate(rows)
                        if not r["finished"] and len(r["answer_ids"]) < sampling.max_new_tokens]:
-            if restart and sum(len(r["answer_ids"]) for r in rows) == drawn and not gate.requested:
+            before, drawn = drawn, sum(len(r["answer_ids"]) for r in rows)
+            if drawn == before and not gate.requested:
                 raise RuntimeError(f"{len(todo)} answers stopped short of max_new_tokens with no weight update "
                                    f"waiting, and continuing them drew no token (the {engine.name} engine)")
-            drawn = sum(len(r["answer_ids"]) for r in rows)
             gate.pause()  # the update that stopped them loads now
             now, restart = version(), restart + 1
             by_length = itertools.groupby(sorted(todo, key=lambda i: len(rows[i]["answer_ids"])),
