@@ -120,3 +120,109 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
             by_old, by_new = (answer_logprobs(m(ids).logits, ids, length)[0] for m in (old, new))
         torch.testing.assert_close(torch.tensor(after["logprobs"][:held_for]), by_old[:held_for], rtol=0, atol=1e-3)
         torch.testing.assert_close(torch.tensor(after["logprobs"][held_for:]), by_new[held_for:], rtol=0, atol=1e-3)
+
+
+class Scripted:
+    """An engine whose answer to a prompt whose last id is k is `k` tokens long (ids 1..k, id 0 ends it), one token
+    per step; it keeps the engine contract: budgets, stop asked after each token with the answers that ended."""
+
+    name = "scripted"
+
+    def __init__(self, step_s: float = 0.002):
+        self.step_s, self.calls = step_s, []
+
+    def generate(self, prompts, sampling, seed, greedy=False, stop=None, budgets=None):
+        n = 1 if greedy else sampling.n_samples_per_prompt
+        rows = [(i, p) for i, p in enumerate(prompts) for _ in range(n)]
+        self.calls.append(len(rows))
+        drawn = [[] for _ in rows]
+        limit = [budgets[i][0] if budgets else sampling.max_new_tokens for i, _ in rows]
+
+        def target(p):  # the length the full answer has, whatever part of it the prompt already holds
+            return p[[j for j, t in enumerate(p) if t >= 100][-1]] - 100
+
+        def ended(r):
+            return bool(drawn[r]) and drawn[r][-1] == 0 or len(drawn[r]) >= limit[r]
+
+        for step in range(1, max(limit) + 1):
+            for r, (_, p) in enumerate(rows):
+                if not ended(r):
+                    so_far = len(p) - 1 - [j for j, t in enumerate(p) if t >= 100][-1] + len(drawn[r])
+                    drawn[r].append(0 if so_far + 1 >= target(p) else so_far + 1)
+            time.sleep(self.step_s)
+            if all(ended(r) for r in range(len(rows))) or (stop and stop(step, [ended(r) for r in range(len(rows))])):
+                break
+        return [{"prompt_index": i, "prompt_ids": p, "answer_ids": d, "logprobs": [-1.0] * len(d),
+                 "finished": bool(d) and d[-1] == 0} for (i, p), d in zip(rows, drawn)]
+
+
+def test_rollouts_stream_the_first_whole_groups_and_the_long_answer_goes_on_into_a_later_rollout():
+    """Two rollouts started together (the second joins while the first drives the engine): the first returns the
+    first two groups to finish, one of them the second rollout's; the long answer goes on, its tokens carried, into
+    the second rollout; every group comes back exactly once, whole."""
+    from rlhf_ray.actors.partial_rollout import PartialRollouts
+    from rlhf_ray.config.generation import SamplingSpec
+
+    engine, gate = Scripted(step_s=0.01), UpdateGate()
+    stream = PartialRollouts(engine, SamplingSpec(max_new_tokens=64, n_samples_per_prompt=2), gate, lambda: 0)
+    results = {}
+
+    def rollout(name, lengths, keys):
+        results[name] = stream.rollout([[100 + k] for k in lengths], seed=1, keys=keys)
+
+    first = threading.Thread(target=rollout, args=("first", [3, 40], [10, 11]))
+    first.start()
+    time.sleep(0.05)  # the first drives the engine ...
+    second = threading.Thread(target=rollout, args=("second", [5, 6], [20, 21]))
+    second.start()  # ... and the second's prompts join it at its next token
+    first.join(10)
+    second.join(10)
+    (groups1, streamed1, _), (groups2, streamed2, _) = results["first"], results["second"]
+    assert [g.key for g in groups1] == [10, 20] and streamed1 == 1
+    assert sorted(g.key for g in groups2) == [11, 21] and streamed2 == 1
+    long = next(g for g in groups2 if g.key == 11)
+    for answer in long.answers:  # drawn in both calls, continued where it stopped
+        assert answer.answer_ids == list(range(1, 40)) + [0] and answer.finished
+    assert stream.in_flight == []
+    assert len(engine.calls) >= 3  # the first call's round, the round after the second joined, the second call's
+
+
+def test_a_rollout_restarts_answers_older_than_max_staleness():
+    """An answer in flight whose first token is over max_staleness versions older than the engine's weights is
+    started again (the buffer would refuse the rollout holding it): its tokens all carry the new version."""
+    from rlhf_ray.actors.partial_rollout import Answer, Group, PartialRollouts
+    from rlhf_ray.config.generation import SamplingSpec
+
+    version = {"now": 3}
+    stream = PartialRollouts(Scripted(), SamplingSpec(max_new_tokens=64, n_samples_per_prompt=1), UpdateGate(),
+                             lambda: version["now"], max_staleness=1)
+    stale = Group(0, [Answer([104], answer_ids=[1, 2], logprobs=[-1.0, -1.0], versions=[1, 2])], key=7)
+    fresh = Group(1, [Answer([105], answer_ids=[1, 2], logprobs=[-1.0, -1.0], versions=[2, 2])], key=8)
+    stream.in_flight = [stale, fresh]
+    groups, _, _ = stream.rollout([[103]], seed=0, keys=[9])
+    returned = {g.key: g for g in stream.in_flight + groups}
+    assert returned[7].answers[0].versions[0] == 3, "the stale answer kept its old tokens"
+    assert returned[8].answers[0].versions[:2] == [2, 2], "a fresh answer was started again"
+
+
+def test_hf_engine_keeps_each_prompts_budget_and_reports_ended_answers(sft_model):
+    """The hf engine ends each prompt's answers at its own budget and tells `stop` which answers have ended."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ray.actors.hf_engine import HFEngine
+    from rlhf_ray.config import GenerationSpec, ModelSpec
+    from rlhf_ray.config.generation import SamplingSpec
+    from rlhf_ray.data.tokens import TokenConventions
+
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    engine = HFEngine(ModelSpec(path=str(sft_model), dtype="fp32"), GenerationSpec(),
+                      TokenConventions.from_tokenizer(tokenizer, sft_model))
+    prompts = [tokenizer(" Human: Sort 3 1 2 Assistant:")["input_ids"], tokenizer(" Human: Sort 9 Assistant:")["input_ids"]]
+    seen = []
+    rows = engine.generate(prompts, SamplingSpec(max_new_tokens=32, n_samples_per_prompt=2, temperature=1.0), 0,
+                           stop=lambda tokens, ended: seen.append((tokens, list(ended))) or False, budgets=[(2, 0), (5, 5)])
+    assert [len(r["answer_ids"]) <= b for r, b in zip(rows, [2, 2, 5, 5])] == [True] * 4
+    assert [len(r["answer_ids"]) for r in rows[2:]] == [5, 5]  # its own minimum and maximum
+    tokens, ended = seen[-1]
+    assert ended[:2] == [True, True] and tokens <= 5
+    assert all(e or not r["finished"] and len(r["answer_ids"]) < b for e, r, b in zip(ended, rows, [2, 2, 5, 5]))

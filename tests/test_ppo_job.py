@@ -338,10 +338,11 @@ def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_exper
 @pytest.mark.parametrize("engine", [["generation.engine=hf"], ["generation.engine=vllm", "generation.vllm.dtype=fp32"]],
                          ids=["hf", "vllm"])
 def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch, engine):
-    """generation.partial_rollouts on each engine, with the test hook holding every rollout after 3 of its 8
-    tokens (5 s at most): rollout 0 (the starting weights) waits out the hold; each later rollout is generating
-    when the update trained on the one before reaches its engine, so its answers are 3 tokens of the old version
-    and 5 of the new one, and the update that trains on them finds 3/8 of their tokens one version old."""
+    """generation.partial_rollouts on each engine, with the test hook holding each rollout call's first round
+    after 3 tokens (5 s at most) until an update asks for the engine: the rollouts started while an update trains
+    are generating when its weights arrive, so their answers (8 tokens each) carry two policy versions, and the
+    update that trains on them finds some of their tokens one version old; the rollouts stream (the next rollout's
+    prompts join the running one), and no experience is older than max_staleness."""
     import json
 
     from rlhf_ray.actors.update_gate import HOLD_ENV
@@ -357,12 +358,12 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
     assert run_ppo(job)["iterations"] == 4
     logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "experience/staleness" in m]
-    assert [m["generate/multi_version_answers"] for m in steps] == [0, 1, 1, 1]
-    assert steps[0]["experience/tokens_staleness_0"] == 1
-    assert all(m["experience/tokens_staleness_1"] == 3 / 8 and m["experience/tokens_staleness_0"] == 5 / 8
-               for m in steps[1:]), [(m["experience/tokens_staleness_0"], m["experience/tokens_staleness_1"])
-                                     for m in steps]
-    assert [m["experience/staleness"] for m in steps] == [0, 1, 1, 1]  # a row is as old as its oldest token
+    mixed = [m for m in steps if m["generate/multi_version_answers"] > 0]
+    assert mixed, [m["generate/multi_version_answers"] for m in steps]
+    assert all(0 < m["experience/tokens_staleness_1"] < 1 and m["experience/staleness"] == 1 for m in mixed)
+    assert steps[0]["experience/tokens_staleness_0"] == 1  # rollout 0: the starting weights only
+    assert all(m["experience/staleness"] <= 1 and m["experience/tokens_staleness_2plus"] == 0 for m in steps)
+    assert all(m["answer/length"] == 8 for m in steps)  # every answer continued to its end, no token lost
     assert all(m["policy/tis_weight"] > 0 for m in steps)
 
 

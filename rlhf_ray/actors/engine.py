@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypedDict
 
@@ -27,6 +27,10 @@ from rlhf_ray.data.tokens import TokenConventions
 log = logging.getLogger(__name__)
 
 Weights = Iterable[tuple[str, torch.Tensor]]
+
+Stop = Callable[[int, Sequence[bool]], bool]
+"""Asked by an engine after each token with the most tokens an answer of the call has drawn and, per answer (in the
+call's order), whether it has ended (a stop id or its token budget); True ends every answer where it is."""
 
 
 class Sample(TypedDict):
@@ -49,10 +53,11 @@ class GenerationEngine(ABC):
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False,
-                 stop: Callable[[int], bool] | None = None) -> list[Sample]:
+                 stop: Stop | None = None, budgets: list[tuple[int, int]] | None = None) -> list[Sample]:
         """`n_samples_per_prompt` answers per prompt (1 when greedy), consecutive per prompt, in prompt order. `stop`
-        (asked after each token with the tokens this call has drawn so far per answer): when it says so, every
-        answer ends where it is, `finished` false (a weight update waits: generation.partial_rollouts)."""
+        (see Stop): when it says so, every answer ends where it is, `finished` false (a weight update waits, or a
+        partial rollout has the answers it needs: generation.partial_rollouts). `budgets`: each prompt's own
+        (max_new_tokens, min_new_tokens) instead of the sampling's (a continued answer's remainder)."""
 
     @abstractmethod
     def load_weights(self, weights: Weights, complete: bool = True) -> int:

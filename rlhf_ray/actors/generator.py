@@ -11,7 +11,7 @@ import time
 import torch
 
 from rlhf_ray.actors.engine import build_engine
-from rlhf_ray.actors.partial_rollout import generate_through_updates
+from rlhf_ray.actors.partial_rollout import PartialRollouts, samples_of
 from rlhf_ray.actors.update_gate import HOLD_ENV, UpdateGate, hold_point
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
@@ -24,7 +24,7 @@ from rlhf_ray.memory.probe import PeakMemory
 
 class GenerationWorker:
     def __init__(self, *, rank: int, world_size: int, model: dict, generation: dict, engine: str,
-                 tokens: TokenConventions):
+                 tokens: TokenConventions, max_staleness: int | None = None):
         if engine == "vllm":  # the library's own import is runtime, as torch's is: not what the engine holds
             importlib.import_module("vllm")
         self.memory = PeakMemory()  # before the engine: its peak counts the weights, the KV cache and the rest
@@ -36,7 +36,10 @@ class GenerationWorker:
         self.version = 0
         self.gate = UpdateGate() if self.spec.partial_rollouts else None
         """partial_rollouts: weight updates arrive in a thread of their own and take the engine between tokens."""
-        self.hold = hold_point(os.environ.get(HOLD_ENV))
+        self.partial = None if self.gate is None else PartialRollouts(
+            self.engine, self.spec.sampling, self.gate, lambda: self.version, max_staleness=max_staleness,
+            hold=hold_point(os.environ.get(HOLD_ENV)))
+        """partial_rollouts: rollouts run together and return their first whole groups (partial_rollout.py)."""
         self.episodes = None
         if self.spec.environment is not None:
             from rlhf_ray.envs.episode import EpisodeRunner
@@ -58,9 +61,8 @@ class GenerationWorker:
         if self.episodes is not None:
             with self.gate.generation() if self.gate is not None else contextlib.nullcontext():
                 samples = self.episodes.play(self.engine, prompts, columns, seed, greedy, self._turn_version)
-        elif self.gate is not None:
-            samples = generate_through_updates(self.engine, prompts, self.spec.sampling, seed, greedy, self.gate,
-                                               lambda: self.version, self.hold)
+        elif self.partial is not None:
+            samples = self.partial.generate(prompts, seed, greedy)
         else:
             samples = [{**s, "versions": [self.version] * len(s["answer_ids"])}
                        for s in self.engine.generate(prompts, self.spec.sampling, seed, greedy)]
@@ -73,21 +75,33 @@ class GenerationWorker:
             self.gate.pause()
         return self.version
 
-    def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
-        """`generate`, but the samples stay in the object store: the caller gets a reference and a summary. Each
-        sample carries its prompt's dataset `columns` (for reward functions), and an episode's statistics."""
+    def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
+                keys: list[int] | None = None) -> dict:
+        """`generate`, but the samples stay in the object store: the caller gets a reference and a summary, with
+        the `keys` of the prompts answered, one per group in sample order. Each sample carries its prompt's dataset
+        `columns` (for reward functions), and an episode's statistics. With partial rollouts (no environment) the
+        groups are the first to finish among those in flight, this call's prompts or other calls' (`streamed`
+        counts those)."""
         import ray
 
         start = time.perf_counter()
-        samples = self.generate(prompts, seed, columns=columns)
-        if columns is not None or self.episodes is not None:
-            samples = [{**s, "columns": {**(columns[s["prompt_index"]] if columns else {}), **s.get("episode", {})}}
-                       for s in samples]
+        keys, streamed = list(range(len(prompts))) if keys is None else keys, 0
+        if self.partial is not None and self.episodes is None:
+            groups, streamed, seconds = self.partial.rollout(prompts, seed, columns, keys)
+            samples = [{**s, "version": min(s["versions"], default=self.version), "columns": g.columns or {}}
+                       for g in groups for s in samples_of([g])]
+            keys = [g.key for g in groups]
+        else:
+            samples = self.generate(prompts, seed, columns=columns)
+            if columns is not None or self.episodes is not None:
+                samples = [{**s, "columns": {**(columns[s["prompt_index"]] if columns else {}),
+                                             **s.get("episode", {})}} for s in samples]
+            seconds = time.perf_counter() - start
         episodes = [s["episode"] for s in samples if "episode" in s]
-        return {"ref": ray.put(samples), "samples": len(samples),
+        return {"ref": ray.put(samples), "samples": len(samples), "keys": keys, "streamed": streamed,
                 "version": min((s["version"] for s in samples), default=self.version),  # its oldest token's
                 "tokens": sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
-                "seconds": time.perf_counter() - start,
+                "seconds": seconds,
                 "episodes": {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS} if episodes else {}}
 
     def load_weights(self, bucket_refs: list, version: int) -> dict:

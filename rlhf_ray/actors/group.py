@@ -99,7 +99,8 @@ class ActorGroup:
                  bundle_indices: list[int] | None = None, num_cpus: float = 1, num_gpus: float = 0,
                  args: tuple = (), kwargs: dict | None = None, call_timeout_s: float = 1800,
                  start_timeout_s: float = 300, env_vars: dict[str, str] | None = None,
-                 ray_options: dict | None = None, threads: dict[str, list[str]] | None = None):
+                 ray_options: dict | None = None, threads: dict[str, list[str]] | None = None,
+                 concurrent: dict[str, int] | None = None):
         if replicas < 1:
             raise ValueError(f"{role}: replicas must be >= 1, got {replicas}")
         if placement_group is None and bundle_indices is not None:
@@ -114,10 +115,11 @@ class ActorGroup:
         self.start_timeout_s = start_timeout_s
         self.names = [f"{role}-{rank}" for rank in range(replicas)]
         self.thread_of = {method: name for name, methods in (threads or {}).items() for method in methods}
-        """Methods that run in a thread of their own (a Ray concurrency group, one call at a time), beside the
-        actor's other calls: `threads` maps the thread's name to its methods."""
-        self._remote_cls = (ray.remote(concurrency_groups=dict.fromkeys(threads, 1))(actor_cls) if threads
-                            else ray.remote(actor_cls))
+        """Methods that run in a thread of their own (a Ray concurrency group, one call at a time unless
+        `concurrent` gives the group more), beside the actor's other calls: `threads` maps the thread's name to its
+        methods."""
+        self._remote_cls = (ray.remote(concurrency_groups={name: (concurrent or {}).get(name, 1) for name in threads})
+                            (actor_cls) if threads else ray.remote(actor_cls))
         self._spawn_args = (args, kwargs or {}, num_cpus, num_gpus, placement_group, bundle_indices, env_vars,
                             ray_options or {})
         self.actors: list = []

@@ -1,12 +1,24 @@
-"""Generation that lets weight updates in (generation.partial_rollouts): when an update waits for the engine, the
-answers stop where they are, the update loads, and the unfinished answers continue from their tokens with the new
-weights (prompt and answer so far are prefilled again, so their KV is the new weights'; nothing is re-tokenised).
-Each answer token keeps the policy version that sampled it and its sampling log-prob."""
+"""Partial rollouts (generation.partial_rollouts): generation that lets weight updates in, and rollouts that never
+wait for their longest answer.
+
+Weight updates: when an update waits for the engine, the answers stop where they are, the update loads, and the
+unfinished answers continue from their tokens with the new weights (prompt and answer so far are prefilled again,
+so their KV is the new weights'; nothing is re-tokenised). Each answer token keeps the policy version that sampled
+it and its sampling log-prob.
+
+Streaming: the rollouts the driver has started run together. A rollout call's prompts join the answers in flight at
+once (the running call takes them in at its next token), and each call returns the first whole groups to finish
+(as many as it brought prompts), oldest first; the rest go on in the next call. So the longest answer holds back
+only itself, and the engine's batch stays full while it runs. An answer whose first token is more than
+`max_staleness` policy versions old is started again (the buffer would refuse its rollout)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from rlhf_ray.actors.engine import GenerationEngine
 from rlhf_ray.actors.update_gate import UpdateGate
@@ -14,54 +26,167 @@ from rlhf_ray.config.generation import SamplingSpec
 from rlhf_ray.data.split import stable_seed
 
 
-def generate_through_updates(engine: GenerationEngine, prompts: list[list[int]], sampling: SamplingSpec, seed: int,
-                             greedy: bool, gate: UpdateGate, version: Callable[[], int],
-                             hold: tuple[int, float] | None = None) -> list[dict]:
-    """The engine's samples of `prompts` (its contract), each with `versions`: the policy version of each answer
-    token. `version()` reads the engine's version after an update; `hold`: the test hook (update_gate.HOLD_ENV)."""
-    stop = _asked_to_stop(gate, hold)
-    with gate.generation():
-        now = version()
-        rows = [{**s, "versions": [now] * len(s["answer_ids"])}
-                for s in engine.generate(prompts, sampling, seed, greedy, stop)]
-        restart, drawn = 0, None
-        while todo := [i for i, r in enumerate(rows)
-                       if not r["finished"] and len(r["answer_ids"]) < sampling.max_new_tokens]:
-            before, drawn = drawn, sum(len(r["answer_ids"]) for r in rows)
-            if drawn == before and not gate.requested:
-                raise RuntimeError(f"{len(todo)} answers stopped short of max_new_tokens with no weight update "
-                                   f"waiting, and continuing them drew no token (the {engine.name} engine)")
-            gate.pause()  # the update that stopped them loads now
-            now, restart = version(), restart + 1
-            by_length = itertools.groupby(sorted(todo, key=lambda i: len(rows[i]["answer_ids"])),
-                                          key=lambda i: len(rows[i]["answer_ids"]))
-            for done, group in by_length:  # rows stopped at the same token go on together
-                group = list(group)
-                rest = sampling.model_copy(update={"n_samples_per_prompt": 1,
-                                                   "max_new_tokens": sampling.max_new_tokens - done,
-                                                   "min_new_tokens": max(0, sampling.min_new_tokens - done)})
-                more = engine.generate([rows[i]["prompt_ids"] + rows[i]["answer_ids"] for i in group], rest,
-                                       stable_seed(seed, "continue", restart, done), greedy, stop)
-                for i, sample in zip(group, more):
-                    row = rows[i]
-                    rows[i] = {**row, "answer_ids": row["answer_ids"] + sample["answer_ids"],
-                               "logprobs": row["logprobs"] + sample["logprobs"], "finished": sample["finished"],
-                               "versions": row["versions"] + [now] * len(sample["answer_ids"])}
-    return rows
+@dataclass(eq=False)
+class Answer:
+    """One answer so far: its tokens, their sampling log-probs and the policy version that drew each."""
+
+    prompt_ids: list[int]
+    answer_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finished: bool = False
+    """Ended with a stop id."""
 
 
-def _asked_to_stop(gate: UpdateGate, hold: tuple[int, float] | None) -> Callable[[int], bool]:
-    """What the engine asks after each token: whether an update waits. With the test hook (token, seconds), the
-    first call's answers go on to that token whatever waits, and hold there until an update does."""
-    held = False
+@dataclass(eq=False)
+class Group:
+    """A prompt's answers (n_samples_per_prompt; 1 when greedy), with what its caller gave along."""
 
-    def stop(tokens: int) -> bool:
-        nonlocal held
-        if hold is not None and not held:
-            if tokens < hold[0]:
-                return False
-            held = True
-            gate.wait_for_request(hold[1])
-        return gate.requested
+    prompt_index: int
+    """Its place among the prompts of the call that brought it."""
+    answers: list[Answer]
+    columns: dict | None = None
+    """The prompt's dataset columns (for reward functions)."""
+    key: int | None = None
+    """The caller's name for the prompt (the dataset index)."""
+    call: int = 0
+    """The rollout call that brought it (calls counted from 0 in arrival order)."""
 
-    return stop
+
+class PartialRollouts:
+    """The generation of one engine actor with partial rollouts. `version()` reads the engine's policy version;
+    `hold`: the test hook (update_gate.HOLD_ENV)."""
+
+    def __init__(self, engine: GenerationEngine, sampling: SamplingSpec, gate: UpdateGate,
+                 version: Callable[[], int], *, max_staleness: int | None = None,
+                 hold: tuple[int, float] | None = None):
+        self.engine, self.sampling, self.gate, self.version = engine, sampling, gate, version
+        self.max_staleness, self.hold = max_staleness, hold
+        self.in_flight: list[Group] = []
+        """Groups of the rollout calls so far that no call has returned yet, oldest first."""
+        self.changed = threading.Condition()
+        self.tickets = itertools.count()
+        self.serving = 0
+        """The rollout call whose turn it is to drive the engine (calls drive one at a time, in arrival order)."""
+        self.arrived = False
+        """Prompts joined since the driving call's last round began (it takes them in at its next token)."""
+
+    def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
+        """Every answer of `prompts` to its end, through weight updates (evaluation; nothing carries over)."""
+        groups = self._groups(prompts, greedy)
+        self._drive(lambda: groups, len(groups), seed, greedy, streaming=False)
+        return samples_of(groups)
+
+    def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
+                keys: list[int] | None = None) -> tuple[list[Group], int, float]:
+        """Join `prompts` to the answers in flight, wait for this call's turn, then drive the engine until
+        len(prompts) groups are whole. Returns them (oldest first), how many of them another call brought, and the
+        seconds this call drove the engine."""
+        with self.changed:
+            ticket = next(self.tickets)
+            self.in_flight += self._groups(prompts, False, columns, keys, ticket)
+            self.arrived = True
+            self.changed.wait_for(lambda: self.serving == ticket)
+        began = time.perf_counter()
+        try:
+            done = self._drive(self._current, len(prompts), seed, False, streaming=True)
+            with self.changed:
+                self.in_flight = [g for g in self.in_flight if not any(g is d for d in done)]
+        finally:
+            with self.changed:
+                self.serving += 1
+                self.changed.notify_all()
+        return done, sum(g.call != ticket for g in done), time.perf_counter() - began
+
+    # ---- driving the engine ----------------------------------------------------------------------------------
+    def _drive(self, groups_now: Callable[[], list[Group]], quota: int, seed: int, greedy: bool,
+               streaming: bool) -> list[Group]:
+        """Rounds of generation over the unfinished answers of `groups_now()` until `quota` groups are whole (the
+        oldest of them returned). A round ends for a weight update (loaded between rounds), for prompts that
+        joined (streaming), or when enough groups are whole."""
+        stop_hold = self._holding()
+        with self.gate.generation():
+            for round_ in itertools.count():
+                groups = groups_now()
+                whole = [g for g in groups if all(self._done(a) for a in g.answers)]
+                todo = [(g, a) for g in groups for a in g.answers if not self._done(a)]
+                if len(whole) >= quota or not todo:
+                    return whole[:quota]
+                now, drawn = self.version(), sum(len(a.answer_ids) for _, a in todo)
+                self._round(todo, quota - len(whole), stable_seed(seed, "round", round_) if round_ else seed,
+                            greedy, now, stop_hold, streaming)
+                if sum(len(a.answer_ids) for _, a in todo) == drawn and not (self.gate.requested or self.arrived):
+                    raise RuntimeError(f"{len(todo)} answers stopped short of max_new_tokens with no weight update "
+                                       f"waiting, and continuing them drew no token (the {self.engine.name} engine)")
+                if self.gate.requested:
+                    self.gate.pause()  # the update that stopped the round loads now
+
+    def _round(self, todo: list[tuple[Group, Answer]], needed: int, seed: int, greedy: bool, now: int,
+               stop_hold: Callable[[int], bool], streaming: bool) -> None:
+        """One engine call continuing every answer of `todo` (with version `now`), each within what is left of its
+        max_new_tokens; it ends once `needed` more groups are whole, or earlier (an update, new prompts)."""
+        rows_of: dict[int, list[int]] = {}
+        for row, (group, _) in enumerate(todo):
+            rows_of.setdefault(id(group), []).append(row)
+        groups_rows = list(rows_of.values())
+
+        def stop(tokens: int, ended: Sequence[bool]) -> bool:
+            if stop_hold(tokens) or (streaming and self.arrived):
+                return True
+            return sum(all(ended[r] for r in rows) for rows in groups_rows) >= needed
+
+        if streaming:
+            with self.changed:
+                self.arrived = False
+        one = self.sampling.model_copy(update={"n_samples_per_prompt": 1})
+        samples = self.engine.generate([a.prompt_ids + a.answer_ids for _, a in todo], one, seed, greedy, stop,
+                                       [(self.sampling.max_new_tokens - len(a.answer_ids),
+                                         max(0, self.sampling.min_new_tokens - len(a.answer_ids))) for _, a in todo])
+        for (_, answer), sample in zip(todo, samples):
+            answer.answer_ids += sample["answer_ids"]
+            answer.logprobs += sample["logprobs"]
+            answer.versions += [now] * len(sample["answer_ids"])
+            answer.finished = sample["finished"]
+
+    def _holding(self) -> Callable[[int], bool]:
+        """Whether an update waits (asked after each token). With the test hook (token, seconds), the first round's
+        answers go on to that token whatever waits, and hold there until an update does."""
+        held = False
+
+        def asked(tokens: int) -> bool:
+            nonlocal held
+            if self.hold is not None and not held:
+                if tokens < self.hold[0]:
+                    return False
+                held = True
+                self.gate.wait_for_request(self.hold[1])
+            return self.gate.requested
+
+        return asked
+
+    # ---- groups --------------------------------------------------------------------------------------------------
+    def _current(self) -> list[Group]:
+        """The groups in flight, those whose oldest token is over `max_staleness` versions old started again."""
+        with self.changed:
+            if self.max_staleness is not None:
+                oldest_allowed = self.version() - self.max_staleness
+                for group in self.in_flight:
+                    if any(a.versions and a.versions[0] < oldest_allowed for a in group.answers):
+                        group.answers = [Answer(a.prompt_ids) for a in group.answers]
+            return list(self.in_flight)
+
+    def _groups(self, prompts: list[list[int]], greedy: bool, columns: list[dict] | None = None,
+                keys: list[int] | None = None, call: int = 0) -> list[Group]:
+        n = 1 if greedy else self.sampling.n_samples_per_prompt
+        return [Group(i, [Answer(list(p)) for _ in range(n)], columns[i] if columns else None,
+                      keys[i] if keys else None, call) for i, p in enumerate(prompts)]
+
+    def _done(self, answer: Answer) -> bool:
+        return answer.finished or len(answer.answer_ids) >= self.sampling.max_new_tokens
+
+
+def samples_of(groups: list[Group]) -> list[dict]:
+    """The groups' answers as engine samples (engine.Sample) with `versions`, consecutive per group."""
+    return [{"prompt_index": g.prompt_index, "prompt_ids": a.prompt_ids, "answer_ids": a.answer_ids,
+             "logprobs": a.logprobs, "finished": a.finished, "versions": a.versions}
+            for g in groups for a in g.answers]

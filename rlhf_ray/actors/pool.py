@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 WEIGHT_CALLS = ("load_weights", "take_weights", "receive_weights")
 """An engine's calls that load weights: with partial rollouts they run beside its rollouts, in a thread of their
 own."""
+ROLLOUTS_AT_ONCE = 16
+"""With partial rollouts, the rollout calls an engine takes in at once (its threads: each joins its prompts to the
+answers in flight, then waits for its turn to drive the engine); more queue at Ray."""
 
 
 def with_model_len(job) -> "GenerationSpec":
@@ -55,6 +58,11 @@ class Rollout:
     """The slowest engine's generation time."""
     engine_busy_seconds: float
     """Generation time summed over engines."""
+    prompt_keys: list = field(default_factory=list)
+    """The keys (dataset indices) of the prompts answered, one per group in sample order: with partial rollouts,
+    the first groups to finish among those in flight, not necessarily the prompts this rollout brought."""
+    streamed_groups: int = 0
+    """Its groups whose prompts another rollout brought (partial rollouts)."""
     episodes: dict[str, float] = field(default_factory=dict)
     """Multi-turn episodes' totals (turns, tool calls, ...: EPISODE_COLUMNS) summed over samples; empty without
     an environment."""
@@ -79,10 +87,11 @@ class GenerationPool:
         group = ActorGroup(GenerationWorker, "generation", placement.replicas, placement_group=placement_group,
                            bundle_indices=bundle_indices, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
                            kwargs={"model": job.policy.model.model_dump(), "generation": spec.model_dump(),
-                                   "engine": engine, "tokens": tokens},
+                                   "engine": engine, "tokens": tokens, "max_staleness": job.ppo.max_staleness},
                            call_timeout_s=job.cluster.call_timeout_s, start_timeout_s=job.cluster.startup_timeout_s,
                            env_vars=engine_env(engine, spec, threads(placement)),
-                           threads={"weights": list(WEIGHT_CALLS)} if spec.partial_rollouts else None)
+                           threads={"weights": list(WEIGHT_CALLS), "rollouts": ["rollout"]}
+                           if spec.partial_rollouts else None, concurrent={"rollouts": ROLLOUTS_AT_ONCE})
         if wait:
             group.wait_ready(job.cluster.startup_timeout_s)
         return cls(group, engine, budget or RestartBudget(job.cluster.max_actor_restarts))
@@ -118,12 +127,16 @@ class GenerationPool:
             merged += [{**row, "prompt_index": row["prompt_index"] + bounds[i]} for row in rows]
         return merged
 
-    def submit(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None) -> dict:
+    def submit(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
+               keys: list[int] | None = None) -> dict:
         """Start a rollout without waiting (async mode overlaps it with training); `collect` its result. `columns`
-        (one dict per prompt) ride along with each prompt's samples."""
+        (one dict per prompt) ride along with each prompt's samples; `keys` (one per prompt) name the prompts
+        answered in the result."""
         bounds, args = self._shards(prompts, seed, False)
-        args = [(*a[:2], None if columns is None else columns[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
-        return {"args": args, "refs": [actor.rollout.remote(*a) for actor, a in zip(self.group.actors, args)]}
+        args = [(*a[:2], None if columns is None else columns[bounds[i]: bounds[i + 1]],
+                 None if keys is None else keys[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
+        return {"args": args,
+                "refs": [self.group.bound(actor, "rollout").remote(*a) for actor, a in zip(self.group.actors, args)]}
 
     def finished(self, pending: dict) -> bool:
         """Whether every engine has finished its part of a submitted rollout (`collect` would not wait)."""
@@ -138,6 +151,8 @@ class GenerationPool:
                        samples=sum(p["samples"] for p in parts), tokens=sum(p["tokens"] for p in parts),
                        engine_seconds=max(p["seconds"] for p in parts),
                        engine_busy_seconds=sum(p["seconds"] for p in parts),
+                       prompt_keys=[k for p in parts for k in p["keys"]],
+                       streamed_groups=sum(p["streamed"] for p in parts),
                        episodes={k: sum(p["episodes"][k] for p in parts if p.get("episodes"))
                                  for k in EPISODE_COLUMNS if any(p.get("episodes") for p in parts)})
 

@@ -7,11 +7,10 @@ workers take whole-layer chunks from shared memory, each copying only its shard 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
-from rlhf_ray.actors.engine import GenerationEngine, Sample, Weights
+from rlhf_ray.actors.engine import GenerationEngine, Sample, Stop, Weights
 from rlhf_ray.actors.staged_weights import load_staged, staged_chunks
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
 from rlhf_ray.config.model import ModelSpec
@@ -117,10 +116,12 @@ class VLLMEngine(GenerationEngine):
         """Adapter sync: where the policy's latest LoRA adapter is written for vLLM to load (None: merged)."""
         log.info("vLLM engine up: %s", {k: self.kwargs[k] for k in ("dtype", "enforce_eager", "max_model_len")})
 
-    def _params(self, sampling: SamplingSpec, seed: int, greedy: bool, n: int):
+    def _params(self, sampling: SamplingSpec, seed: int, greedy: bool, n: int,
+                budget: tuple[int, int] | None = None):
         from vllm import SamplingParams
 
-        common = dict(max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens, n=n, logprobs=0,
+        most, least = (sampling.max_new_tokens, sampling.min_new_tokens) if budget is None else budget
+        common = dict(max_tokens=most, min_tokens=least, n=n, logprobs=0,
                       stop_token_ids=list(self.tokens.stop_ids), repetition_penalty=sampling.repetition_penalty, seed=seed,
                       detokenize=False)
         if greedy:
@@ -129,17 +130,18 @@ class VLLMEngine(GenerationEngine):
                               top_k=sampling.top_k if sampling.top_k > 0 else -1, **common)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool = False,
-                 stop: Callable[[int], bool] | None = None) -> list[Sample]:
+                 stop: Stop | None = None, budgets: list[tuple[int, int]] | None = None) -> list[Sample]:
         from vllm.inputs import TokensPrompt
 
         if self.sleeping:
             self.wake_up()
         if stop is not None:
-            return self._generate_stoppable(prompts, sampling, seed, greedy, stop)
+            return self._generate_stoppable(prompts, sampling, seed, greedy, stop, budgets)
         n = 1 if greedy else sampling.n_samples_per_prompt
         # a hashed seed per prompt: the draw depends on (seed, place), not on the batch, and neighbouring prompts
         # never share a random stream (seed + i would: vLLM offsets the n samples of a request by +1 each)
-        params = [self._params(sampling, stable_seed(seed, i) % 2**31, greedy, n) for i in range(len(prompts))]
+        params = [self._params(sampling, stable_seed(seed, i) % 2**31, greedy, n, budgets[i] if budgets else None)
+                  for i in range(len(prompts))]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
                                     lora_request=self.adapter.request if self.adapter else None)
         rows: list[Sample] = []
@@ -152,7 +154,7 @@ class VLLMEngine(GenerationEngine):
         return rows
 
     def _generate_stoppable(self, prompts: list[list[int]], sampling: SamplingSpec, seed: int, greedy: bool,
-                            stop: Callable[[int], bool]) -> list[Sample]:
+                            stop: Stop, budgets: list[tuple[int, int]] | None) -> list[Sample]:
         """`generate`, stepping the engine here so `stop` is asked after each token: one request per answer (its own
         seed), and when `stop` says so the unfinished ones are aborted where they are."""
         from vllm.inputs import TokensPrompt
@@ -164,7 +166,7 @@ class VLLMEngine(GenerationEngine):
         self.requests += 1
         ids = []
         for k, (i, prompt) in enumerate(expanded):
-            params = self._params(sampling, stable_seed(seed, i, k) % 2**31, greedy, 1)
+            params = self._params(sampling, stable_seed(seed, i, k) % 2**31, greedy, 1, budgets[i] if budgets else None)
             params.output_kind = RequestOutputKind.CUMULATIVE  # each step's output holds the answer so far
             ids.append(f"stoppable-{self.requests}-{k}")  # outputs and aborts name requests by these ids
             engine.add_request(ids[-1], TokensPrompt(prompt_token_ids=prompt), params,
@@ -174,7 +176,7 @@ class VLLMEngine(GenerationEngine):
             for out in engine.step():
                 latest[out.request_id] = out
             drawn = max((len(o.outputs[0].token_ids) for o in latest.values()), default=0)
-            if stop(drawn):
+            if stop(drawn, [r in latest and latest[r].finished for r in ids]):
                 engine.abort_request([r for r in ids if not (r in latest and latest[r].finished)])
                 break
         rows: list[Sample] = []

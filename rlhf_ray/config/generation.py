@@ -133,8 +133,10 @@ class GenerationSpec(StrictModel):
     rollout to end. The engine stops its answers where they are, loads the new weights, and continues the unfinished
     answers from the tokens already generated (prompt and answer so far prefilled again with the new weights; no
     re-tokenising). Each answer token records the policy version that sampled it and its sampling log-prob (which
-    the policy loss uses as the behaviour policy with `ppo.tis_cap`). Multi-turn episodes (environment) take the
-    update between two turns."""
+    the policy loss uses as the behaviour policy with `ppo.tis_cap`). And rollouts stream: the rollouts started
+    ahead (`ppo.rollouts_ahead`) generate together, and each returns the first whole groups to finish, so the
+    longest answer no longer holds back the others (it goes on into a later rollout). Multi-turn episodes
+    (environment) take the update between two turns and do not stream."""
 
     @property
     def max_answer_tokens(self) -> int:

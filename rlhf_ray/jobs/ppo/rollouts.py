@@ -31,9 +31,10 @@ class PromptSchedule:
         return list(indices)
 
     def submit(self, pool: GenerationPool, index: int):
-        rows = [self.rows[i] for i in self.indices(index)]
+        indices = self.indices(index)
+        rows = [self.rows[i] for i in indices]
         return pool.submit([r["prompt_ids"] for r in rows], stable_seed(self.seed, "rollout", index),
-                           [r["columns"] for r in rows])
+                           [r["columns"] for r in rows], indices)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class RolloutFeed:
         if self.sleep_engines:
             self.workers.pool.sleep()  # engines are idle until the weight sync, which wakes them
         meta = {"version": rollout.version, "samples": scored.rows, "rollout_index": index,
-                "prompt_indices": self.prompts.indices(index)}
+                "prompt_indices": rollout.prompt_keys}
         self.unanswered.append((index, self.workers.buffer.submit("put", [scored.experience], meta, version)))
         self.held = min(self.held + 1, self.capacity)
         self.puts[index] = Put(index, rollout, scored, time.perf_counter() - began)
