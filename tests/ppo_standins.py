@@ -38,6 +38,8 @@ class FakeRollout:
     engine_seconds: float = 0.1
     engine_busy_seconds: float = 0.1
     episodes: dict = field(default_factory=dict)
+    prompt_keys: list = field(default_factory=list)
+    streamed_groups: int = 0
 
 
 class Prompts:
