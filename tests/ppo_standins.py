@@ -40,6 +40,7 @@ class FakeRollout:
     episodes: dict = field(default_factory=dict)
     prompt_keys: list = field(default_factory=list)
     streamed_groups: int = 0
+    restarted_answers: int = 0
 
 
 class Prompts:

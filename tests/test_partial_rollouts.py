@@ -177,9 +177,9 @@ def test_rollouts_stream_the_first_whole_groups_and_the_long_answer_goes_on_into
     second.start()  # ... and the second's prompts join it at its next token
     first.join(10)
     second.join(10)
-    (groups1, streamed1, _), (groups2, streamed2, _) = results["first"], results["second"]
-    assert [g.key for g in groups1] == [10, 20] and streamed1 == 1
-    assert sorted(g.key for g in groups2) == [11, 21] and streamed2 == 1
+    (groups1, counts1, _), (groups2, counts2, _) = results["first"], results["second"]
+    assert [g.key for g in groups1] == [10, 20] and counts1 == {"streamed": 1, "restarted": 0}
+    assert sorted(g.key for g in groups2) == [11, 21] and counts2 == {"streamed": 1, "restarted": 0}
     long = next(g for g in groups2 if g.key == 11)
     for answer in long.answers:  # drawn in both calls, continued where it stopped
         assert answer.answer_ids == list(range(1, 40)) + [0] and answer.finished
@@ -199,8 +199,9 @@ def test_a_rollout_restarts_answers_older_than_max_staleness():
     stale = Group(0, [Answer([104], answer_ids=[1, 2], logprobs=[-1.0, -1.0], versions=[1, 2])], key=7)
     fresh = Group(1, [Answer([105], answer_ids=[1, 2], logprobs=[-1.0, -1.0], versions=[2, 2])], key=8)
     stream.in_flight = [stale, fresh]
-    groups, _, _ = stream.rollout([[103]], seed=0, keys=[9])
+    groups, counts, _ = stream.rollout([[103]], seed=0, keys=[9])
     returned = {g.key: g for g in stream.in_flight + groups}
+    assert counts["restarted"] == 1
     assert returned[7].answers[0].versions[0] == 3, "the stale answer kept its old tokens"
     assert returned[8].answers[0].versions[:2] == [2, 2], "a fresh answer was started again"
 

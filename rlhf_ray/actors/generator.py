@@ -81,13 +81,13 @@ class GenerationWorker:
         the `keys` of the prompts answered, one per group in sample order. Each sample carries its prompt's dataset
         `columns` (for reward functions), and an episode's statistics. With partial rollouts (no environment) the
         groups are the first to finish among those in flight, this call's prompts or other calls' (`streamed`
-        counts those)."""
+        counts those; `restarted`: answers in flight started again meanwhile, their first token too old)."""
         import ray
 
         start = time.perf_counter()
-        keys, streamed = list(range(len(prompts))) if keys is None else keys, 0
+        keys, counts = list(range(len(prompts))) if keys is None else keys, {"streamed": 0, "restarted": 0}
         if self.partial is not None and self.episodes is None:
-            groups, streamed, seconds = self.partial.rollout(prompts, seed, columns, keys)
+            groups, counts, seconds = self.partial.rollout(prompts, seed, columns, keys)
             samples = [{**s, "version": min(s["versions"], default=self.version), "columns": g.columns or {}}
                        for g in groups for s in samples_of([g])]
             keys = [g.key for g in groups]
@@ -98,7 +98,7 @@ class GenerationWorker:
                                              **s.get("episode", {})}} for s in samples]
             seconds = time.perf_counter() - start
         episodes = [s["episode"] for s in samples if "episode" in s]
-        return {"ref": ray.put(samples), "samples": len(samples), "keys": keys, "streamed": streamed,
+        return {"ref": ray.put(samples), "samples": len(samples), "keys": keys, **counts,
                 "version": min((s["version"] for s in samples), default=self.version),  # its oldest token's
                 "tokens": sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
                 "seconds": seconds,

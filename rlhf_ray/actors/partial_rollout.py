@@ -70,6 +70,8 @@ class PartialRollouts:
         """The rollout call whose turn it is to drive the engine (calls drive one at a time, in arrival order)."""
         self.arrived = False
         """Prompts joined since the driving call's last round began (it takes them in at its next token)."""
+        self.restarted = 0
+        """Answers started again for staleness since the last rollout call returned (wasted tokens)."""
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
         """Every answer of `prompts` to its end, through weight updates (evaluation; nothing carries over)."""
@@ -78,10 +80,10 @@ class PartialRollouts:
         return samples_of(groups)
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
-                keys: list[int] | None = None) -> tuple[list[Group], int, float]:
+                keys: list[int] | None = None) -> tuple[list[Group], dict, float]:
         """Join `prompts` to the answers in flight, wait for this call's turn, then drive the engine until
-        len(prompts) groups are whole. Returns them (oldest first), how many of them another call brought, and the
-        seconds this call drove the engine."""
+        len(prompts) groups are whole. Returns them (oldest first), counts (`streamed`: those another call brought;
+        `restarted`: answers started again for staleness while this call drove) and the seconds it drove."""
         with self.changed:
             ticket = next(self.tickets)
             self.in_flight += self._groups(prompts, False, columns, keys, ticket)
@@ -92,11 +94,13 @@ class PartialRollouts:
             done = self._drive(self._current, len(prompts), seed, False, streaming=True)
             with self.changed:
                 self.in_flight = [g for g in self.in_flight if not any(g is d for d in done)]
+                counts = {"streamed": sum(g.call != ticket for g in done), "restarted": self.restarted}
+                self.restarted = 0
         finally:
             with self.changed:
                 self.serving += 1
                 self.changed.notify_all()
-        return done, sum(g.call != ticket for g in done), time.perf_counter() - began
+        return done, counts, time.perf_counter() - began
 
     # ---- driving the engine ----------------------------------------------------------------------------------
     def _drive(self, groups_now: Callable[[], list[Group]], quota: int, seed: int, greedy: bool,
@@ -172,6 +176,7 @@ class PartialRollouts:
                 oldest_allowed = self.version() - self.max_staleness
                 for group in self.in_flight:
                     if any(a.versions and a.versions[0] < oldest_allowed for a in group.answers):
+                        self.restarted += sum(bool(a.answer_ids) for a in group.answers)
                         group.answers = [Answer(a.prompt_ids) for a in group.answers]
             return list(self.in_flight)
 

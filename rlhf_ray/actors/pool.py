@@ -63,6 +63,9 @@ class Rollout:
     the first groups to finish among those in flight, not necessarily the prompts this rollout brought."""
     streamed_groups: int = 0
     """Its groups whose prompts another rollout brought (partial rollouts)."""
+    restarted_answers: int = 0
+    """Answers in flight that were started again while it generated, their first token over ppo.max_staleness
+    versions old (partial rollouts: their tokens were wasted)."""
     episodes: dict[str, float] = field(default_factory=dict)
     """Multi-turn episodes' totals (turns, tool calls, ...: EPISODE_COLUMNS) summed over samples; empty without
     an environment."""
@@ -153,6 +156,7 @@ class GenerationPool:
                        engine_busy_seconds=sum(p["seconds"] for p in parts),
                        prompt_keys=[k for p in parts for k in p["keys"]],
                        streamed_groups=sum(p["streamed"] for p in parts),
+                       restarted_answers=sum(p["restarted"] for p in parts),
                        episodes={k: sum(p["episodes"][k] for p in parts if p.get("episodes"))
                                  for k in EPISODE_COLUMNS if any(p.get("episodes") for p in parts)})
 
