@@ -227,3 +227,26 @@ def test_hf_engine_keeps_each_prompts_budget_and_reports_ended_answers(sft_model
     tokens, ended = seen[-1]
     assert ended[:2] == [True, True] and tokens <= 5
     assert all(e or not r["finished"] and len(r["answer_ids"]) < b for e, r, b in zip(ended, rows, [2, 2, 5, 5]))
+
+
+def test_answers_left_in_flight_go_on_between_rollout_calls():
+    """A rollout returns before an older, longer answer ends; with no call waiting, that answer goes on in the
+    background (the engine does not idle) and the next call finds it whole."""
+    from rlhf_ray.actors.partial_rollout import Answer, Group, PartialRollouts
+    from rlhf_ray.config.generation import SamplingSpec
+
+    engine = Scripted(step_s=0.005)
+    stream = PartialRollouts(engine, SamplingSpec(max_new_tokens=64, n_samples_per_prompt=1), UpdateGate(), lambda: 0)
+    stream.in_flight = [Group(0, [Answer([130], answer_ids=[1], logprobs=[-1.0], versions=[0])], key=7)]
+    groups, _, _ = stream.rollout([[102]], seed=0, keys=[9])
+    assert [g.key for g in groups] == [9]
+    (left,) = stream.in_flight
+    deadline = time.time() + 10
+    while not left.answers[0].finished and time.time() < deadline:
+        time.sleep(0.02)
+    assert left.answers[0].answer_ids == list(range(1, 30)) + [0], "the answer left in flight did not go on"
+    began = time.perf_counter()
+    groups, _, seconds = stream.rollout([[140]], seed=1, keys=[10])
+    assert [g.key for g in groups] == [7] and seconds < 0.1  # already whole: returned at once
+    assert [g.key for g in stream.in_flight] == [10]
+    assert time.perf_counter() - began < 1

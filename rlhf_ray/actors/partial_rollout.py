@@ -8,22 +8,26 @@ it and its sampling log-prob.
 
 Streaming: the rollouts the driver has started run together. A rollout call's prompts join the answers in flight at
 once (the running call takes them in at its next token), and each call returns the first whole groups to finish
-(as many as it brought prompts), oldest first; the rest go on in the next call. So the longest answer holds back
+(as many as it brought prompts), oldest first; the rest go on, between calls too. So the longest answer holds back
 only itself, and the engine's batch stays full while it runs. An answer whose first token is more than
 `max_staleness` policy versions old is started again (the buffer would refuse its rollout)."""
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rlhf_ray.actors.engine import GenerationEngine
 from rlhf_ray.actors.update_gate import UpdateGate
 from rlhf_ray.config.generation import SamplingSpec
 from rlhf_ray.data.split import stable_seed
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -65,83 +69,127 @@ class PartialRollouts:
         self.in_flight: list[Group] = []
         """Groups of the rollout calls so far that no call has returned yet, oldest first."""
         self.changed = threading.Condition()
-        self.tickets = itertools.count()
+        self.issued = 0
+        """Turns given out: calls (and the drive between calls) take the engine one at a time, in arrival order."""
         self.serving = 0
-        """The rollout call whose turn it is to drive the engine (calls drive one at a time, in arrival order)."""
+        """The turn being served: the call whose turn it is, or `issued` when the engine is free."""
         self.arrived = False
         """Prompts joined since the driving call's last round began (it takes them in at its next token)."""
         self.restarted = 0
         """Answers started again for staleness since the last rollout call returned (wasted tokens)."""
+        self.waiting = 0
+        """Calls waiting for their turn (the answers in flight go on between calls only while none does)."""
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
         """Every answer of `prompts` to its end, through weight updates (evaluation; nothing carries over)."""
         groups = self._groups(prompts, greedy)
-        self._drive(lambda: groups, len(groups), seed, greedy, streaming=False)
+        with self._turn():
+            self._drive(lambda: groups, len(groups), seed, greedy, streaming=False)
         return samples_of(groups)
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
                 keys: list[int] | None = None) -> tuple[list[Group], dict, float]:
         """Join `prompts` to the answers in flight, wait for this call's turn, then drive the engine until
         len(prompts) groups are whole. Returns them (oldest first), counts (`streamed`: those another call brought;
-        `restarted`: answers started again for staleness while this call drove) and the seconds it drove."""
-        with self.changed:
-            ticket = next(self.tickets)
-            self.in_flight += self._groups(prompts, False, columns, keys, ticket)
-            self.arrived = True
-            self.changed.wait_for(lambda: self.serving == ticket)
-        began = time.perf_counter()
-        try:
+        `restarted`: answers started again for staleness since the last call returned) and the seconds it
+        drove."""
+        with self._turn(self._groups(prompts, False, columns, keys)) as ticket:
+            began = time.perf_counter()
             done = self._drive(self._current, len(prompts), seed, False, streaming=True)
             with self.changed:
                 self.in_flight = [g for g in self.in_flight if not any(g is d for d in done)]
                 counts = {"streamed": sum(g.call != ticket for g in done), "restarted": self.restarted}
                 self.restarted = 0
+            seconds = time.perf_counter() - began
+        return done, counts, seconds
+
+    @contextmanager
+    def _turn(self, joining: list[Group] = ()) -> Iterator[int]:
+        """The engine for one call, in arrival order: its groups (a rollout's) join the answers in flight at once,
+        then it waits for the calls before it. Afterwards, answers left in flight go on until the next call."""
+        with self.changed:
+            ticket, self.issued = self.issued, self.issued + 1
+            for group in joining:
+                group.call = ticket
+            self.in_flight += joining
+            self.arrived = self.arrived or bool(joining)
+            self.waiting += 1
+            self.changed.wait_for(lambda: self.serving == ticket)
+            self.waiting -= 1
+        try:
+            yield ticket
         finally:
             with self.changed:
                 self.serving += 1
                 self.changed.notify_all()
-        return done, counts, time.perf_counter() - began
+        self._between_calls()
+
+    def _between_calls(self) -> None:
+        """While no call waits, the answers in flight go on (in a thread of their own, with a turn of its own): the
+        next rollout call finds them further along, and stops them at the next token when it joins."""
+        with self.changed:
+            if self.serving != self.issued or all(self._done(a) for g in self.in_flight for a in g.answers):
+                return  # a call drives or waits, or nothing is left to do
+            ticket, self.issued = self.issued, self.issued + 1  # the engine is free: this turn is now
+        threading.Thread(target=self._drive_between, args=(ticket,), name="rollouts-between-calls",
+                         daemon=True).start()
+
+    def _drive_between(self, ticket: int) -> None:
+        try:
+            self._drive(self._current, None, stable_seed(ticket, "between calls"), False, streaming=True)
+        except Exception:  # noqa: BLE001 - the next rollout call drives the same answers and reports it
+            log.exception("continuing the answers in flight between rollout calls failed")
+        finally:
+            with self.changed:
+                self.serving += 1
+                self.changed.notify_all()
 
     # ---- driving the engine ----------------------------------------------------------------------------------
-    def _drive(self, groups_now: Callable[[], list[Group]], quota: int, seed: int, greedy: bool,
+    def _drive(self, groups_now: Callable[[], list[Group]], quota: int | None, seed: int, greedy: bool,
                streaming: bool) -> list[Group]:
         """Rounds of generation over the unfinished answers of `groups_now()` until `quota` groups are whole (the
         oldest of them returned). A round ends for a weight update (loaded between rounds), for prompts that
-        joined (streaming), or when enough groups are whole."""
-        stop_hold = self._holding()
+        joined (streaming), or when enough groups are whole. `quota` None: between calls, until every answer
+        ends or a call waits for the engine."""
+        between = quota is None
+        stop_hold = (lambda tokens: self.gate.requested) if between else self._holding()
+        if not streaming:
+            yield_now = lambda: False  # noqa: E731
+        else:  # prompts joined; between calls, also a call that waits for the engine
+            yield_now = (lambda: self.arrived or self.waiting > 0) if between else (lambda: self.arrived)
         with self.gate.generation():
             for round_ in itertools.count():
                 groups = groups_now()
                 whole = [g for g in groups if all(self._done(a) for a in g.answers)]
                 todo = [(g, a) for g in groups for a in g.answers if not self._done(a)]
-                if len(whole) >= quota or not todo:
+                if not todo or between and self.waiting or not between and len(whole) >= quota:
                     return whole[:quota]
                 now, drawn = self.version(), sum(len(a.answer_ids) for _, a in todo)
-                self._round(todo, quota - len(whole), stable_seed(seed, "round", round_) if round_ else seed,
-                            greedy, now, stop_hold, streaming)
-                if sum(len(a.answer_ids) for _, a in todo) == drawn and not (self.gate.requested or self.arrived):
+                if streaming:
+                    with self.changed:
+                        self.arrived = False  # this round takes in what has joined
+                self._round(todo, len(groups) if between else quota - len(whole),
+                            stable_seed(seed, "round", round_) if round_ else seed, greedy, now,
+                            lambda tokens: stop_hold(tokens) or yield_now())
+                if sum(len(a.answer_ids) for _, a in todo) == drawn and not (self.gate.requested or yield_now()):
                     raise RuntimeError(f"{len(todo)} answers stopped short of max_new_tokens with no weight update "
                                        f"waiting, and continuing them drew no token (the {self.engine.name} engine)")
                 if self.gate.requested:
                     self.gate.pause()  # the update that stopped the round loads now
 
     def _round(self, todo: list[tuple[Group, Answer]], needed: int, seed: int, greedy: bool, now: int,
-               stop_hold: Callable[[int], bool], streaming: bool) -> None:
+               interrupted: Callable[[int], bool]) -> None:
         """One engine call continuing every answer of `todo` (with version `now`), each within what is left of its
-        max_new_tokens; it ends once `needed` more groups are whole, or earlier (an update, new prompts)."""
+        max_new_tokens; it ends once `needed` more groups are whole, or when `interrupted(tokens drawn)` says so
+        (an update waits, prompts joined)."""
         rows_of: dict[int, list[int]] = {}
         for row, (group, _) in enumerate(todo):
             rows_of.setdefault(id(group), []).append(row)
         groups_rows = list(rows_of.values())
 
         def stop(tokens: int, ended: Sequence[bool]) -> bool:
-            if stop_hold(tokens) or (streaming and self.arrived):
-                return True
-            return sum(all(ended[r] for r in rows) for rows in groups_rows) >= needed
+            return interrupted(tokens) or sum(all(ended[r] for r in rows) for rows in groups_rows) >= needed
 
-        if streaming:
-            with self.changed:
-                self.arrived = False
         one = self.sampling.model_copy(update={"n_samples_per_prompt": 1})
         samples = self.engine.generate([a.prompt_ids + a.answer_ids for _, a in todo], one, seed, greedy, stop,
                                        [(self.sampling.max_new_tokens - len(a.answer_ids),
