@@ -64,7 +64,7 @@ class Pool:
 
     def submit(self, index: int) -> FakeRollout:
         self.workers.events.append(f"start {index}")
-        return FakeRollout(index, self.workers.version)
+        return FakeRollout(index, self.workers.version, prompt_keys=[(index, index)])
 
     def finished(self, pending) -> bool:
         return self.finish_at_once

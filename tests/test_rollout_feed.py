@@ -61,3 +61,20 @@ def test_when_the_buffer_refuses_all_it_holds_a_rollout_starts_for_the_update():
     run.version = 5  # as if the learner had moved on: every entry is too stale
     taken = rollouts.take(run.version, 3)
     assert run.events[-2:] == ["start 4", "put 4"] and taken.minibatches.meta.rollout_index == 4
+
+
+def test_a_resume_regenerates_from_the_oldest_rollout_whose_answers_were_still_generating():
+    """Partial rollouts return the first prompts to finish, another rollout's too: rollout 0 comes back with
+    rollout 1's prompt while its own is still generating. A checkpoint then resumes at rollout 0, not 1, so the
+    unfinished answer is generated again; once rollout 0's prompt comes back (with rollout 1), at rollout 2."""
+    from tests.ppo_standins import FakeRollout
+
+    run = Workers(capacity=4, max_staleness=1)
+    swapped = {0: [(1, 1)], 1: [(0, 0)]}  # each rollout brings back the other's prompt
+    run.pool.submit = lambda index: (run.events.append(f"start {index}")
+                                     or FakeRollout(index, run.version, prompt_keys=swapped.get(index, [(index, index)])))
+    rollouts = feed(run, ahead=1)
+    run.train_on(rollouts.take(run.version, 3))
+    assert rollouts.last_taken == 0 and rollouts.next_after_taken == 0  # rollout 0's own prompt is in flight
+    run.train_on(rollouts.take(run.version, 2))
+    assert rollouts.next_after_taken == 2

@@ -78,7 +78,8 @@ class GenerationWorker:
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
                 keys: list[int] | None = None) -> dict:
         """`generate`, but the samples stay in the object store: the caller gets a reference and a summary, with
-        the `keys` of the prompts answered, one per group in sample order. Each sample carries its prompt's dataset
+        the `keys` of the prompts answered (the caller's, one per prompt; default their positions), one per group
+        in sample order. Each sample carries its prompt's dataset
         `columns` (for reward functions), and an episode's statistics. With partial rollouts (no environment) the
         groups are the first to finish among those in flight, this call's prompts or other calls' (`streamed`
         counts those; `restarted`: answers in flight started again meanwhile, their first token too old)."""

@@ -51,8 +51,8 @@ class Group:
     answers: list[Answer]
     columns: dict | None = None
     """The prompt's dataset columns (for reward functions)."""
-    key: int | None = None
-    """The caller's name for the prompt (the dataset index)."""
+    key: object = None
+    """The caller's name for the prompt (the PPO feed's: rollout index, dataset index)."""
     call: int = 0
     """The rollout call that brought it (calls counted from 0 in arrival order)."""
 
@@ -88,7 +88,7 @@ class PartialRollouts:
         return samples_of(groups)
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
-                keys: list[int] | None = None) -> tuple[list[Group], dict, float]:
+                keys: list | None = None) -> tuple[list[Group], dict, float]:
         """Join `prompts` to the answers in flight, wait for this call's turn, then drive the engine until
         len(prompts) groups are whole. Returns them (oldest first), counts (`streamed`: those another call brought;
         `restarted`: answers started again for staleness since the last call returned) and the seconds it
@@ -229,7 +229,7 @@ class PartialRollouts:
             return list(self.in_flight)
 
     def _groups(self, prompts: list[list[int]], greedy: bool, columns: list[dict] | None = None,
-                keys: list[int] | None = None, call: int = 0) -> list[Group]:
+                keys: list | None = None, call: int = 0) -> list[Group]:
         n = 1 if greedy else self.sampling.n_samples_per_prompt
         return [Group(i, [Answer(list(p)) for _ in range(n)], columns[i] if columns else None,
                       keys[i] if keys else None, call) for i, p in enumerate(prompts)]

@@ -59,8 +59,9 @@ class Rollout:
     engine_busy_seconds: float
     """Generation time summed over engines."""
     prompt_keys: list = field(default_factory=list)
-    """The keys (dataset indices) of the prompts answered, one per group in sample order: with partial rollouts,
-    the first groups to finish among those in flight, not necessarily the prompts this rollout brought."""
+    """The keys given with the prompts answered (the PPO feed's: (rollout index, dataset index)), one per group in
+    sample order: with partial rollouts, the first groups to finish among those in flight, not necessarily the
+    prompts this rollout brought."""
     streamed_groups: int = 0
     """Its groups whose prompts another rollout brought (partial rollouts)."""
     restarted_answers: int = 0

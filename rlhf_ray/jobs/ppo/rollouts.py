@@ -31,10 +31,11 @@ class PromptSchedule:
         return list(indices)
 
     def submit(self, pool: GenerationPool, index: int):
+        """Rollout `index` to the pool; its prompts' keys are (index, dataset index)."""
         indices = self.indices(index)
         rows = [self.rows[i] for i in indices]
         return pool.submit([r["prompt_ids"] for r in rows], stable_seed(self.seed, "rollout", index),
-                           [r["columns"] for r in rows], indices)
+                           [r["columns"] for r in rows], [(index, i) for i in indices])
 
 
 @dataclass
@@ -82,6 +83,9 @@ class RolloutFeed:
         """Entries the buffer holds: as it said after the last take, plus the puts since (counted as kept)."""
         self.unanswered: list[tuple[int, list]] = []
         """Puts whose answer the feed has not read yet: (rollout index, call refs); read at the next take."""
+        self.in_engines: dict[int, int] = {}
+        """Per rollout started, its prompts whose answers no collected rollout has brought back yet (partial
+        rollouts return other rollouts' prompts; a resume regenerates from the oldest with any left)."""
         self.waited = 0.0
 
     def resume_at(self, index: int) -> None:
@@ -91,8 +95,9 @@ class RolloutFeed:
 
     @property
     def next_after_taken(self) -> int:
-        """The rollout a resume from a checkpoint now would generate first."""
-        return self.last_taken + 1
+        """The rollout a resume from a checkpoint now would generate first: the one after the last trained on, or
+        an older one whose answers were still being generated (partial rollouts), so none is lost."""
+        return min([self.last_taken + 1, *self.in_engines])
 
     def take(self, version: int, updates_left: int) -> Taken:
         """The oldest experience within the staleness bound of `version`, after topping the buffer up; when the buffer
@@ -127,11 +132,11 @@ class RolloutFeed:
                     raise
                 log.warning("rollout %d lost results with a node (%s); generating and scoring it again (%d of %d)",
                             index + 1, str(err).splitlines()[-1][:200], redo + 1, self.redo_limit)
-                rollout = self.workers.pool.collect(self.prompts.submit(self.workers.pool, index))
+                rollout = self._collect(self._submit(index))
         if self.sleep_engines:
             self.workers.pool.sleep()  # engines are idle until the weight sync, which wakes them
         meta = {"version": rollout.version, "samples": scored.rows, "rollout_index": index,
-                "prompt_indices": rollout.prompt_keys}
+                "prompt_indices": [i for _, i in rollout.prompt_keys]}
         self.unanswered.append((index, self.workers.buffer.submit("put", [scored.experience], meta, version)))
         self.held = min(self.held + 1, self.capacity)
         self.puts[index] = Put(index, rollout, scored, time.perf_counter() - began)
@@ -161,8 +166,20 @@ class RolloutFeed:
         as too stale)."""
         while len(self.pending) + self.held + in_flight < updates_left and (
                 self.next_index - self.first < self.updates + self.ahead + 1 or one_at_least and not self.pending):
-            self.pending.append((self.next_index, self.prompts.submit(self.workers.pool, self.next_index)))
+            self.pending.append((self.next_index, self._submit(self.next_index)))
             self.next_index += 1
+
+    def _submit(self, index: int):
+        self.in_engines[index] = self.in_engines.get(index, 0) + len(self.prompts.indices(index))
+        return self.prompts.submit(self.workers.pool, index)
+
+    def _collect(self, pending) -> Rollout:
+        rollout = self.workers.pool.collect(pending)
+        for index, _ in rollout.prompt_keys:
+            self.in_engines[index] -= 1
+            if not self.in_engines[index]:
+                del self.in_engines[index]
+        return rollout
 
     def _oldest_done(self) -> bool:
         return bool(self.pending) and self.workers.pool.finished(self.pending[0][1])
@@ -172,7 +189,7 @@ class RolloutFeed:
         and trained on), score it and put its experience in the buffer."""
         index, pending = self.pending.popleft()
         began = time.perf_counter()
-        rollout = self.workers.pool.collect(pending)
+        rollout = self._collect(pending)
         self.waited += time.perf_counter() - began
         self._start(updates_left, in_flight=1)
         self.put(index, rollout, version)
