@@ -84,7 +84,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, one round")
-    parser.add_argument("--rounds", type=int, default=2, help="each mode runs this many times, alternating")
+    parser.add_argument("--rounds", type=int, default=3, help="each mode runs this many times, alternating")
     args = parser.parse_args()
     iterations, rounds = (6, 1) if args.quick else (30, args.rounds)
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
@@ -130,7 +130,8 @@ def render(results: dict[str, list[dict]], args, iterations: int) -> str:
     partial = mid(RECOMMENDED, "samples_per_s") / base
     busy = mid(RECOMMENDED, "engine_busy")
     lines += ["", "Engine busy sums the generation seconds of the rollouts trained in the counted iterations over their "
-                  "wall time; a rollout generated partly before the window makes it pass 100%. Answers restarted: "
+                  "wall time (with partial rollouts, a rollout counts its own turn and the generation between calls "
+                  "before it); a rollout generated partly before the window makes it pass 100%. Answers restarted: "
                   "answers in flight started again because their first token was over ppo.max_staleness versions "
                   "old (per answer trained).",
               "", f"Goal (issue 39): partial rollouts >= 1.3x today's async ({BASELINE}) samples/s, engine busy >= "

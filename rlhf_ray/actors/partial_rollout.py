@@ -79,6 +79,8 @@ class PartialRollouts:
         """Answers started again for staleness since the last rollout call returned (wasted tokens)."""
         self.waiting = 0
         """Calls waiting for their turn (the answers in flight go on between calls only while none does)."""
+        self.between_seconds = 0.0
+        """Seconds the engine generated between rollout calls since the last one returned (counted with it)."""
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
         """Every answer of `prompts` to its end, through weight updates (evaluation; nothing carries over)."""
@@ -91,16 +93,16 @@ class PartialRollouts:
                 keys: list | None = None) -> tuple[list[Group], dict, float]:
         """Join `prompts` to the answers in flight, wait for this call's turn, then drive the engine until
         len(prompts) groups are whole. Returns them (oldest first), counts (`streamed`: those another call brought;
-        `restarted`: answers started again for staleness since the last call returned) and the seconds it
-        drove."""
+        `restarted`: answers started again for staleness since the last call returned) and the seconds the engine
+        generated for it: its own turn, plus the generation between calls since the last call returned."""
         with self._turn(self._groups(prompts, False, columns, keys)) as ticket:
             began = time.perf_counter()
             done = self._drive(self._current, len(prompts), seed, False, streaming=True)
             with self.changed:
                 self.in_flight = [g for g in self.in_flight if not any(g is d for d in done)]
                 counts = {"streamed": sum(g.call != ticket for g in done), "restarted": self.restarted}
-                self.restarted = 0
-            seconds = time.perf_counter() - began
+                seconds = time.perf_counter() - began + self.between_seconds
+                self.restarted, self.between_seconds = 0, 0.0
         return done, counts, seconds
 
     @contextmanager
@@ -135,12 +137,14 @@ class PartialRollouts:
                          daemon=True).start()
 
     def _drive_between(self, ticket: int) -> None:
+        began = time.perf_counter()
         try:
             self._drive(self._current, None, stable_seed(ticket, "between calls"), False, streaming=True)
         except Exception:  # noqa: BLE001 - the next rollout call drives the same answers and reports it
             log.exception("continuing the answers in flight between rollout calls failed")
         finally:
             with self.changed:
+                self.between_seconds += time.perf_counter() - began
                 self.serving += 1
                 self.changed.notify_all()
 
