@@ -248,5 +248,5 @@ def test_answers_left_in_flight_go_on_between_rollout_calls():
     began = time.perf_counter()
     groups, _, seconds = stream.rollout([[140]], seed=1, keys=[10])
     assert [g.key for g in groups] == [7] and time.perf_counter() - began < 0.1  # already whole: at once
-    assert seconds >= 29 * engine.step_s  # the engine's seconds between the calls count with this one
+    assert seconds >= 20 * engine.step_s  # the engine's seconds between the calls count with this one
     assert [g.key for g in stream.in_flight] == [10]
