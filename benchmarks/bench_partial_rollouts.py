@@ -13,7 +13,13 @@ real `rlhf-ray ppo` job in a fresh process; the iterations after the first two c
 - engine busy: the engine's generation seconds over the wall time (one engine);
 - learner busy: the policy learner's training seconds over the wall time.
 
-Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick]
+Accuracy (`--accuracy`): does training on partial rollouts learn as well as sync PPO? GRPO with the rule as reward
+on the pipeline quickstart's task (configs/quickstart/grpo-http.yaml's job with the rule in process: the tiny SFT
+model sorting numbers), the same number of updates in sync mode and with partial rollouts, 3 seeds; held-out
+accuracy (greedy and sampled) before -> after. Needs the pipeline quickstart's SFT model
+(`bash scripts/quickstart.sh --pipeline` makes it).
+
+Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick] [--accuracy]
 """
 
 from __future__ import annotations
@@ -29,6 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, machine, pyplot, run_job, save_figure, today, versions, write_section  # noqa: E402
 
 SECTION = "## Partial rollouts on long-tailed answers"
+ACCURACY_SECTION = "## Partial rollouts: held-out accuracy against sync"
+ACCURACY_CONFIG = ROOT / "configs/quickstart/grpo-http.yaml"
+ACCURACY_MODES = {"sync": ["ppo.mode=sync"],
+                  "partial (ahead 2, staleness 4)": [*["ppo.mode=async", "generation.partial_rollouts=true"],
+                                                     "ppo.rollouts_ahead=2", "ppo.max_staleness=4",
+                                                     "ppo.buffer_capacity=2", "ppo.tis_cap=2.0"]}
 CONFIG = ROOT / "configs/quickstart/ppo.yaml"
 STOP_IDS, MAX_NEW, SKIP = 16, 256, 2
 PROMPTS, ANSWERS = 8, 4
@@ -85,7 +97,11 @@ def main() -> int:
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
     parser.add_argument("--quick", action="store_true", help="fewer iterations, one round")
     parser.add_argument("--rounds", type=int, default=3, help="each mode runs this many times, alternating")
+    parser.add_argument("--accuracy", action="store_true", help="the held-out accuracy comparison instead")
+    parser.add_argument("--seeds", default="1234,2,3", help="--accuracy: seeds, comma-separated")
     args = parser.parse_args()
+    if args.accuracy:
+        return accuracy(args)
     iterations, rounds = (6, 1) if args.quick else (30, args.rounds)
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +118,49 @@ def main() -> int:
     text = render(results, args, iterations)
     if args.write:
         write_section(args.write, SECTION, text)
+    print(text)
+    return 0
+
+
+def accuracy(args) -> int:
+    import statistics
+
+    sft = ROOT / "outputs/quickstart/sft/model"
+    if not sft.is_dir():
+        raise SystemExit(f"{sft} is missing: run `bash scripts/quickstart.sh --pipeline` first")
+    rows: dict[str, list[dict]] = {mode: [] for mode in ACCURACY_MODES}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in args.seeds.split(","):
+            for mode, extra in ACCURACY_MODES.items():
+                out = Path(tmp) / f"{mode.split()[0]}-{seed}"
+                summary, _ = run_job("ppo", ACCURACY_CONFIG, [
+                    f"seed={seed}", f"output_dir={out}", "checkpoint.resume=false", "reward.http=null",
+                    "reward.function=rlhf_ray.data.demo_sort:score", *extra])
+                rows[mode].append({"seed": seed, **summary})
+                print(mode, seed, {k: summary[k] for k in ("task_accuracy_after", "sampled_task_accuracy_after",
+                                                           "seconds")}, flush=True)
+    lines = [ACCURACY_SECTION, "",
+             f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray')}. `python benchmarks/"
+             f"bench_partial_rollouts.py --accuracy{' --write docs/benchmarks.md' if args.write else ''}`: "
+             f"`{ACCURACY_CONFIG.relative_to(ROOT)}`'s job (the pipeline quickstart's SFT model, demo/sort, GRPO, "
+             "100 updates of 16 prompts x 4 answers) with the rule in process, in sync mode and with partial "
+             "rollouts; held-out accuracy on 64 prompts (greedy; sampled: 4 samples each), before -> after.", "",
+             "| mode | seed | greedy | sampled | job seconds |", "|---|---|---|---|---|"]
+    for mode, runs in rows.items():
+        for r in runs:
+            lines.append(f"| {mode} | {r['seed']} | {r['task_accuracy_before']:.3f} -> {r['task_accuracy_after']:.3f} "
+                         f"| {r['sampled_task_accuracy_before']:.3f} -> {r['sampled_task_accuracy_after']:.3f} | "
+                         f"{r['seconds']:.0f} |")
+    lines.append("")
+    for mode, runs in rows.items():
+        for key in ("task_accuracy_after", "sampled_task_accuracy_after"):
+            values = [r[key] for r in runs]
+            spread = statistics.stdev(values) if len(values) > 1 else 0.0
+            lines.append(f"- {mode}, {key.replace('_after', '').replace('_', ' ')} after: mean {statistics.mean(values):.3f}, "
+                         f"sd {spread:.3f} over {len(values)} seeds")
+    text = "\n".join(lines) + "\n"
+    if args.write:
+        write_section(args.write, ACCURACY_SECTION, text)
     print(text)
     return 0
 

@@ -4,6 +4,7 @@ when a learner rank dies (cluster.learner_restarts times)."""
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
 from rlhf_ray.models.support import model_problems
 
+log = logging.getLogger(__name__)
+
 
 def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     """Run the PPO job; with `stop_after`, checkpoint after that iteration and return (run again to resume)."""
@@ -34,6 +37,10 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
     job = resolve_model_sources(job)
     if problems := model_problems(job):
         raise ValueError("; ".join(f"{field}: {problem}" for field, problem in problems))
+    if job.generation.partial_rollouts and job.ppo.rollouts_ahead < 2:
+        log.warning("partial rollouts stream only when more rollouts are in flight than one: with "
+                    "ppo.rollouts_ahead 1 they measured 0.76x plain async's samples per second (docs/jobs.md, "
+                    "\"Partial rollouts\"); set ppo.rollouts_ahead: 2 and ppo.max_staleness: 4")
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(job.policy.model)
