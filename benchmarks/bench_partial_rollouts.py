@@ -19,7 +19,10 @@ model sorting numbers), the same number of updates in sync mode and with partial
 accuracy (greedy and sampled) before -> after. Needs the pipeline quickstart's SFT model
 (`bash scripts/quickstart.sh --pipeline` makes it).
 
-Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick] [--accuracy]
+SmolLM2 (`--smollm2`): the quickstart's GRPO job on SmolLM2-135M-Instruct with vLLM, answers of up to 192 tokens
+at temperature 1 (its own length distribution), async against partial rollouts, one run each.
+
+Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick] [--accuracy | --smollm2]
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from common import ROOT, machine, pyplot, run_job, save_figure, today, versions,
 
 SECTION = "## Partial rollouts on long-tailed answers"
 ACCURACY_SECTION = "## Partial rollouts: held-out accuracy against sync"
+SMOLLM2_SECTION = "## Partial rollouts on SmolLM2's own answer lengths"
+SMOLLM2_CONFIG, SMOLLM2_NEW = ROOT / "configs/quickstart/grpo.yaml", 192
 ACCURACY_CONFIG = ROOT / "configs/quickstart/grpo-http.yaml"
 ACCURACY_MODES = {"sync": ["ppo.mode=sync"],
                   "partial (ahead 2, staleness 4)": [*["ppo.mode=async", "generation.partial_rollouts=true"],
@@ -99,9 +104,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="each mode runs this many times, alternating")
     parser.add_argument("--accuracy", action="store_true", help="the held-out accuracy comparison instead")
     parser.add_argument("--seeds", default="1234,2,3", help="--accuracy: seeds, comma-separated")
+    parser.add_argument("--smollm2", action="store_true", help="the throughput comparison on SmolLM2 instead")
     args = parser.parse_args()
     if args.accuracy:
         return accuracy(args)
+    if args.smollm2:
+        return smollm2(args)
     iterations, rounds = (6, 1) if args.quick else (30, args.rounds)
     results: dict[str, list[dict]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,6 +126,40 @@ def main() -> int:
     text = render(results, args, iterations)
     if args.write:
         write_section(args.write, SECTION, text)
+    print(text)
+    return 0
+
+
+def smollm2(args) -> int:
+    """The quickstart's GRPO job (SmolLM2-135M-Instruct, vLLM, demo/arithmetic through the chat template) with
+    answers of up to SMOLLM2_NEW tokens at temperature 1: the model answers most sums in a line and rambles on
+    some, a long tail of its own."""
+    iterations = 4 if args.quick else 8
+    modes = {mode: MODES[mode] for mode in (BASELINE, "async (ahead 2, staleness 2)", RECOMMENDED)}
+    results: dict[str, list[dict]] = {mode: [] for mode in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for number, (mode, extra) in enumerate(modes.items()):
+            began = time.perf_counter()
+            _, rows = run_job("ppo", SMOLLM2_CONFIG, [
+                f"output_dir={Path(tmp) / f'run-{number}'}", f"ppo.iterations={iterations}",
+                "ppo.eval_prompts=0", "checkpoint.every_steps=0", "generation.sampling.temperature=1.0",
+                f"generation.sampling.max_new_tokens={SMOLLM2_NEW}", "ppo.tis_cap=2.0", *extra])
+            results[mode].append(measure(rows))
+            print(f"{mode}: {time.perf_counter() - began:.0f} s, {results[mode][-1]['samples_per_s']:.2f} samples/s",
+                  flush=True)
+    mid = median_of(results)
+    lines = [SMOLLM2_SECTION, "",
+             f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray', 'vllm')}. `python benchmarks/"
+             f"bench_partial_rollouts.py --smollm2{' --quick' if args.quick else ''}"
+             f"{' --write docs/benchmarks.md' if args.write else ''}`: `{SMOLLM2_CONFIG.relative_to(ROOT)}`'s job "
+             f"(SmolLM2-135M-Instruct, vLLM, fp32, demo/arithmetic, 4 answers x 8 prompts per rollout) at temperature "
+             f"1.0 with answers of up to {SMOLLM2_NEW} tokens; {iterations} iterations per mode, the first {SKIP} "
+             "left out; one run per mode.", "", *table(results), "",
+             f"{RECOMMENDED} against {BASELINE}: "
+             f"{mid(RECOMMENDED, 'samples_per_s') / mid(BASELINE, 'samples_per_s'):.2f}x samples/s."]
+    text = "\n".join(lines) + "\n"
+    if args.write:
+        write_section(args.write, SMOLLM2_SECTION, text)
     print(text)
     return 0
 
@@ -172,11 +214,27 @@ def accuracy(args) -> int:
     return 0
 
 
-def render(results: dict[str, list[dict]], args, iterations: int) -> str:
+def median_of(results: dict[str, list[dict]]):
     import statistics
 
-    def mid(mode: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[mode])
+    return lambda mode, key: statistics.median(r[key] for r in results[mode])
+
+
+def table(results: dict[str, list[dict]]) -> list[str]:
+    mid = median_of(results)
+    lines = ["| mode | samples/s | vs async | iteration (s) | engine busy | learner busy | streamed groups | "
+             "answers restarted | tokens >= 1 version old | answer length |", "|---|---|---|---|---|---|---|---|---|---|"]
+    base = mid(BASELINE, "samples_per_s")
+    for mode in results:
+        lines.append(f"| {mode} | {mid(mode, 'samples_per_s'):.1f} | {mid(mode, 'samples_per_s') / base:.2f}x | "
+                     f"{mid(mode, 'iteration_s'):.2f} | {mid(mode, 'engine_busy'):.0%} | "
+                     f"{mid(mode, 'learner_busy'):.0%} | {mid(mode, 'streamed'):.0%} | {mid(mode, 'restarted'):.0%} | "
+                     f"{mid(mode, 'stale_tokens'):.0%} | {mid(mode, 'answer_length'):.0f} |")
+    return lines
+
+
+def render(results: dict[str, list[dict]], args, iterations: int) -> str:
+    mid = median_of(results)
 
     lines = [SECTION, "",
              f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray')}. "
@@ -185,15 +243,8 @@ def render(results: dict[str, list[dict]], args, iterations: int) -> str:
              f"end with probability ~1/64 per token (geometric lengths capped at {MAX_NEW}; 4 answers x 8 prompts "
              f"per rollout), hf engine, 2 cores shared by every role; {iterations} iterations per run, the first "
              f"{SKIP} left out; each mode run {len(next(iter(results.values())))} time(s), alternating, medians.",
-             "", "| mode | samples/s | vs async | iteration (s) | engine busy | learner busy | streamed groups | "
-             "answers restarted | tokens >= 1 version old | answer length |", "|---|---|---|---|---|---|---|---|---|---|"]
-    base = mid(BASELINE, "samples_per_s")
-    for mode in results:
-        lines.append(f"| {mode} | {mid(mode, 'samples_per_s'):.1f} | {mid(mode, 'samples_per_s') / base:.2f}x | "
-                     f"{mid(mode, 'iteration_s'):.2f} | {mid(mode, 'engine_busy'):.0%} | "
-                     f"{mid(mode, 'learner_busy'):.0%} | {mid(mode, 'streamed'):.0%} | {mid(mode, 'restarted'):.0%} | "
-                     f"{mid(mode, 'stale_tokens'):.0%} | {mid(mode, 'answer_length'):.0f} |")
-    partial = mid(RECOMMENDED, "samples_per_s") / base
+             "", *table(results)]
+    partial = mid(RECOMMENDED, "samples_per_s") / mid(BASELINE, "samples_per_s")
     busy = mid(RECOMMENDED, "engine_busy")
     lines += ["", "Engine busy sums the generation seconds of the rollouts trained in the counted iterations over their "
                   "wall time (with partial rollouts, a rollout counts its own turn and the generation between calls "

@@ -335,14 +335,18 @@ def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_exper
     assert all(m["buffer/entries"] <= 3 for m in steps)
 
 
-@pytest.mark.parametrize("engine", [["generation.engine=hf"], ["generation.engine=vllm", "generation.vllm.dtype=fp32"]],
-                         ids=["hf", "vllm"])
-def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch, engine):
+@pytest.mark.parametrize("engine,iterations,stop_after", [
+    (["generation.engine=hf"], 6, 2), (["generation.engine=vllm", "generation.vllm.dtype=fp32"], 4, None)],
+    ids=["hf-stopped-and-resumed", "vllm"])
+def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch, engine,
+                                                                   iterations, stop_after):
     """generation.partial_rollouts on each engine, with the test hook holding each rollout call's first round
     after 3 tokens (5 s at most) until an update asks for the engine: the rollouts started while an update trains
     are generating when its weights arrive, so their answers (8 tokens each) carry two policy versions, and the
     update that trains on them finds some of their tokens one version old; the rollouts stream (the next rollout's
-    prompts join the running one), and no experience is older than max_staleness."""
+    prompts join the running one), and no experience is older than max_staleness. On hf the run stops after 2
+    of its 6 updates and resumes: the checkpoint resumes at a rollout no later than the one after the last trained
+    on (earlier while answers of an older one were still generating), and the resumed run ends the job."""
     import json
 
     from rlhf_ray.actors.update_gate import HOLD_ENV
@@ -351,13 +355,20 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", *engine, "generation.partial_rollouts=true",
                   "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
-                  "ppo.rollout_batch_size=8", "ppo.iterations=4", "ppo.eval_prompts=0", "critic=null",
+                  "ppo.rollout_batch_size=8", f"ppo.iterations={iterations}", "ppo.eval_prompts=0", "critic=null",
                   "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",
                   "reward.placement.colocate_with=policy", "generation.sampling.max_new_tokens=8",
                   "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0")
-    assert run_ppo(job)["iterations"] == 4
+    if stop_after:
+        assert run_ppo(job, stop_after=stop_after)["stopped_at_iteration"] == stop_after
+        from rlhf_ray.jobs.checkpoints import Checkpoints
+
+        state = Checkpoints.state(Checkpoints(tmp_path / "ppo", 2).latest())
+        assert state["step"] == stop_after and state["rollout"] <= stop_after
+    assert run_ppo(job)["iterations"] == iterations
     logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "experience/staleness" in m]
+    assert len(steps) == iterations  # a resumed run's lines replace nothing twice
     mixed = [m for m in steps if m["generate/multi_version_answers"] > 0]
     assert mixed, [m["generate/multi_version_answers"] for m in steps]
     assert all(0 < m["experience/tokens_staleness_1"] < 1 and m["experience/staleness"] == 1 for m in mixed)
