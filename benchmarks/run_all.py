@@ -29,6 +29,7 @@ SCRIPTS = {
     "soak": "bench_soak.py",  # 500 async PPO iterations: memory per process, restarts
     "memory_model": "bench_memory_model.py",  # memory model predicted vs measured peak per learner rank
     "logprob_memory": "bench_logprob_memory.py",  # a policy step's peak at 512 + 512 tokens, log-prob paths
+    "partial_rollouts": "bench_partial_rollouts.py",  # sync / async / partial rollouts on long-tailed answers
 }
 
 
