@@ -422,6 +422,14 @@ def test_a_prompt_template_is_a_format_string_and_one_way_of_wrapping(write_yaml
     assert "data.datasets.0.prompt_template" in problem and "drop one of the two" in problem
 
 
+def test_packed_rows_with_gradient_checkpointing_are_refused_at_their_line(write_yaml):
+    path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n",
+                                  "critic:\n  micro_batch_size: 4\n  pack_sequences: true\n"))
+    load_job(path)
+    (problem,) = problems_of(path, ["critic.model.gradient_checkpointing=true"])
+    assert "critic.pack_sequences" in problem and "gradient checkpointing" in problem and "job.yaml:7:" in problem
+
+
 def test_a_token_budget_that_cannot_hold_the_longest_row_is_refused_at_its_line(write_yaml):
     path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n",
                                   "critic:\n  micro_batch_size: 4\n  max_tokens_per_micro_batch: 300\n"))

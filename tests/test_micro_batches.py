@@ -74,6 +74,7 @@ from rlhf_ray.distributed import init_process_group, listen
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.deepspeed_setup import build_deepspeed
 from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.models import packing
 
 sock = listen("127.0.0.1")
 init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 120)
@@ -90,19 +91,23 @@ for i in range(B):
     mask[i, P - prompt_len[i]: P + answer_len[i]] = 1
     action[i, : answer_len[i]] = 1
 seq = seq * mask
+prompt_len[3] = prompt_len[2]  # rows 2 and 3 answer the same prompt (a GRPO group): packed, they share it
+seq[3, :P], mask[3, :P] = seq[2, :P], mask[2, :P]
 exp = Experience(sequences=seq, attention_mask=mask, action_mask=action, prompt_width=P,
                  advantages=torch.randn(B, A) * action, ref_logp=-torch.rand(B, A) * action,
                  rewards=torch.zeros(B, A), values=torch.randn(B, A) * action, returns=torch.randn(B, A) * action)
 minibatches = SimpleNamespace(rows=[[0, 1, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]],
                               meta=SimpleNamespace(rollout_index=0))
 
-def run(cls, stage, budget, **kwargs):
+def run(cls, stage, budget, packed=False, **kwargs):
     ds = DeepSpeedSpec(zero_stage=stage, gradient_accumulation_steps=4)
     learner = cls(rank=0, world_size=1, model=spec.model_dump(), optim=optim.model_dump(), deepspeed=ds.model_dump(),
                   micro_batch_size=2, seed=0, temperature=1.0, max_tokens_per_micro_batch=budget, pad_token_id=0,
-                  **kwargs)
+                  pack_sequences=packed, **kwargs)
     torch.manual_seed(1)  # the critic's value head starts random: the same in both runs
     model = learner.build_model()
+    if packed:
+        packing.enable(model)
     learner.deepspeed, learner.scheduler = build_deepspeed(model, spec, optim, ds, 2, 1, 10)
     learner.fetch = lambda mb: exp
     forward = learner._logprobs if cls is PolicyLearner else learner._values
@@ -115,26 +120,29 @@ for cls, kwargs in ((PolicyLearner, dict(clip_ratio=0.2, dual_clip=None, train_b
                     (CriticLearner, dict(clip_value=0.2))):
     for stage in (0, 2):
         rows = run(cls, stage, None, **kwargs)
-        tokens = run(cls, stage, 20, **kwargs)
-        torch.testing.assert_close(tokens[0], rows[0], rtol=0, atol=1e-5)
-        for key, value in rows[1].items():
-            if key.endswith(("loss", "kl", "entropy", "clip_fraction", "approx_kl", "ratio")):
-                assert abs(tokens[1][key] - value) <= 1e-5 * max(1.0, abs(value)), (cls.__name__, stage, key, tokens[1][key], value)
-        for a, b in zip(tokens[2], rows[2]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
-        assert rows[3] == tokens[3] == {{"applied": 2, "skipped": 0}}, (rows[3], tokens[3])
-        pad = [m for k, m in tokens[1].items() if k.endswith("padding_fraction")][0]
         pad_rows = [m for k, m in rows[1].items() if k.endswith("padding_fraction")][0]
-        assert pad < pad_rows, (pad, pad_rows)
-        print(cls.__name__, stage, "padding", round(pad_rows, 3), "->", round(pad, 3))
+        for name, budget, packed in (("budget", 20, False), ("packed", None, True), ("packed budget", 20, True)):
+            tokens = run(cls, stage, budget, packed, **kwargs)
+            torch.testing.assert_close(tokens[0], rows[0], rtol=0, atol=1e-5)
+            for key, value in rows[1].items():
+                if key.endswith(("loss", "kl", "entropy", "clip_fraction", "approx_kl", "ratio")):
+                    assert abs(tokens[1][key] - value) <= 1e-5 * max(1.0, abs(value)), (cls.__name__, stage, name, key, tokens[1][key], value)
+            for a, b in zip(tokens[2], rows[2]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+            assert rows[3] == tokens[3] == {{"applied": 2, "skipped": 0}}, (rows[3], tokens[3])
+            pad = [m for k, m in tokens[1].items() if k.endswith("padding_fraction")][0]
+            assert pad < pad_rows and (pad == 0) == packed, (name, pad, pad_rows)
+            print(cls.__name__, stage, name, "padding", round(pad_rows, 3), "->", round(pad, 3))
 print("ok")
 """
 
 
-def test_token_budget_micro_batches_give_the_row_count_paths_numbers_with_less_padding(tiny_model):
-    """Policy and critic, ZeRO-0 and ZeRO-2, two mini-batches of 8 rows of mixed lengths: 4 micro-batches of 2 rows
-    against micro-batches of at most 20 tokens (a varying count; the optimizer steps once per mini-batch either
-    way): the scoring forwards, the losses and the weights after both steps agree to 1e-5."""
+def test_token_budget_and_packed_micro_batches_give_the_row_count_paths_numbers_with_less_padding(tiny_model):
+    """Policy and critic, ZeRO-0 and ZeRO-2, two mini-batches of 8 rows of mixed lengths (two rows answering one
+    prompt): 4 micro-batches of 2 rows against micro-batches of at most 20 tokens (a varying count; the optimizer
+    steps once per mini-batch either way), against packed rows (models/packing.py: no pads, the shared prompt once)
+    of 2 rows and of at most 20 tokens: the scoring forwards, the losses and the weights after both steps agree
+    to 1e-5, and the packed runs compute no pad."""
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(GOLDEN.format(model=tiny_model))],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-4000:]

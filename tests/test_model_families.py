@@ -297,6 +297,12 @@ def test_validate_refuses_an_architecture_the_engine_cannot_serve(capsys, family
                           f"policy.model.path={family_models['phi3']}", "--set",
                           f"reward.model.path={family_models['phi3']}", "--set", "generation.engine=vllm")
     assert code == 0, out
+    # packed rows need SDPA-able attention: Gemma 2 soft-caps its attention logits
+    code, out = _validate(capsys, str(ROOT / "configs/quickstart/ppo.yaml"), "--set",
+                          f"policy.model.path={family_models['gemma2']}", "--set",
+                          f"reward.model.path={family_models['gemma2']}", "--set", "generation.engine=hf",
+                          "--set", "policy.pack_sequences=true")
+    assert code != 0 and "policy.pack_sequences" in out and "Gemma2ForCausalLM soft-caps" in out, out
 
 
 def test_a_reward_model_with_another_tokenizer_is_bridged_or_refused_by_name(capsys, family_models, tmp_path):

@@ -161,7 +161,8 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
                 if tokenizer.eos_token_id in want:
                     want = want[: want.index(tokenizer.eos_token_id) + 1]
                 assert s["answer_ids"] == want
-        return {"transport": trainer.weights.transport}
+        return {"transport": trainer.weights.transport,
+                "padding": {k: v for k, v in result.items() if k.endswith("padding_fraction")}}
 
 
 # (the hf engine with a ZeRO-2 policy, the defaults, is the first leg of every family's end-to-end test in
@@ -169,10 +170,13 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
 # test_fault_tolerance.py's: the same check, not run again here. ipc here: 64 KiB buckets, each vLLM reloads on its own)
 # the first also cuts every role's micro-batches by a token budget: the two ZeRO-3 policy ranks then need different
 # numbers of micro-batches, and must still run as many forwards (their gathers are collectives)
+# the second runs every role's micro-batches packed (models/packing.py), the ZeRO-3 policy's among them
 BUDGET = [f"{role}.max_tokens_per_micro_batch=100" for role in ("policy", "critic", "reference", "reward")]
+PACKED = [f"{role}.pack_sequences=true" for role in ("policy", "critic", "reference", "reward")]
 
 
-@pytest.mark.parametrize("engine,zero_stage,transport,budget", [("vllm", 3, "ipc", BUDGET), ("hf", 3, "collective", [])])
+@pytest.mark.parametrize("engine,zero_stage,transport,budget", [("vllm", 3, "ipc", BUDGET),
+                                                                 ("hf", 3, "collective", PACKED)])
 def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_models, engine, zero_stage,
                                                                 transport, budget):
     sft, rm = stage_models
@@ -180,6 +184,8 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
                                           f"generation.weight_sync.transport={transport}",
                                           f"policy.deepspeed.zero_stage={zero_stage}", *budget)
     assert run["transport"] == transport
+    assert set(run["padding"]) == {"policy/padding_fraction", "critic/padding_fraction"}
+    assert (max(run["padding"].values()) == 0) == (budget is PACKED), run["padding"]
 
 
 def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_models):

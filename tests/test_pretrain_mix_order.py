@@ -46,7 +46,7 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
     rank = SimpleNamespace(deepspeed=RecordingEngine(events), mix=mix, rank=0, world_size=1, micro_batch_size=2,
                            ptx_coef=0.5, all_reduce_sum=lambda values: values, optimizer_step=lambda: None,
                            step_info=lambda: {}, loss_aggregation="token_mean",
-                           step_counts={"applied": 0, "skipped": 0}, max_tokens=None)
+                           step_counts={"applied": 0, "skipped": 0}, max_tokens=None, packed=False)
     rank.micro_rows = lambda batch, rows: PPOLearnerRank.micro_rows(rank, batch, rows)
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
     rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)

@@ -125,28 +125,28 @@ def test_values_come_from_the_root_forward_and_equal_the_heads_output_at_every_p
     torch.testing.assert_close(values.detach(), expected, rtol=0, atol=1e-6)
 
 
-def test_a_token_budget_scores_rows_sorted_by_length_with_the_same_numbers_and_fewer_pads(tiny_model):
+def test_a_token_budget_and_packing_score_the_rows_with_the_same_numbers_and_fewer_pads(tiny_model):
     """Reference log-probs and reward scores with `max_tokens_per_micro_batch`: rows of similar length run
     together, many short ones to a forward, and every row's result lands in its own place, equal to the row-count
-    path's."""
+    path's; packed (`pack_sequences`), every micro-batch runs as one row of its real tokens, the same numbers."""
     from rlhf_ray.actors.scoring import RewardWorker
     from rlhf_ray.data.tokens import TokenConventions
     from rlhf_ray.models.loading import load_tokenizer
     from rlhf_ray.config import ModelSpec
 
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18], [19, 20], [21, 22, 23], [24, 25]]
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16, 17, 18], [19, 20], [21, 22, 23], [19, 20]]
     answers = [[30, 31, 32, 33, 34, 35], [36], [37, 38, 39, 40, 41, 42], [43], [44, 45], [46]]
     batch = pack_rollouts(prompts, answers, pad_id=0)
     model = {"path": str(tiny_model), "dtype": "fp32"}
     tokens = TokenConventions.from_tokenizer(load_tokenizer(ModelSpec(**model)), str(tiny_model))
     results, cost = {}, {}
-    for budget in (None, 24):
+    for budget, packed in ((None, False), (24, False), (None, True), (24, True)):
         shapes = []
         reference = ReferenceWorker(rank=0, world_size=1, model=model, micro_batch_size=2, temperature=0.7,
-                                    max_tokens_per_micro_batch=budget)
+                                    max_tokens_per_micro_batch=budget, pack_sequences=packed)
         torch.manual_seed(0)  # the same fresh score head
         reward = RewardWorker(rank=0, world_size=1, model=model, micro_batch_size=2, tokens=tokens,
-                              max_tokens_per_micro_batch=budget)
+                              max_tokens_per_micro_batch=budget, pack_sequences=packed)
         for worker in (reference, reward):
             forward = worker.model.forward
 
@@ -155,12 +155,16 @@ def test_a_token_budget_scores_rows_sorted_by_length_with_the_same_numbers_and_f
                 return forward(*args, **kwargs)
 
             worker.model.forward = recording
-        results[budget] = (ReferenceWorker.logprobs.__wrapped__(reference, batch, 1, 6),
-                           RewardWorker.score.__wrapped__(reward, batch, 1, 6))
-        cost[budget] = sum(rows * width for rows, width in shapes)
-    torch.testing.assert_close(results[24][0], results[None][0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(results[24][1], results[None][1], rtol=0, atol=1e-5)
-    assert results[24][0].shape == (5, 6) and results[24][1].shape == (5,)
+        results[budget, packed] = (ReferenceWorker.logprobs.__wrapped__(reference, batch, 1, 6),
+                                   RewardWorker.score.__wrapped__(reward, batch, 1, 6))
+        cost[budget, packed] = sum(rows * width for rows, width in shapes)
+        assert not packed or all(rows == 1 for rows, _ in shapes)
+    for key in results:
+        torch.testing.assert_close(results[key][0], results[None, False][0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(results[key][1], results[None, False][1], rtol=0, atol=1e-5)
+    assert results[24, False][0].shape == (5, 6) and results[24, False][1].shape == (5,)
     # rows 1-5 are 3, 12, 3, 5 and 3 tokens long: by twos in order they run as 2 x 12 + 2 x 5 + 1 x 3 = 37 tokens
-    # per role; by length within 24 tokens as 4 x 5 (the four short ones) + 1 x 12 = 32
-    assert cost == {None: 2 * 37, 24: 2 * 32}
+    # per role; by length within 24 tokens as 4 x 5 (the four short ones) + 1 x 12 = 32, where the reference runs
+    # the short ones' 3 distinct prompts (3 x 3) and their answers on them (4 x 2): 29. Packed: their 26 tokens;
+    # within 24 tokens rows 3 and 5 (one prompt) run together and the reference reads their prompt once
+    assert cost == {(None, False): 2 * 37, (24, False): 32 + 29, (None, True): 2 * 26, (24, True): 26 + 24}

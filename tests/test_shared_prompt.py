@@ -40,7 +40,9 @@ def forwards(model):
 
 
 def full_logprobs(model, b, temperature=0.7):
-    logits = model(input_ids=b.sequences, attention_mask=b.attention_mask).logits
+    """The whole sequence's forward, every token at its position within its row (as the engines number them)."""
+    positions = (b.attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=b.sequences, attention_mask=b.attention_mask, position_ids=positions).logits
     return answer_logprobs(logits, b.sequences, b.action_mask.shape[1], temperature) * b.action_mask
 
 
@@ -96,6 +98,24 @@ def test_every_family_scores_shared_prompts_like_the_whole_sequence(family, tmp_
     torch.testing.assert_close(shared, full, rtol=0, atol=1e-4)
     prompt_len, answer_len = b.sequences.shape[1] - 4, 4
     assert shapes == [(3, prompt_len), (6, answer_len)], f"{family}: the prompts did not run once"
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_rows_log_probs_do_not_depend_on_the_padding_its_batch_gave_it(family, tmp_path):
+    """Each row scored in the padded batch (left-padded prompt, right-padded answer) against the same row alone,
+    no pads: equal. A model with absolute position embeddings (GPT-2) counted the pads as positions before."""
+    from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
+
+    model = AutoModelForCausalLM.from_pretrained(build_family_model(family, tmp_path / family), dtype=torch.float32)
+    b = batch()
+    with torch.no_grad():
+        padded, _ = answer_logprobs_and_entropy(model.eval(), model, b.sequences, b.attention_mask, 4, 0.7,
+                                                share_prompts=False, with_entropy=False)
+        for r, (p, answer) in enumerate(ROWS):
+            alone = pack_rollouts([PROMPTS[p]], [answer], pad_id=0)
+            logp, _ = answer_logprobs_and_entropy(model, model, alone.sequences, alone.attention_mask, len(answer),
+                                                  0.7, with_entropy=False)
+            torch.testing.assert_close(padded[r, : len(answer)], logp[0], rtol=0, atol=1e-4)
 
 
 def test_a_sequence_longer_than_the_sliding_window_runs_whole(tmp_path):

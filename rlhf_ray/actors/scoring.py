@@ -17,6 +17,7 @@ from rlhf_ray.algorithms.micro_batches import used_columns
 from rlhf_ray.algorithms.reward_loss import end_scores
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_causal_lm, load_scalar_model, token_values
+from rlhf_ray.models.packing import pack, packed_values
 from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
 
 
@@ -40,8 +41,8 @@ class ReferenceWorker(ForwardRole):
             micro = batch.select(part if part is not None else [0]).trimmed()
             seq, mask, action = (t.to(device()) for t in (micro.sequences, micro.attention_mask, micro.action_mask))
             logp, _ = answer_logprobs_and_entropy(self.forward, self.model, seq, mask, action.shape[1],
-                                                  self.temperature, share_prompts=not self.sharded,
-                                                  chunked=not self.sharded, with_entropy=False)
+                                                  self.temperature, share_prompts=self.packed or not self.sharded,
+                                                  chunked=not self.sharded, with_entropy=False, packed=self.packed)
             if part is not None:
                 out[torch.as_tensor(part - lo)] = pad_answer_columns((logp * action).cpu().float(), answer_len)
         return out
@@ -99,8 +100,13 @@ class RewardWorker(ForwardRole):
                              torch.ones(1, 1, dtype=torch.long, device=device()), forward=self.forward)
                 continue
             rows, rows_mask = used_columns(seq[part - lo], mask[part - lo])
-            values = token_values(self.model, rows.to(device()), rows_mask.to(device()), forward=self.forward)
-            out[torch.as_tensor(part - lo)] = end_scores(values, rows_mask.to(device())).cpu().float()
+            if self.packed:  # each row's tokens as one sequence, scored at its last
+                packed = pack(rows.to(device()), rows_mask.to(device()), answer_len=0)
+                scores = packed_values(self.model, packed, self.forward)[packed.ends]
+            else:
+                values = token_values(self.model, rows.to(device()), rows_mask.to(device()), forward=self.forward)
+                scores = end_scores(values, rows_mask.to(device()))
+            out[torch.as_tensor(part - lo)] = scores.cpu().float()
         return out
 
     def set_threads(self, n: int) -> int:

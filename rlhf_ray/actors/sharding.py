@@ -21,6 +21,7 @@ from rlhf_ray.algorithms.micro_batches import by_token_budget, prompt_groups, ro
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.distributed import RendezvousHost, all_reduce, build_zero3_inference, init_process_group
 from rlhf_ray.memory.probe import PeakMemory
+from rlhf_ray.models import packing
 
 
 def device() -> torch.device:
@@ -32,14 +33,16 @@ class ForwardRole(RendezvousHost):
     and the micro-batches of a replica's rows."""
 
     def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, sharded: bool = False,
-                 max_tokens_per_micro_batch: int | None = None):
+                 max_tokens_per_micro_batch: int | None = None, pack_sequences: bool = False):
         self.memory = PeakMemory()  # before the model: its peak counts what the model and forwards add
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
         self.spec = ModelSpec.model_validate(model)
-        self.micro, self.max_tokens = micro_batch_size, max_tokens_per_micro_batch
+        self.micro, self.max_tokens, self.packed = micro_batch_size, max_tokens_per_micro_batch, pack_sequences
         self.deepspeed = None
         self.model = None if sharded else self.load_model().to(device()).eval()
+        if self.model is not None and self.packed:
+            packing.enable(self.model)
 
     def load_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -53,6 +56,8 @@ class ForwardRole(RendezvousHost):
         self.deepspeed, self._hf_ds_config = build_zero3_inference(self.load_model, self.spec, self.micro,
                                                                  self.world_size)
         self.model = self.deepspeed.module
+        if self.packed:
+            packing.enable(self.model)
         return {"rank": self.rank, "held_bytes": self.held_bytes()}
 
     def peak_memory(self) -> dict:
@@ -81,6 +86,6 @@ class ForwardRole(RendezvousHost):
         else:
             groups = prompt_groups(sequences, answer_mask.shape[1])
             mine = [lo + part for part in by_token_budget(*row_lengths(attention_mask, answer_mask), self.max_tokens,
-                                                          groups)]
+                                                          groups, packed=self.packed)]
             most = int(all_reduce([len(mine)], "MAX", device())[0]) if self.sharded else len(mine)
         return mine + [None] * (most - len(mine)) if self.sharded else mine

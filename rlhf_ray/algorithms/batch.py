@@ -45,9 +45,12 @@ class RolloutBatch:
     def answer_width(self) -> int:
         return self.action_mask.shape[1]
 
-    def padding(self) -> tuple[int, int]:
+    def padding(self, packed: bool = False) -> tuple[int, int]:
         """(padding tokens, tokens) of a forward over this batch's [B, P + A] layout as it stands (trim it first
-        for a micro-batch's own width): the share of a role's compute spent on pads."""
+        for a micro-batch's own width): the share of a role's compute spent on pads. Packed (models/packing.py):
+        no pads, the real tokens."""
+        if packed:
+            return 0, int(self.attention_mask.sum())
         tokens = self.attention_mask.numel()
         return tokens - int(self.attention_mask.sum()), tokens
 

@@ -8,6 +8,10 @@ cut where the next row would take the micro-batch past the budget: rows of a sim
 micro-batch of short rows holds more of them. A rank may need fewer micro-batches than another; the split is then
 refined (the costliest micro-batch halved) until every rank runs the same number, as ZeRO's collectives in each
 forward and backward require.
+
+Packed (models/packing.py: a micro-batch runs as one row of its real tokens, a shared prompt once), a micro-batch
+costs its tokens, not rows x widths: the rows are taken in their order, a prompt's answers together, while their
+tokens fit the budget.
 """
 
 from __future__ import annotations
@@ -38,15 +42,23 @@ def padded_tokens(prompt: np.ndarray, answer: np.ndarray) -> int:
     return int(len(prompt) * (prompt.max() + answer.max())) if len(prompt) else 0
 
 
-def by_token_budget(prompt: np.ndarray, answer: np.ndarray, budget: int, groups: np.ndarray | None = None
-                    ) -> list[np.ndarray]:
+def packed_tokens(prompt: np.ndarray, answer: np.ndarray, groups: np.ndarray) -> int:
+    """Tokens of one packed forward over these rows: each group's prompt once, every answer."""
+    _, first = np.unique(groups, return_index=True)
+    return int(prompt[first].sum() + answer.sum())
+
+
+def by_token_budget(prompt: np.ndarray, answer: np.ndarray, budget: int, groups: np.ndarray | None = None,
+                    packed: bool = False) -> list[np.ndarray]:
     """Row positions of each micro-batch: rows sorted by length and cut where one more row would pass `budget`
     padded tokens. Two orders are tried, prompt length first or answer length first (a group's longest answer
     standing for its rows while `groups` keeps the answers to one prompt together: they share its forward), and
     the one with fewer padded tokens is kept. A row longer than the budget on its own runs alone (validation keeps
-    that from happening)."""
+    that from happening). `packed`: micro-batches of packed rows (see the module's doc)."""
     n = len(prompt)
     groups = np.arange(n) if groups is None else np.asarray(groups)
+    if packed:
+        return _cut_packed(np.lexsort((np.arange(n), groups)), prompt, answer, groups, budget)
     longest = np.zeros(groups.max() + 1 if n else 0, dtype=np.int64)
     np.maximum.at(longest, groups, answer)
     orders = [np.lexsort((np.arange(n), answer, groups, longest[groups], prompt)),  # the last key sorts first
@@ -64,6 +76,22 @@ def _cut(order: np.ndarray, prompt: np.ndarray, answer: np.ndarray, budget: int)
             parts.append(order[start:i])
             start, p, a = i, prompt[row], answer[row]
         widest_prompt, widest_answer = p, a
+    if start < len(order):
+        parts.append(order[start:])
+    return parts
+
+
+def _cut_packed(order: np.ndarray, prompt: np.ndarray, answer: np.ndarray, groups: np.ndarray, budget: int
+                ) -> list[np.ndarray]:
+    parts: list[np.ndarray] = []
+    start, tokens, seen = 0, 0, set()
+    for i, row in enumerate(order):
+        cost = answer[row] + (0 if groups[row] in seen else prompt[row])
+        if i > start and tokens + cost > budget:
+            parts.append(order[start:i])
+            start, tokens, seen, cost = i, 0, set(), answer[row] + prompt[row]
+        tokens += cost
+        seen.add(groups[row])
     if start < len(order):
         parts.append(order[start:])
     return parts

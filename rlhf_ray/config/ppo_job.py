@@ -27,6 +27,12 @@ class TokenBudget(StrictModel):
     the role (and to the PPO epochs of a learner, whose optimizer still steps once per mini-batch); every rank of a
     ZeRO group runs as many micro-batches as the rank that needs most. Must hold the longest row:
     data.max_prompt_len + the answer's token limit. None: every micro_batch_size rows in their order."""
+    pack_sequences: bool = False
+    """Run each micro-batch as one packed row of its real tokens (models/packing.py): no pad is computed, each row
+    attends only to itself (block by block: varlen attention), and the answers to one prompt share it. With a token
+    budget a micro-batch then takes rows while their tokens fit it. The model's attention must go through
+    transformers' attention interface (every family in docs/models.md does) and the learners must not use
+    gradient checkpointing."""
 
 
 class LearnerRoleSpec(TokenBudget):
@@ -240,6 +246,11 @@ class PPOJob(JobBase):
                                    f"{role.max_tokens_per_micro_batch} tokens cannot hold the longest row: "
                                    f"data.max_prompt_len ({self.data.max_prompt_len}) + the answer's limit "
                                    f"({self.generation.max_answer_tokens}) = {longest}; set at least {longest}")
+            if role is not None and role.pack_sequences and role.model.gradient_checkpointing:
+                raise FieldProblem(f"{name}.pack_sequences",
+                                   f"packed rows cannot be recomputed by gradient checkpointing (the backward pass "
+                                   f"would attend across rows); set {name}.pack_sequences: false or "
+                                   f"{name}.model.gradient_checkpointing: false")
         for name, role in {"policy": self.policy, "critic": self.critic}.items():
             if role is None:
                 continue

@@ -9,6 +9,7 @@ from rlhf_ray.algorithms.losses import value_loss
 from rlhf_ray.algorithms.batch import Experience, RolloutBatch
 from rlhf_ray.learners.ppo_base import PPOLearnerRank
 from rlhf_ray.models.loading import load_scalar_model, token_values
+from rlhf_ray.models.packing import pack, packed_values
 
 
 class CriticLearner(PPOLearnerRank):
@@ -20,8 +21,11 @@ class CriticLearner(PPOLearnerRank):
         return load_scalar_model(self.model_spec, self.pad_token_id)
 
     def _values(self, batch: RolloutBatch) -> torch.Tensor:
-        """V(state before answer token t) = the head at position P - 1 + t."""
+        """V(state before answer token t) = the head at position P - 1 + t (packed: where token t is predicted)."""
         answer_len = batch.answer_width
+        if self.packed:
+            rows = pack(batch.sequences, batch.attention_mask, answer_len, share_prompts=True)
+            return packed_values(self.deepspeed.module, rows, self.deepspeed)[rows.answer_index] * batch.action_mask
         start = batch.sequences.shape[1] - answer_len - 1
         values = token_values(self.deepspeed.module, batch.sequences, batch.attention_mask, forward=self.deepspeed)
         return values[:, start: start + answer_len] * batch.action_mask

@@ -14,6 +14,7 @@ from rlhf_ray.algorithms.experience import pad_answer_columns, row_slices
 from rlhf_ray.algorithms.losses import LossAggregation, loss_units
 from rlhf_ray.algorithms.micro_batches import by_token_budget, prompt_groups, row_lengths, split_to
 from rlhf_ray.learners.rank import LearnerRank
+from rlhf_ray.models import packing
 
 TokenLoss = Callable[[Experience], tuple[torch.Tensor, dict[str, float]]]
 
@@ -22,10 +23,17 @@ class PPOLearnerRank(LearnerRank):
     loss_aggregation: LossAggregation = "token_mean"
     """What `token_loss`'s sum is averaged over (algorithms/losses.aggregated_sum): the critic's is token_mean."""
 
-    def __init__(self, *, temperature: float, max_tokens_per_micro_batch: int | None = None, **kwargs):
+    def __init__(self, *, temperature: float, max_tokens_per_micro_batch: int | None = None,
+                 pack_sequences: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.temperature = temperature
-        self.max_tokens = max_tokens_per_micro_batch
+        self.max_tokens, self.packed = max_tokens_per_micro_batch, pack_sequences
+
+    def setup(self, master_addr: str, master_port: int, total_steps: int, collective_timeout_s: float = 1800.0) -> dict:
+        info = super().setup(master_addr, master_port, total_steps, collective_timeout_s)
+        if self.packed:
+            packing.enable(self.deepspeed.module)
+        return info
 
     def rank_slice(self, n: int) -> slice:
         """Contiguous equal chunks: every rank runs the same number of forwards (ZeRO-3 gathers are collective)."""
@@ -51,11 +59,12 @@ class PPOLearnerRank(LearnerRank):
     def micro_rows(self, batch: RolloutBatch, rows: np.ndarray) -> list[np.ndarray]:
         """This rank's `rows` of the batch in micro-batches: every `micro_batch_size` rows in their order, or, with a
         token budget (`max_tokens_per_micro_batch`), sorted by length and cut by it (algorithms/micro_batches.py),
-        as many micro-batches on every rank."""
+        as many micro-batches on every rank (packed rows: cut by their tokens)."""
         if self.max_tokens is None:
             return [rows[s] for s in row_slices(len(rows), self.micro_batch_size)]
         prompt, answer = row_lengths(batch.attention_mask[rows], batch.action_mask[rows])
-        parts = by_token_budget(prompt, answer, self.max_tokens, prompt_groups(batch.sequences[rows], batch.answer_width))
+        parts = by_token_budget(prompt, answer, self.max_tokens, prompt_groups(batch.sequences[rows], batch.answer_width),
+                                packed=self.packed)
         (count,) = self.all_reduce_max([len(parts)])
         return [rows[p] for p in split_to(parts, prompt, answer, int(count))]
 
@@ -104,7 +113,7 @@ class PPOLearnerRank(LearnerRank):
                 # the last micro-batch of the mini-batch steps the optimizer, however many there were
                 self.deepspeed.set_gradient_accumulation_boundary(i == len(micro) - 1)
                 micro_batch = self.micro_batch(batch, torch.as_tensor(part))
-                padding = [total + n for total, n in zip(padding, micro_batch.padding())]
+                padding = [total + n for total, n in zip(padding, micro_batch.padding(self.packed))]
                 loss_sum, stats = token_loss(micro_batch)
                 loss = loss_sum / units
                 stats = {"loss": loss_sum.item() / units, **{k: v / tokens for k, v in stats.items()}}

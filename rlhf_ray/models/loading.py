@@ -52,8 +52,12 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 @functools.lru_cache(maxsize=None)
+def _forward_parameters(cls: type) -> frozenset[str]:
+    return frozenset(inspect.signature(cls.forward).parameters)
+
+
 def _keeps_logits(cls: type) -> bool:
-    return "logits_to_keep" in inspect.signature(cls.forward).parameters
+    return "logits_to_keep" in _forward_parameters(cls)
 
 
 def last_logits_only(model: torch.nn.Module, n: int) -> dict:
@@ -62,6 +66,23 @@ def last_logits_only(model: torch.nn.Module, n: int) -> dict:
     [B, L, V] tensor over the prompt, a large share of a small model's forward (SmolLM2: 49k-token vocabulary)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper passes kwargs on
     return {"logits_to_keep": n} if _keeps_logits(type(base)) else {}
+
+
+def mask_positions(model: torch.nn.Module, attention_mask: torch.Tensor) -> dict:
+    """Forward kwargs giving each token its position within its own row (pads skipped: a left-padded prompt starts
+    at 0), as the engines number them; where the model takes position ids. Models with absolute position
+    embeddings (GPT-2) otherwise count the pads; rotary ones are unchanged by the shift."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if "position_ids" not in _forward_parameters(type(base)):
+        return {}
+    return {"position_ids": (attention_mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+
+def logits_at(model: torch.nn.Module, positions: torch.Tensor) -> dict:
+    """Forward kwargs that make a causal LM compute logits at `positions` (1-D) only, where the model supports it;
+    {} otherwise (then it computes them at every position)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {"logits_to_keep": positions} if _keeps_logits(type(base)) else {}
 
 
 def load_causal_lm(spec: ModelSpec) -> PreTrainedModel:
@@ -97,10 +118,16 @@ def token_values(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask
     applies the head at every position before pooling the last one, and keeps the head's per-position output: a
     ZeRO-3 engine's parameter prefetch is driven by the root module's forward, which calling the backbone directly
     would skip (every all-gather then runs in series with compute)."""
+    return head_values(model, lambda: (forward or model)(input_ids=input_ids, attention_mask=attention_mask,
+                                                         **mask_positions(model, attention_mask)))
+
+
+def head_values(model: PreTrainedModel, run) -> torch.Tensor:
+    """The scalar head's output at every position [B, T] of the forward `run()` runs."""
     captured: list[torch.Tensor] = []
     handle = scalar_head(model).register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        (forward or model)(input_ids=input_ids, attention_mask=attention_mask)
+        run()
     finally:
         handle.remove()
     return captured[-1].squeeze(-1).float()

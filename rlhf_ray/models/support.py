@@ -92,6 +92,20 @@ def engine_problem(engine: str, arch: str) -> str | None:
     return None
 
 
+def packing_problem(path: str | None) -> str | None:
+    """Why the model at `path` cannot run packed rows (models/packing.py), or None (also for hub ids and remote
+    code: checked when the job loads them)."""
+    import transformers
+
+    from rlhf_ray.models.packing import problem
+
+    arch = local_architecture(path)
+    model_class = getattr(transformers, arch, None) if arch else None
+    if model_class is None:
+        return None
+    return problem(model_class, json.loads((Path(path) / "config.json").read_text()))
+
+
 def tokenizer_bridge_problem(policy_path: str, reward_path: str) -> str | None:
     """None when the reward model reads the policy's ids as they are, or through decode + re-tokenise; else why
     not (naming both tokenizers)."""
@@ -128,6 +142,10 @@ def model_problems(job) -> list[tuple[str, str]]:
         if engine == "hf" and job.generation.weight_sync.lora == "adapter":
             problems.append(("generation.engine", f"generation.weight_sync.lora: adapter needs the vllm engine, and "
                                                   f"engine auto chose hf ({reason}): set generation.engine: vllm"))
+    for name in ("policy", "critic", "reference", "reward"):
+        role = getattr(job, name)
+        if role is not None and role.pack_sequences and (problem := packing_problem(role.model.path)):
+            problems.append((f"{name}.pack_sequences", problem))
     rm = job.reward.model
     if job.reward.is_model and local_architecture(rm.path) and local_architecture(job.policy.model.path):
         problem = tokenizer_bridge_problem(job.policy.model.tokenizer_path, rm.tokenizer_path)

@@ -91,7 +91,8 @@ def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
     deepspeed = role.deepspeed.model_copy(update={"gradient_accumulation_steps": accumulation})
     return dict(model=role.model.model_dump(), optim=role.optim.model_dump(), deepspeed=deepspeed.model_dump(),
                 micro_batch_size=role.micro_batch_size, max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
-                seed=job.seed, temperature=job.generation.sampling.temperature)
+                pack_sequences=role.pack_sequences, seed=job.seed,
+                temperature=job.generation.sampling.temperature)
 
 
 class RoleWorkers:
@@ -124,6 +125,7 @@ class RoleWorkers:
                                                slots("reference"), model=job.reference.model.model_dump(),
                                                micro_batch_size=job.reference.micro_batch_size,
                                                max_tokens_per_micro_batch=job.reference.max_tokens_per_micro_batch,
+                                               pack_sequences=job.reference.pack_sequences,
                                                temperature=job.generation.sampling.temperature,
                                                sharded=job.reference.sharded)
         self.reward = self._reward_group(job, tokenizer, slots("reward"))
@@ -168,6 +170,7 @@ class RoleWorkers:
         return self._inference_group(RewardWorker, "reward", job.reward.placement, slot,
                                      model=job.reward.model.model_dump(), micro_batch_size=job.reward.micro_batch_size,
                                      max_tokens_per_micro_batch=job.reward.max_tokens_per_micro_batch,
+                                     pack_sequences=job.reward.pack_sequences,
                                      tokens=TokenConventions.from_tokenizer(rm_tokenizer, job.reward.model.path),
                                      bridge_from=bridge, sharded=job.reward.sharded)
 

@@ -1,0 +1,105 @@
+"""Packed rows (models/packing.py, `pack_sequences`): a micro-batch as one row of its real tokens, attention block
+by block, a shared prompt once. On every model family the answers' log-probs, entropies and gradients, and a
+scalar head's values, equal the padded forward's; what cannot be packed is refused, naming why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+from rlhf_ray.algorithms.experience import pack_rollouts
+from rlhf_ray.models import packing
+from rlhf_ray.models.families import FAMILIES, build_family_model
+from rlhf_ray.models.loading import disable_dropout, token_values
+from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
+
+# three prompts of different lengths (left-padded), answered 3, 1 and 2 times, in mixed order, ragged answers
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
+ROWS = [(0, [20, 21, 22]), (1, [23]), (0, [24, 25]), (2, [26, 27, 28, 29]), (0, [30]), (2, [31, 32])]
+ANSWER = 4
+
+
+def batch():
+    return pack_rollouts([PROMPTS[p] for p, _ in ROWS], [a for _, a in ROWS], pad_id=0)
+
+
+def test_the_packed_row_holds_each_rows_tokens_once_and_points_at_their_predictions():
+    b = batch()
+    alone, shared = packing.pack(b.sequences, b.attention_mask, ANSWER), \
+        packing.pack(b.sequences, b.attention_mask, ANSWER, share_prompts=True)
+    assert alone.tokens == int(b.attention_mask.sum()) == 41
+    assert shared.tokens == (6 + 3 + 2 + 1) + (2 + 1) + (4 + 4 + 2) == 25  # each prompt once, then its answers
+    for rows in (alone, shared):
+        ids = rows.input_ids[0]
+        for r, (p, answer) in enumerate(ROWS):  # token j is predicted at token j - 1; the first at the prompt's last
+            assert ids[rows.answer_index[r, 1: len(answer)]].tolist() == answer[:-1]
+            assert ids[rows.answer_index[r, 0]].item() == PROMPTS[p][-1]
+            assert ids[rows.ends[r]].item() == answer[-1]
+    # positions count from 0 per row; an answer that shares its prompt continues after it
+    assert shared.position_ids[0, :9].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # prompt 0, then its first answer
+    assert shared.position_ids[0, 9:11].tolist() == [6, 7]  # its second answer
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_packed_gives_the_padded_log_probs_entropy_gradients_and_values(family, tmp_path):
+    folder = build_family_model(family, tmp_path / family)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    disable_dropout(model)
+    if reason := packing.problem(type(model), model.config.to_dict()):
+        assert family == "gemma2" and "soft-caps" in reason  # the one family whose attention SDPA cannot run
+        with pytest.raises(ValueError, match="pack_sequences: Gemma2ForCausalLM soft-caps"):
+            packing.enable(model)
+        return
+    packing.enable(model)
+    model.train()
+    b = batch()
+    results = {}
+    for packed, share in ((False, True), (True, False), (True, True)):
+        model.zero_grad()
+        logp, ent = answer_logprobs_and_entropy(model, model, b.sequences, b.attention_mask, ANSWER, 0.7,
+                                                share_prompts=share, packed=packed)
+        (logp * b.action_mask).sum().backward()
+        results[packed, share] = (logp * b.action_mask, ent * b.action_mask,
+                                  [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    lp0, ent0, grads0 = results[False, True]
+    for key in ((True, False), (True, True)):
+        lp, ent, grads = results[key]
+        torch.testing.assert_close(lp, lp0, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ent, ent0, rtol=0, atol=1e-4)
+        assert len(grads) == len(grads0)
+        for g, g0 in zip(grads, grads0):
+            torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5)
+
+    scalar = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32,
+                                                                pad_token_id=0).eval()
+    packing.enable(scalar)
+    with torch.no_grad():
+        padded = token_values(scalar, b.sequences, b.attention_mask)
+        rows = packing.pack(b.sequences, b.attention_mask, ANSWER, share_prompts=True)
+        values = packing.packed_values(scalar, rows)
+    start = b.sequences.shape[1] - ANSWER - 1  # the critic's values: the head where each answer token is predicted
+    torch.testing.assert_close(values[rows.answer_index] * b.action_mask,
+                               padded[:, start: start + ANSWER] * b.action_mask, rtol=0, atol=1e-5)
+    last = b.attention_mask.shape[1] - 1 - b.attention_mask.flip(1).argmax(1)  # a reward model's score
+    torch.testing.assert_close(values[rows.ends], padded[torch.arange(len(b)), last], rtol=0, atol=1e-5)
+
+
+def test_rows_with_pads_between_their_tokens_are_refused():
+    b = batch()
+    mask = b.attention_mask.clone()
+    mask[3, -3] = 0  # a hole in row 3's answer
+    with pytest.raises(ValueError, match="row 3 has pads between its tokens"):
+        packing.pack(b.sequences, mask, ANSWER)
+
+
+def test_unpacked_forwards_of_an_enabled_model_stay_the_models_own(tiny_model):
+    """Packing enabled, a padded forward (a sharded replica's, generation's) gets its usual masks."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    b = batch()
+    with torch.no_grad():
+        before = model(input_ids=b.sequences, attention_mask=b.attention_mask).logits
+        packing.enable(model)
+        after = model(input_ids=b.sequences, attention_mask=b.attention_mask).logits
+    keep = b.attention_mask.bool()
+    torch.testing.assert_close(after[keep], before[keep], rtol=0, atol=1e-5)
