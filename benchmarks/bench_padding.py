@@ -1,11 +1,12 @@
 """How much of the policy's and critic's training compute is padding on the SmolLM2 recipes, with micro-batches
-cut by rows (every micro_batch_size rows in prompt order) and by a token budget (`max_tokens_per_micro_batch`:
-rows sorted by length), side by side in one run.
+cut by rows (every micro_batch_size rows in prompt order), by a token budget (`max_tokens_per_micro_batch`: rows
+sorted by length), and packed (`pack_sequences`: each micro-batch one row of its real tokens, attention block by
+block, a GRPO prompt once for its answers) by rows and by the budget, side by side in one run.
 
 Each recipe (configs/recipes/smollm2-grpo.yaml, smollm2-ppo.yaml) runs as a real `rlhf-ray ppo` job in a fresh
-process for a few iterations, without evaluation or checkpoints, once as written and once with every role's
-budget at micro_batch_size x (max_prompt_len + max_new_tokens): the row path's worst case, so the budget bounds
-memory as the rows did. `policy/padding_fraction` and `critic/padding_fraction` are the share of the tokens of
+process for a few iterations, without evaluation or checkpoints, as written and with every role's budget at
+micro_batch_size x (max_prompt_len + max_new_tokens): the row path's worst case, so the budget bounds memory as the
+rows did; each of the two also packed. `policy/padding_fraction` and `critic/padding_fraction` are the share of the tokens of
 every training forward (each micro-batch trimmed to its own longest prompt and answer) that are pads; a forward's
 cost grows with its tokens, so that share of the training time is spent on pads.
 
@@ -35,15 +36,27 @@ def mean(rows: list[dict], key: str) -> float:
     return statistics.fmean(values) if values else float("nan")
 
 
+def roles(spec: dict) -> list[str]:
+    return ["policy", "reference"] + (["critic"] if spec.get("critic") else []) + \
+        (["reward"] if "model" in (spec.get("reward") or {}) else [])
+
+
 def budget_overrides(config: Path) -> list[str]:
     """Every role's token budget at its micro_batch_size x the longest row."""
     spec = yaml.safe_load(config.read_text())
     longest = spec["data"]["max_prompt_len"] + spec["generation"]["sampling"]["max_new_tokens"]
-    roles = ["policy", "reference"] + (["critic"] if spec.get("critic") else []) + \
-        (["reward"] if "model" in (spec.get("reward") or {}) else [])
     default = {"policy": 4, "critic": 4, "reference": 8, "reward": 8}
     return [f"{r}.max_tokens_per_micro_batch={(spec.get(r) or {}).get('micro_batch_size', default[r]) * longest}"
-            for r in roles]
+            for r in roles(spec)]
+
+
+def packed_overrides(config: Path) -> list[str]:
+    return [f"{r}.pack_sequences=true" for r in roles(yaml.safe_load(config.read_text()))]
+
+
+def cuts(config: Path) -> dict[str, list[str]]:
+    return {"rows": [], "token budget": budget_overrides(config), "packed rows": packed_overrides(config),
+            "packed, token budget": [*budget_overrides(config), *packed_overrides(config)]}
 
 
 def main() -> int:
@@ -51,9 +64,9 @@ def main() -> int:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, config in RECIPES.items():
-            for cut, extra in (("rows", []), ("token budget", budget_overrides(config))):
+            for cut, extra in cuts(config).items():
                 t = time.perf_counter()
-                _, rows = run_job("ppo", config, [f"output_dir={Path(tmp) / name.split()[0] / cut.split()[0]}",
+                _, rows = run_job("ppo", config, [f"output_dir={Path(tmp) / name.split()[0] / cut.replace(' ', '')}",
                                                   f"ppo.iterations={args.iterations}", "ppo.eval_prompts=0",
                                                   "checkpoint.every_steps=0", *extra])
                 print(f"{name}, {cut}: {time.perf_counter() - t:.0f} s {extra}", flush=True)
@@ -75,37 +88,27 @@ def render(results: dict, args) -> str:
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
              f"Date: {today()}.", "",
              f"Command: `python benchmarks/bench_padding.py --iterations {args.iterations} --write "
-             "docs/benchmarks.md`: each recipe as written (fp32, 2 cores), no evaluation, once with micro-batches "
-             "by rows and once with every role's `max_tokens_per_micro_batch` at micro_batch_size x the longest "
-             "row (the rows' worst case: the same memory bound); medians of the iterations after the first for the "
-             "times, means over every iteration for the rest. Padding: the share of the training forwards' tokens "
-             "that are pads.", "",
+             "docs/benchmarks.md`: each recipe as written (fp32, 2 cores), no evaluation, with micro-batches by "
+             "rows, with every role's `max_tokens_per_micro_batch` at micro_batch_size x the longest row (the rows' "
+             "worst case: the same memory bound), and each of the two with every role's `pack_sequences`; medians "
+             "of the iterations after the first for the times, means over every iteration for the rest. Padding: "
+             "the share of the training forwards' tokens that are pads.", "",
              "| recipe | micro-batches | policy padding | critic padding | mean answer tokens | "
              "training s / iteration | iteration s |", "|---|---|---:|---:|---:|---:|---:|"]
     for (name, cut), r in results.items():
         lines.append(f"| {name} | {cut} | {pct(r['policy'])} | {pct(r['critic'])} | {r['length']:.1f} | "
                      f"{r['train']:.1f} | {r['iteration']:.1f} |")
-    budgeted = [r for (_, cut), r in results.items() if cut != "rows"]
-    worst = max(fraction for r in budgeted for fraction in (r["policy"], r["critic"])
+    packed = [r for (_, cut), r in results.items() if cut.startswith("packed")]
+    worst = max(fraction for r in packed for fraction in (r["policy"], r["critic"])
                 if not math.isnan(fraction))  # a recipe without a critic has no critic fraction
-    lines += ["", f"Goal (issue 38): padding under 5% of every role's training tokens with the token budget: "
-              f"{pct(worst)} at worst ({'met' if worst < 0.05 else 'missed'}); and the iteration faster by what "
-              "the padding cost:"]
+    lines += ["", f"Goal (issue 38): padding under 5% of every role's training tokens: {pct(worst)} at worst packed "
+              f"({'met' if worst < 0.05 else 'missed'}); and the iteration faster by what the padding cost "
+              "(training time per iteration against the rows' and the ratio):"]
     for name in dict.fromkeys(n for n, _ in results):
-        rows, tokens = results[(name, "rows")], results[(name, "token budget")]
-        lines.append(f"- {name}: training {rows['train']:.1f} -> {tokens['train']:.1f} s per iteration "
-                     f"({rows['train'] / tokens['train']:.2f}x), iteration {rows['iteration']:.1f} -> "
-                     f"{tokens['iteration']:.1f} s; padding {pct(rows['policy'])} -> {pct(tokens['policy'])} "
-                     "(policy).")
-    lines += ["", "What is left, and what would close it: the budget sorts a rank's rows (prompt length first or "
-              "answer length first, whichever pads less) but keeps the layout, a left-padded prompt and a "
-              "right-padded answer per row, so a micro-batch still pays its longest prompt plus its longest answer; "
-              "and GRPO keeps a prompt's answers together, because they share the prompt's forward (which saves "
-              "more than the pads cost: the prompt runs once for its 4 answers), so the answers' right padding "
-              "within a group stays. On these recipes most answers run to the 64-token limit, so little padding "
-              "was there to remove and the training time moved within noise. Under 5% needs packing: the rows of "
-              "a micro-batch laid end to end in one sequence with position ids restarting per row and varlen "
-              "attention (flash-attention on a GPU), answer positions gathered per row; not built yet."]
+        base = results[(name, "rows")]
+        lines.append(f"- {name}: rows {base['train']:.1f} s (padding {pct(base['policy'])}); " + "; ".join(
+            f"{cut} {r['train']:.1f} s ({base['train'] / r['train']:.2f}x, iteration {base['iteration']:.1f} -> "
+            f"{r['iteration']:.1f} s)" for (n, cut), r in results.items() if n == name and cut != "rows") + ".")
     return "\n".join(lines) + "\n"
 
 

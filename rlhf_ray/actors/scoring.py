@@ -41,7 +41,7 @@ class ReferenceWorker(ForwardRole):
             micro = batch.select(part if part is not None else [0]).trimmed()
             seq, mask, action = (t.to(device()) for t in (micro.sequences, micro.attention_mask, micro.action_mask))
             logp, _ = answer_logprobs_and_entropy(self.forward, self.model, seq, mask, action.shape[1],
-                                                  self.temperature, share_prompts=self.packed or not self.sharded,
+                                                  self.temperature, share_prompts=not self.sharded,
                                                   chunked=not self.sharded, with_entropy=False, packed=self.packed)
             if part is not None:
                 out[torch.as_tensor(part - lo)] = pad_answer_columns((logp * action).cpu().float(), answer_len)

@@ -62,7 +62,7 @@ class PolicyLearner(PPOLearnerRank):
         zero3 = self.deepspeed.zero_optimization_stage() == 3
         logp, ent = answer_logprobs_and_entropy(
             self.deepspeed, self.deepspeed.module, batch.sequences, batch.attention_mask, batch.answer_width,
-            self.temperature, share_prompts=self.packed or not (zero3 and self.world_size > 1), chunked=not zero3,
+            self.temperature, share_prompts=not (zero3 and self.world_size > 1), chunked=not zero3,
             with_entropy=with_entropy, packed=self.packed)
         if not with_entropy:
             return logp * batch.action_mask

@@ -55,14 +55,14 @@ def forward_answer_logits(forward: Callable, model: torch.nn.Module, sequences: 
     keep every position (recurrent layers) runs whole. `share_prompts=False` always runs whole: ranks whose weights
     are sharded (ZeRO-3) must all run the same number of forwards, whatever rows each holds.
 
-    `packed` (a model set up by models/packing.enable): the rows run as one packed row of their real tokens, prompts
-    shared by several rows once (with share_prompts): no pad is computed. A model that trains with gradient
-    checkpointing (its recomputed forward would not see the packing) or whose sliding window is shorter than a row
-    runs the padded rows instead."""
+    `packed` (a model set up by models/packing.enable): the rows run as one packed row of their real tokens, each
+    prompt once (one forward whatever the rows, so ZeRO-3 ranks stay in step): no pad is computed. A model that
+    trains with gradient checkpointing (its recomputed forward would not see the packing) or whose sliding window is
+    shorter than a row runs the padded rows instead, as `share_prompts` says."""
     prompt_len, window = sequences.shape[1] - answer_len, _sliding_window(model)
     checkpointed = model.training and getattr(model, "is_gradient_checkpointing", False)
     if packed and not checkpointed and answer_len > 0:
-        rows = pack(sequences, attention_mask, answer_len, share_prompts)
+        rows = pack(sequences, attention_mask, answer_len, share_prompts=True)  # one forward whatever the rows
         if window is None or rows.longest < window:
             out = rows.forward(forward, **logits_at(model, rows.answer_index.flatten())).logits[0]
             index = rows.answer_index if len(out) == rows.tokens else torch.arange(out.shape[0], device=out.device)
