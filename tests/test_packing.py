@@ -8,20 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from rlhf_ray.algorithms.experience import pack_rollouts
 from rlhf_ray.models import packing
 from rlhf_ray.models.families import FAMILIES, build_family_model
 from rlhf_ray.models.loading import disable_dropout, token_values
-from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
+from tests.test_shared_prompt import PROMPTS, ROWS, assert_same_scores, batch, scores_and_gradients
 
-# three prompts of different lengths (left-padded), answered 3, 1 and 2 times, in mixed order, ragged answers
-PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15, 16]]
-ROWS = [(0, [20, 21, 22]), (1, [23]), (0, [24, 25]), (2, [26, 27, 28, 29]), (0, [30]), (2, [31, 32])]
-ANSWER = 4
-
-
-def batch():
-    return pack_rollouts([PROMPTS[p] for p, _ in ROWS], [a for _, a in ROWS], pad_id=0)
+ANSWER = 4  # the batch's answer columns
 
 
 def test_the_packed_row_holds_each_rows_tokens_once_and_points_at_their_predictions():
@@ -54,20 +46,7 @@ def test_every_family_packed_gives_the_padded_log_probs_entropy_gradients_and_va
     packing.enable(model)
     model.train()
     b = batch()
-    results = {}
-    for packed in (False, True):
-        model.zero_grad()
-        logp, ent = answer_logprobs_and_entropy(model, model, b.sequences, b.attention_mask, ANSWER, 0.7,
-                                                packed=packed)
-        (logp * b.action_mask).sum().backward()
-        results[packed] = (logp * b.action_mask, ent * b.action_mask,
-                           [p.grad.clone() for p in model.parameters() if p.grad is not None])
-    (lp0, ent0, grads0), (lp, ent, grads) = results[False], results[True]
-    torch.testing.assert_close(lp, lp0, rtol=0, atol=1e-5)
-    torch.testing.assert_close(ent, ent0, rtol=0, atol=1e-4)
-    assert len(grads) == len(grads0)
-    for g, g0 in zip(grads, grads0):
-        torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5)
+    assert_same_scores(scores_and_gradients(model, b, ANSWER, packed=True), scores_and_gradients(model, b, ANSWER))
 
     scalar = AutoModelForSequenceClassification.from_pretrained(folder, num_labels=1, dtype=torch.float32,
                                                                 pad_token_id=0).eval()

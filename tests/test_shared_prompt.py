@@ -132,7 +132,7 @@ def test_a_sequence_longer_than_the_sliding_window_runs_whole(tmp_path):
 def test_every_family_gets_the_same_log_probs_entropy_and_gradients_from_the_chunked_projection(family, tmp_path):
     """The LM head applied a chunk of positions at a time (never [B, A, V] logits) against the whole logits;
     Gemma 2 soft-caps its logits, so it keeps the logits path."""
-    from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy, projection_head
+    from rlhf_ray.models.shared_prompt import projection_head
 
     from rlhf_ray.models.loading import disable_dropout
 
@@ -140,16 +140,24 @@ def test_every_family_gets_the_same_log_probs_entropy_and_gradients_from_the_chu
     disable_dropout(model)
     model.train()
     b, answer_len = batch(), 4
-    results = {}
-    for chunked in (True, False):
-        model.zero_grad()
-        logp, ent = answer_logprobs_and_entropy(model, model, b.sequences, b.attention_mask, answer_len, 0.7,
-                                                chunked=chunked)
-        (logp * b.action_mask).sum().backward()
-        results[chunked] = (logp * b.action_mask, ent * b.action_mask,
-                            [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    results = {chunked: scores_and_gradients(model, b, answer_len, chunked=chunked) for chunked in (True, False)}
     assert (projection_head(model) is None) == (family == "gemma2")
-    (lp1, ent1, grads1), (lp0, ent0, grads0) = results[True], results[False]
+    assert_same_scores(results[True], results[False])
+
+
+def scores_and_gradients(model, b, answer_len: int, **kwargs):
+    """(log-probs, entropies, parameter gradients of the log-probs' sum) of the batch's answers at T = 0.7."""
+    from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
+
+    model.zero_grad()
+    logp, ent = answer_logprobs_and_entropy(model, model, b.sequences, b.attention_mask, answer_len, 0.7, **kwargs)
+    (logp * b.action_mask).sum().backward()
+    return logp * b.action_mask, ent * b.action_mask, [p.grad.clone() for p in model.parameters()
+                                                       if p.grad is not None]
+
+
+def assert_same_scores(got, want):
+    (lp1, ent1, grads1), (lp0, ent0, grads0) = got, want
     torch.testing.assert_close(lp1, lp0, rtol=0, atol=1e-5)
     torch.testing.assert_close(ent1, ent0, rtol=0, atol=1e-4)
     assert len(grads1) == len(grads0)
