@@ -17,12 +17,13 @@ Accuracy (`--accuracy`): does training on partial rollouts learn as well as sync
 on the pipeline quickstart's task (configs/quickstart/grpo-http.yaml's job with the rule in process: the tiny SFT
 model sorting numbers), the same number of updates in sync mode and with partial rollouts, 3 seeds; held-out
 accuracy (greedy and sampled) before -> after. Needs the pipeline quickstart's SFT model
-(`bash scripts/quickstart.sh --pipeline` makes it).
+(`bash scripts/quickstart.sh --pipeline` makes it). With `--smollm2`: the README quickstart's own job
+(configs/quickstart/grpo.yaml: SmolLM2-135M-Instruct, vLLM, demo/arithmetic, 10 updates, 100 held-out prompts).
 
 SmolLM2 (`--smollm2`): the quickstart's GRPO job on SmolLM2-135M-Instruct with vLLM, answers of up to 192 tokens
 at temperature 1 (its own length distribution), async against partial rollouts, one run each.
 
-Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick] [--accuracy | --smollm2]
+Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick] [--accuracy] [--smollm2]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from common import ROOT, machine, pyplot, run_job, save_figure, today, versions,
 
 SECTION = "## Partial rollouts on long-tailed answers"
 ACCURACY_SECTION = "## Partial rollouts: held-out accuracy against sync"
+SMOLLM2_ACCURACY_SECTION = "## Partial rollouts: held-out accuracy against sync on the quickstart task"
 SMOLLM2_SECTION = "## Partial rollouts on SmolLM2's own answer lengths"
 SMOLLM2_CONFIG, SMOLLM2_NEW = ROOT / "configs/quickstart/grpo.yaml", 192
 ACCURACY_CONFIG = ROOT / "configs/quickstart/grpo-http.yaml"
@@ -56,6 +58,7 @@ MODES = {"sync": ["ppo.mode=sync"],
          "partial (ahead 1, staleness 1)": PARTIAL,
          "partial (ahead 2, staleness 4)": [*PARTIAL, "ppo.rollouts_ahead=2", "ppo.max_staleness=4"]}
 BASELINE, RECOMMENDED = "async (ahead 1, staleness 1)", "partial (ahead 2, staleness 4)"
+DEFAULT_SEEDS = "1234,2,3"
 
 
 def long_tailed_model(folder: Path) -> Path:
@@ -103,8 +106,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer iterations, one round")
     parser.add_argument("--rounds", type=int, default=3, help="each mode runs this many times, alternating")
     parser.add_argument("--accuracy", action="store_true", help="the held-out accuracy comparison instead")
-    parser.add_argument("--seeds", default="1234,2,3", help="--accuracy: seeds, comma-separated")
-    parser.add_argument("--smollm2", action="store_true", help="the throughput comparison on SmolLM2 instead")
+    parser.add_argument("--seeds", default=DEFAULT_SEEDS, help="--accuracy: seeds, comma-separated")
+    parser.add_argument("--smollm2", action="store_true", help="on SmolLM2 (the quickstart's job) instead")
     args = parser.parse_args()
     if args.accuracy:
         return accuracy(args)
@@ -167,26 +170,34 @@ def smollm2(args) -> int:
 def accuracy(args) -> int:
     import statistics
 
-    sft = ROOT / "outputs/quickstart/sft/model"
-    if not sft.is_dir():
-        raise SystemExit(f"{sft} is missing: run `bash scripts/quickstart.sh --pipeline` first")
+    if args.smollm2:
+        config, section, overrides, held_out = SMOLLM2_CONFIG, SMOLLM2_ACCURACY_SECTION, [], 100
+        what = "the README quickstart: SmolLM2-135M-Instruct, vLLM, demo/arithmetic, 10 updates of 8 prompts x 4 answers"
+    else:
+        sft = ROOT / "outputs/quickstart/sft/model"
+        if not sft.is_dir():
+            raise SystemExit(f"{sft} is missing: run `bash scripts/quickstart.sh --pipeline` first")
+        config, section, held_out = ACCURACY_CONFIG, ACCURACY_SECTION, 64
+        overrides = ["reward.http=null", "reward.function=rlhf_ray.data.demo_sort:score"]
+        what = ("the pipeline quickstart's SFT model, demo/sort, GRPO, 100 updates of 16 prompts x 4 answers, "
+                "with the rule in process")
     rows: dict[str, list[dict]] = {mode: [] for mode in ACCURACY_MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in args.seeds.split(","):
             for mode, extra in ACCURACY_MODES.items():
                 out = Path(tmp) / f"{mode.split()[0]}-{seed}"
-                summary, _ = run_job("ppo", ACCURACY_CONFIG, [
-                    f"seed={seed}", f"output_dir={out}", "checkpoint.resume=false", "reward.http=null",
-                    "reward.function=rlhf_ray.data.demo_sort:score", *extra])
+                summary, _ = run_job("ppo", config, [
+                    f"seed={seed}", f"output_dir={out}", "checkpoint.resume=false", *overrides, *extra])
                 rows[mode].append({"seed": seed, **summary})
                 print(mode, seed, {k: summary[k] for k in ("task_accuracy_after", "sampled_task_accuracy_after",
                                                            "seconds")}, flush=True)
-    lines = [ACCURACY_SECTION, "",
-             f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray')}. `python benchmarks/"
-             f"bench_partial_rollouts.py --accuracy{' --write docs/benchmarks.md' if args.write else ''}`: "
-             f"`{ACCURACY_CONFIG.relative_to(ROOT)}`'s job (the pipeline quickstart's SFT model, demo/sort, GRPO, "
-             "100 updates of 16 prompts x 4 answers) with the rule in process, in sync mode and with partial "
-             "rollouts; held-out accuracy on 64 prompts (greedy; sampled: 4 samples each), before -> after.", "",
+    lines = [section, "",
+             f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray', 'vllm')}. `python benchmarks/"
+             f"bench_partial_rollouts.py --accuracy{' --smollm2' if args.smollm2 else ''}"
+             f"{' --seeds ' + args.seeds if args.seeds != DEFAULT_SEEDS else ''}"
+             f"{' --write docs/benchmarks.md' if args.write else ''}`: "
+             f"`{config.relative_to(ROOT)}`'s job ({what}) in sync mode and with partial rollouts; held-out "
+             f"accuracy on {held_out} prompts (greedy; sampled: 4 samples each), before -> after.", "",
              "| mode | seed | greedy | sampled | job seconds |", "|---|---|---|---|---|"]
     for mode, runs in rows.items():
         for r in runs:
@@ -205,11 +216,12 @@ def accuracy(args) -> int:
         gaps = [o[key] - b[key] for b, o in zip(base_runs, other_runs)]
         lines.append(f"- {other} minus {base}, same seed, {key.replace('_after', '').replace('_', ' ')}: "
                      + ", ".join(f"{g:+.3f}" for g in gaps) + f" (mean {statistics.mean(gaps):+.3f})")
-    lines.append("- one held-out accuracy over 64 prompts has a standard error of about 0.05 at these values "
-                 "(sqrt(p (1 - p) / 64))")
+    p = statistics.mean(r["task_accuracy_after"] for runs in rows.values() for r in runs)
+    lines.append(f"- one greedy held-out accuracy over {held_out} prompts has a standard error of about "
+                 f"{(p * (1 - p) / held_out) ** 0.5:.3f} at these values (sqrt(p (1 - p) / {held_out}))")
     text = "\n".join(lines) + "\n"
     if args.write:
-        write_section(args.write, ACCURACY_SECTION, text)
+        write_section(args.write, section, text)
     print(text)
     return 0
 

@@ -31,6 +31,12 @@ def _add_config_args(parser: argparse.ArgumentParser, positional: bool) -> None:
                         help="override one field with a dotted key, e.g. --set ppo.kl_coef=0.05 (repeatable)")
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="the actors' library logs (vLLM, DeepSpeed, torch, ...) on the terminal too "
+                             "(logging.verbose); by default they go to <output_dir>/logs/")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf-ray", description="RLHF (SFT -> RM -> PPO) on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     for kind, config in JOB_KINDS.items():
         job = sub.add_parser(kind, help=f"run {config.summary}")
         _add_config_args(job, positional=False)
+        _add_verbose(job)
         if config.steps_resume:
             job.add_argument("--stop-after", type=int, metavar="STEP",
                              help="checkpoint at this optimizer step and exit; run again to resume")
@@ -102,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     quick.add_argument("--configs", default="configs/quickstart", help="folder of the quickstart YAMLs")
     quick.add_argument("--pipeline", action="store_true",
                        help="build the tiny model and run the whole pipeline (pipeline.yaml) instead of grpo.yaml")
+    _add_verbose(quick)
     return parser
 
 
@@ -133,7 +141,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    source = ConfigSource.from_file(args.config).override(args.overrides)
+    source = ConfigSource.from_file(args.config).override(args.overrides + (["logging.verbose=true"]
+                                                                             if args.verbose else []))
     job = validate_job(source, expect=args.command)
     problems = check_plan(job, live=True, show=False)
     if problems:
@@ -184,7 +193,7 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from rlhf_ray.quickstart import run_quickstart
 
-    return run_quickstart(Path(args.configs), pipeline=args.pipeline)
+    return run_quickstart(Path(args.configs), pipeline=args.pipeline, verbose=args.verbose)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

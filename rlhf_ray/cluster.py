@@ -176,10 +176,12 @@ def shared(spec: ClusterSpec) -> Iterator[ClusterHandle]:
 
 
 @contextlib.contextmanager
-def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterator[ClusterHandle]:
+def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None, quiet: bool = False
+            ) -> Iterator[ClusterHandle]:
     """Ray for the duration of a job. An existing cluster (spec.address, else RAY_ADDRESS) is only disconnected
     from on exit; an embedded one is started on 127.0.0.1 and shut down on exit, unless a `shared()` block keeps
-    one of the same shape open: then that one is used and left running."""
+    one of the same shape open: then that one is used and left running. `quiet`: the actors' output is not
+    streamed to this process, and Ray's own driver messages below ERROR are not shown."""
     import ray
 
     if _SHARED and spec.address is None and not os.environ.get("RAY_ADDRESS"):
@@ -212,9 +214,10 @@ def connect(spec: ClusterSpec, env_vars: dict[str, str] | None = None) -> Iterat
                     ctx = ray.init(address="local", num_cpus=spec.num_cpus, num_gpus=spec.num_gpus,
                                    include_dashboard=spec.dashboard, dashboard_host="127.0.0.1",
                                    dashboard_port=spec.dashboard_port, namespace=spec.namespace,
-                                   runtime_env=runtime_env, _metrics_export_port=spec.metrics_export_port)
+                                   runtime_env=runtime_env, _metrics_export_port=spec.metrics_export_port,
+                                   **_quiet(quiet))
             else:
-                ctx = _init_remote(ray, address, spec.namespace, runtime_env)
+                ctx = _init_remote(ray, address, spec.namespace, runtime_env, quiet)
             gcs = ray.get_runtime_context().gcs_address
             url = ctx.dashboard_url or None
             if url and "://" not in url:
@@ -242,9 +245,14 @@ def metrics_port() -> int | None:
     return next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("NodeID") == me), None)
 
 
-def _init_remote(ray, address: str, namespace: str, runtime_env: dict | None):
+def _quiet(quiet: bool) -> dict:
+    """ray.init's arguments for a quiet job (see connect)."""
+    return {"log_to_driver": False, "logging_level": logging.ERROR} if quiet else {}
+
+
+def _init_remote(ray, address: str, namespace: str, runtime_env: dict | None, quiet: bool = False):
     try:
-        return ray.init(address=address, namespace=namespace, runtime_env=runtime_env)
+        return ray.init(address=address, namespace=namespace, runtime_env=runtime_env, **_quiet(quiet))
     except ConnectionError as e:
         hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
                 " If the cluster uses token authentication (the default of `ray start` in Ray 2.60; the log then "

@@ -17,13 +17,15 @@ from rlhf_ray.jobs.preflight import check_plan, preflight
 console = Console(soft_wrap=True)
 
 
-def run_quickstart(configs: Path, pipeline: bool = False) -> int:
+def run_quickstart(configs: Path, pipeline: bool = False, verbose: bool = False) -> int:
     files = sorted(configs.glob("*.yaml"))
     if not files:
         console.print(f"[red]no quickstart configs in {configs}[/red]")
         return EXIT_BAD_CONFIG
     steps = 3 if pipeline else 2
     source = ConfigSource.from_file(configs / ("pipeline.yaml" if pipeline else "grpo.yaml"))
+    if verbose:
+        source = source.override(["logging.verbose=true"])
     job = validate_job(source, expect="pipeline" if pipeline else "ppo")
     if pipeline:
         assert isinstance(job, PipelineJob)

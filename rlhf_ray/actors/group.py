@@ -15,6 +15,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_ray.actors.actor_logs import log_file, logging_to_file
+
 log = logging.getLogger(__name__)
 
 
@@ -118,8 +120,11 @@ class ActorGroup:
         """Methods that run in a thread of their own (a Ray concurrency group, one call at a time unless
         `concurrent` gives the group more), beside the actor's other calls: `threads` maps the thread's name to its
         methods."""
+        logged = logging_to_file(actor_cls)
         self._remote_cls = (ray.remote(concurrency_groups={name: (concurrent or {}).get(name, 1) for name in threads})
-                            (actor_cls) if threads else ray.remote(actor_cls))
+                            (logged) if threads else ray.remote(logged))
+        self.log_files = [log_file(name) for name in self.names]
+        """Where each actor's output goes (actors/actor_logs.py); None: Ray's worker logs."""
         self._spawn_args = (args, kwargs or {}, num_cpus, num_gpus, placement_group, bundle_indices, env_vars,
                             ray_options or {})
         self.actors: list = []
@@ -151,7 +156,8 @@ class ActorGroup:
                 placement_group_capture_child_tasks=True)
         if env_vars:
             opts["runtime_env"] = {"env_vars": dict(env_vars)}
-        return self._remote_cls.options(**opts).remote(*args, rank=rank, world_size=len(self.names), **kwargs)
+        return self._remote_cls.options(**opts).remote(*args, rank=rank, world_size=len(self.names),
+                                                       log_file=self.log_files[rank], **kwargs)
 
     def replace(self, rank: int, timeout: float | None = None) -> None:
         """Start a fresh replica `rank` on the same bundle, under the same name (the old one is killed first if it

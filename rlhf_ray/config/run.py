@@ -22,6 +22,11 @@ class LoggingSpec(StrictModel):
     """W&B run name; default: the output directory name."""
     progress: bool = True
     """Show progress bars on the driver."""
+    verbose: bool = False
+    """The library logs of every actor (vLLM, DeepSpeed, torch, transformers) on the job's terminal too (Ray's
+    streaming of worker output; `--verbose` on the command line). Off: each actor's output goes to
+    `<output_dir>/logs/<actor>.log` (e.g. `policy-0.log`, `generation-0.log`) and the terminal shows the job's own
+    lines."""
     timeline: bool = False
     """PPO: write Ray's timeline of every actor call of the run (start, end, argument and result transfers; this
     job's calls since it started, not other jobs' on the same cluster) to `<output_dir>/timeline.json` when the job

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import Callable, TypeVar
 
 from rlhf_ray import cluster
+from rlhf_ray.actors.actor_logs import actor_logs
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, node_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.plan import ResourcePlan
@@ -79,9 +81,12 @@ def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..
     """Connect to the job's cluster, then run `attempt(job, placements, plan, restarts)` on freshly placed
     placement groups, again after each learner restart (with_learner_restarts); the placement groups are removed
     after every attempt and the metrics logger is closed at the end. The attempt kills the actors it started (before
-    the placement groups go).
+    the placement groups go). Unless `logging.verbose`, the actors' own output goes to <output_dir>/logs/ (one file
+    per actor), not to the job's terminal.
     `adapt(job, nodes)`, given, returns the job fitted to the cluster's nodes before the plan is made."""
-    with cluster.connect(job.cluster) as handle:
+    quiet = not job.logging.verbose
+    with cluster.connect(job.cluster, quiet=quiet) as handle, \
+            actor_logs(Path(job.output_dir) / "logs" if quiet else None):
         if adapt is not None:
             job = adapt(job, handle.nodes())
         plan = ResourcePlan.from_roles(job.placement_roles())
