@@ -250,3 +250,27 @@ def test_answers_left_in_flight_go_on_between_rollout_calls():
     assert [g.key for g in groups] == [7] and time.perf_counter() - began < 0.1  # already whole: at once
     assert seconds >= 20 * engine.step_s  # the engine's seconds between the calls count with this one
     assert [g.key for g in stream.in_flight] == [10]
+
+
+def test_the_engine_learner_mismatch_is_reported_by_the_age_of_each_tokens_sampler():
+    """Answer tokens sampled 0, 1 and 2 versions before the learner that scored them: each age's mismatch is the
+    KL over its own tokens only (the old weights' drift adds to the numeric gap), and an age without tokens is
+    not reported."""
+    from rlhf_ray.actors.experience_worker import mismatch_by_age
+    from rlhf_ray.algorithms.batch import RolloutBatch
+    from rlhf_ray.algorithms.experience import mismatch_kl
+
+    action = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    versions = torch.tensor([[5, 5, 6, 0], [4, 6, 0, 0]])  # scored at 6: ages 1 1 0 / 2 0
+    engine = -torch.rand(2, 4)
+    learner = engine + torch.tensor([[0.3, 0.3, 0.01, 0.0], [0.9, 0.01, 0.0, 0.0]])
+    batch = RolloutBatch(sequences=torch.zeros(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 6),
+                         action_mask=action, prompt_width=2, engine_logp=engine, token_version=versions)
+    out = mismatch_by_age(batch, learner, scored_at=6)
+    assert set(out) == {"generate/mismatch_kl_age_0", "generate/mismatch_kl_age_1", "generate/mismatch_kl_age_2plus"}
+    only = lambda cells: mismatch_kl(engine, learner, torch.tensor(cells).float())  # noqa: E731
+    assert out["generate/mismatch_kl_age_0"] == pytest.approx(only([[0, 0, 1, 0], [0, 1, 0, 0]]))
+    assert out["generate/mismatch_kl_age_1"] == pytest.approx(only([[1, 1, 0, 0], [0, 0, 0, 0]]))
+    assert out["generate/mismatch_kl_age_2plus"] > out["generate/mismatch_kl_age_1"] > out["generate/mismatch_kl_age_0"]
+    assert set(mismatch_by_age(batch, learner, scored_at=5)) == {"generate/mismatch_kl_age_0",
+                                                                 "generate/mismatch_kl_age_1"}

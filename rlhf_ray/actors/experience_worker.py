@@ -46,12 +46,13 @@ class ExperienceWorker:
         return batch
 
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
-                   value_refs: list | None, keep_samples: int = 0) -> dict:
+                   value_refs: list | None, scored_at: int = 0, keep_samples: int = 0) -> dict:
         """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
         "samples": the first `keep_samples` rows as token ids with their score and dataset columns,
         "token_versions": answer tokens per policy version that sampled them}. The metric
         compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
-        and writes)."""
+        and writes). `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
+        mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*)."""
 
         def cat(refs):
             return torch.cat(ray.get(refs)) if refs else None
@@ -77,6 +78,7 @@ class ExperienceWorker:
         if old_logp is not None:  # else the policy measures it in its training forward
             metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, old_logp, batch.action_mask)
             metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, old_logp, batch.action_mask)
+            metrics |= mismatch_by_age(batch, old_logp, scored_at)
         samples = sample_rows(batch, scores, keep_samples)
         versions = batch.token_version[batch.action_mask.bool()]
         metrics["generate/multi_version_answers"] = (  # answers a weight update reached mid-generation
@@ -85,6 +87,19 @@ class ExperienceWorker:
         metrics["compute/assembly_seconds"] = self.packing_seconds + time.perf_counter() - start
         return {"ref": ray.put(full), "metrics": metrics, "rows": len(full), "samples": samples,
                 "token_versions": {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))}}
+
+
+def mismatch_by_age(batch: RolloutBatch, learner_logp: torch.Tensor, scored_at: int) -> dict[str, float]:
+    """generate/mismatch_kl_age_{0,1,2plus}: the engine/learner mismatch over the answer tokens sampled 0, 1, 2 or
+    more policy versions before the learner's `scored_at` (the drift of older weights adds to the engines' numeric
+    gap; only ages that have tokens)."""
+    age = (scored_at - batch.token_version).clamp(min=0, max=2)
+    out = {}
+    for older, name in ((0, "0"), (1, "1"), (2, "2plus")):
+        mask = batch.action_mask * (age == older)
+        if mask.sum() > 0:
+            out[f"generate/mismatch_kl_age_{name}"] = mismatch_kl(batch.engine_logp, learner_logp, mask)
+    return out
 
 
 def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]:

@@ -125,7 +125,7 @@ class RolloutFeed:
         self.next_index = max(self.next_index, index + 1)
         for redo in range(self.redo_limit + 1):
             try:
-                scored = self.workers.score(rollout, self.keep_samples)
+                scored = self.workers.score(rollout, version, self.keep_samples)
                 break
             except ResultsLost as err:
                 if redo == self.redo_limit:

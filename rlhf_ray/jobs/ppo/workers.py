@@ -221,18 +221,18 @@ class RoleWorkers:
         parts = self._split_gather(self.reward, "score", self._split_submit(self.reward, "score", batch_ref, rows))
         return torch.cat(ray.get([p["ref"] for p in parts]))
 
-    def score(self, rollout: Rollout, keep_samples: int = 0) -> Scored:
+    def score(self, rollout: Rollout, scored_at: int, keep_samples: int = 0) -> Scored:
         """Every role scores the rollout at once (reference log-probs, rewards, the policy's old log-probs where the
         loss needs them, critic values), then the assembler turns them into experience. ResultsLost when a node
         took results the scoring needed (nothing changed yet: generate it again)."""
         try:
-            return self._score(rollout, keep_samples)
+            return self._score(rollout, scored_at, keep_samples)
         except RemoteCallError as err:
             if results_lost(err):
                 raise ResultsLost(str(err)) from err
             raise
 
-    def _score(self, rollout: Rollout, keep_samples: int) -> Scored:
+    def _score(self, rollout: Rollout, scored_at: int, keep_samples: int) -> Scored:
         (assembler,) = self.assembler.actors
         batch = assembler.batch.remote(rollout.refs)
         calls = {"reference": self._split_submit(self.reference, "logprobs", batch, rollout.samples),
@@ -250,7 +250,7 @@ class RoleWorkers:
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
                                                                     parts["reference"], parts.get("critic"),
-                                                                    keep_samples)], "experience")
+                                                                    scored_at, keep_samples)], "experience")
         return Scored(out["ref"], out["rows"], out["metrics"],
                       {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
                       out["token_versions"])
