@@ -5,12 +5,15 @@ kernels differ, so bit equality is not promised)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_ray import cluster
+from rlhf_ray.actors.actor_logs import actor_logs
 from rlhf_ray.actors.engine import engine_env
 from rlhf_ray.actors.generator import GenerationWorker
 from rlhf_ray.actors.group import ActorGroup
@@ -28,13 +31,13 @@ LOGPROB_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module", params=["hf", "vllm"])
-def engine(request, sft_model):
+def engine(request, sft_model, tmp_path_factory):
     name = request.param
     spec = GenerationSpec.model_validate({
         "engine": name, "vllm": {"dtype": "fp32", "max_model_len": 256},
         "sampling": {"max_new_tokens": MAX_NEW, "n_samples_per_prompt": N, "temperature": TEMPERATURE}})
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
-    with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
+    with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)), actor_logs(tmp_path_factory.mktemp("logs")):
         group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=1,
                            kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
                                        generation=spec.model_dump(), engine=name,
@@ -51,6 +54,16 @@ def prompts(engine):
     texts = [" Human: Sort 3 1 2 Assistant:", " Human: Sort 9 4 7 5 0 Assistant:", " Human: Sort 8 Assistant:",
              " Human: Sort 6 2 Assistant:"]
     return [tokenizer(t)["input_ids"] for t in texts]
+
+
+def test_the_engine_logs_to_its_file_and_starts_without_a_traceback(engine):
+    """Its output goes to its actor's log file (actors/actor_logs.py), and vLLM's chat-template warm-up, which
+    failed with a traceback (the engine has no tokenizer by design), is not run."""
+    group, _ = engine
+    text = Path(group.log_files[0]).read_text()
+    assert "Traceback" not in text and "warmup failed" not in text, text[-3000:]
+    if group.call("engine_name") == ["vllm"]:
+        assert "vllm" in text.lower()  # vLLM's own start-up lines are there, not on the terminal
 
 
 def test_samples_keep_the_contract(engine, prompts):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -184,6 +185,13 @@ def test_killed_job_resubmitted_resumes_from_its_last_checkpoint(tmp_path, sft_m
     second = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed PPO from {out / 'checkpoints' / f'step-{done:08d}'}" in second.stderr
+    # quiet by default: the terminal has the job's own lines only, the actors' library logs are in output_dir/logs
+    ours = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING|ERROR) rlhf_ray[.\w]*: ")
+    others = [line for line in second.stderr.splitlines() if line.strip() and not ours.match(line)]
+    assert not others and "Traceback" not in second.stdout + second.stderr, others[:20]
+    logs = {f.name: f.read_text() for f in (out / "logs").iterdir()}
+    assert {"policy-0.log", "critic-0.log", "generation-0.log", "reference-0.log", "reward-0.log"} <= set(logs)
+    assert "Loading weights" in logs["policy-0.log"]  # transformers' progress bar, no longer on the terminal
     assert json.loads((out / "summary.json").read_text())["iterations"] == 4
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "policy_version" in m] == [1, 2, 3, 4]  # redone steps logged once

@@ -6,6 +6,7 @@ workers take whole-layer chunks from shared memory, each copying only its shard 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -64,6 +65,31 @@ def engine_kwargs(model: ModelSpec, spec: GenerationSpec, on_gpu: bool) -> dict:
     return {**kwargs, **v.extra}
 
 
+@contextlib.contextmanager
+def _no_chat_template_warmup():
+    """vLLM's LLM() warms its renderer up by rendering a chat template with the tokenizer; this engine has no
+    tokenizer by design (skip_tokenizer_init: it is handed token ids and returns token ids), so the warm-up fails
+    and vLLM logs the failure with a traceback. No chat is ever rendered here: the warm-up is skipped while the
+    engine is built (a multimodal warm-up vLLM started is still joined)."""
+    try:
+        from vllm.renderers.base import BaseRenderer
+    except ImportError:  # another vLLM layout: nothing to skip
+        yield
+        return
+    original = BaseRenderer.warmup
+
+    def without_chat(renderer, chat_params) -> None:
+        join = getattr(renderer, "_join_mm_warmup", None)
+        if join is not None:
+            join()
+
+    BaseRenderer.warmup = without_chat
+    try:
+        yield
+    finally:
+        BaseRenderer.warmup = original
+
+
 def _worker_pid(worker) -> int:
     import os
 
@@ -101,7 +127,8 @@ class VLLMEngine(GenerationEngine):
 
         self.on_gpu = torch.cuda.is_available() and spec.placement.num_gpus > 0
         self.kwargs = engine_kwargs(model, spec, self.on_gpu)
-        self.llm = LLM(**self.kwargs)
+        with _no_chat_template_warmup():
+            self.llm = LLM(**self.kwargs)
         self.tokens = tokens
         self.head_alias = tied_head_alias(model, self.llm.collective_rpc(_parameter_names)[0])
         self.chunk_bytes = 0

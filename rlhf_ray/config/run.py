@@ -21,7 +21,9 @@ class LoggingSpec(StrictModel):
     wandb_run_name: str | None = None
     """W&B run name; default: the output directory name."""
     progress: bool = True
-    """Show progress bars on the driver."""
+    """Show progress on the driver: PPO prints a line per iteration (iteration, reward, KL, entropy, samples/s, the
+    time split, ETA; rewritten in place on a terminal, one line each in `ray job logs` or a pipe), SFT/RM/DPO a
+    progress bar."""
     verbose: bool = False
     """The library logs of every actor (vLLM, DeepSpeed, torch, transformers) on the job's terminal too (Ray's
     streaming of worker output; `--verbose` on the command line). Off: each actor's output goes to

@@ -10,8 +10,6 @@ import logging
 import time
 from pathlib import Path
 
-from tqdm import tqdm
-
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR
 from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import PhaseData
@@ -23,6 +21,7 @@ from rlhf_ray.jobs.ppo.iteration_metrics import iteration_metrics
 from rlhf_ray.jobs.ppo.rollouts import PromptSchedule, RolloutFeed, Taken
 from rlhf_ray.jobs.ppo.weight_sync import WeightSync
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
+from rlhf_ray.jobs.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +49,14 @@ class PPOTrainer:
     def fit(self) -> dict:
         """From the newest checkpoint (or the start) to the end of the job, or to `stop_after`."""
         start = self.start()
-        for step in tqdm(range(start, self.end), desc="ppo", initial=start, total=self.job.ppo.iterations,
-                         disable=not self.job.logging.progress):
+        progress = Progress(self.job.ppo.iterations, start, self.job.samples_per_iteration, self.job.logging.progress)
+        for step in range(start, self.end):
             taken, metrics = self.iterate(step)
             self.log(step + 1, metrics, taken)
+            progress.update(step + 1, metrics)
             self.maybe_evaluate(step + 1)
             self.maybe_checkpoint(step + 1)
+        progress.close()
         return self.finish()
 
     def iterate(self, step: int) -> tuple[Taken, dict[str, float]]:

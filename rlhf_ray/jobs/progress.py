@@ -1,0 +1,62 @@
+"""The live progress line of a PPO job: after every iteration, where the run is and how it goes (reward, KL,
+entropy, samples/s, where the iteration's time went, ETA). On a terminal the line is rewritten in place; anywhere
+else (`ray job logs`, a pipe, a CI log) each iteration is a line of its own, with no cursor control."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import TextIO
+
+SPLIT = (("gen", "time/generate_wait"), ("exp", "time/experience"), ("train", "time/train"), ("sync", "time/sync"))
+"""The parts of an iteration's wall time the line shows, by their metric."""
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    return f"{minutes}m{seconds:02d}s" if minutes < 60 else f"{minutes // 60}h{minutes % 60:02d}m"
+
+
+class Progress:
+    def __init__(self, total: int, start: int, samples_per_iteration: int, enabled: bool = True,
+                 stream: TextIO | None = None):
+        self.total, self.done, self.samples = total, start, samples_per_iteration
+        self.enabled, self.stream = enabled, stream or sys.stderr
+        self.first, self.began = start, time.monotonic()
+        self.in_place = enabled and getattr(self.stream, "isatty", lambda: False)()
+        self.width = 0
+
+    def line(self, step: int, metrics: dict[str, float]) -> str:
+        """The line for `step` (iterations done) with that iteration's metrics."""
+        parts = [f"iter {step}/{self.total}"]
+        for label, key, form in (("reward", "reward/mean", "{:.3f}"), ("kl", "kl/mean", "{:.4f}"),
+                                 ("entropy", "policy/entropy", "{:.2f}")):
+            if key in metrics:
+                parts.append(f"{label} {form.format(metrics[key])}")
+        wall = metrics.get("time/iteration")
+        if wall:
+            parts.append(f"{self.samples / wall:.1f} samples/s")
+            parts.append(" ".join(f"{label} {metrics[key]:.1f}s" for label, key in SPLIT if key in metrics))
+        done = step - self.first
+        if 0 < done and step < self.total:
+            parts.append(f"eta {duration((time.monotonic() - self.began) / done * (self.total - step))}")
+        return "  ".join(parts)
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        text = self.line(step, metrics)
+        if self.in_place:
+            self.stream.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.in_place and self.width:
+            self.stream.write("\n")
+            self.stream.flush()
