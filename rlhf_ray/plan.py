@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich import box
 from rich.table import Table
 
 from rlhf_ray.config.placement import NodeShape, PlacementSpec, colocation_root
@@ -193,11 +194,13 @@ class ResourcePlan:
         return None
 
     def render(self, title: str = "Resource plan") -> Table:
-        table = Table(title=title, show_footer=True)
-        table.add_column("placement group", footer="total")
-        table.add_column("roles (per replica)")
-        table.add_column("bundles", footer=format_resources(self.totals()))
-        table.add_column("strategy")
+        """The plan as a table that reads at 80 columns, in a terminal or a log (no wrapped cells)."""
+        table = Table(title=title, title_justify="left", show_footer=True, box=box.SIMPLE_HEAD, pad_edge=False,
+                      show_edge=False)
+        table.add_column("placement group", footer="total", no_wrap=True)
+        table.add_column("roles (per replica)", no_wrap=True)
+        table.add_column("bundles", footer=format_resources(self.totals()), no_wrap=True)
+        table.add_column("strategy", no_wrap=True)
         for g in self.placements:
             roles = "\n".join(f"{r}: {format_resources(self.slots[r].per_replica)}" for r in g.roles)
             table.add_row(f"rlhf_ray/{g.name}", roles, f"{len(g.bundles)} x {format_resources(g.bundles[0])}",

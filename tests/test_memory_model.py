@@ -193,3 +193,22 @@ def test_lora_trainable_parameters_equal_pefts_count_and_shrink_the_learner():
     sizes = [learner_memory(KNOWN["meta-llama/Llama-3.1-8B"], spec, DeepSpeedSpec(zero_stage=0), 1, 1, 512, 512,
                             True, False) for spec in (full, lora)]
     assert sizes[1].device < 0.25 * sizes[0].device  # no gradients or Adam state for the frozen base
+
+
+def test_the_plan_and_memory_tables_read_at_80_columns_in_a_log(capsys):
+    """validate's output piped (a CI log, `ray job logs`): no table line is wider than 80 columns, role names are
+    whole, and each role's assumptions are written below the memory table, not squeezed into a column."""
+    from rlhf_ray.cli import main
+    from tests.conftest import ROOT
+
+    assert main(["validate", str(ROOT / "configs/recipes/llama-8b-8gpu.yaml"), "--quiet", "--config-only"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tables = lines[: next(i for i, line in enumerate(lines) if line.startswith("checked against"))]
+    assert max(len(line.rstrip()) for line in tables) <= 80, "\n".join(tables)
+    rows = {line.split()[0]: line for line in tables if line.split() and line.split()[0] in
+            ("policy", "reference", "critic", "reward", "generation")}
+    assert set(rows) == {"policy", "reference", "critic", "reward", "generation"}
+    assert len(rows["generation"].split()) == 9  # the role and its 8 numbers, one line
+    assert "assumed:" in tables and "  policy: 8.03B bf16, ZeRO-3 over 2, micro-batch 4 x 2048 tokens, checkpointed" \
+        in tables
+    assert any(line.startswith("rlhf_ray/generation   generation: CPU 8, GPU 1") for line in tables)

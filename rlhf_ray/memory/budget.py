@@ -11,7 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
 from rlhf_ray.memory.estimate import (DTYPE_BYTES, GiB, RoleBytes, engine_bytes, gradient_bucket, inference_bytes,
                                       learner_bytes)
@@ -207,24 +210,30 @@ def placement_memory(roles: dict[str, RoleMemory], plan, gpu_bytes: int | None) 
     return out
 
 
+MEMORY_COLUMNS = ("role", "weights", "grads", "optim", "activ", "logits", "KV", "device", "host")
+
+
 def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
-                 ) -> tuple[Table, list[str]]:
-    """The memory table of one job's plan, and what does not fit (naming the placement group, its roles, the bytes over
-    and the fields to change)."""
+                 ) -> tuple[Group, list[str]]:
+    """The memory table of one job's plan (short columns, each role's assumptions below it: it reads at 80 columns,
+    in a terminal or a log), and what does not fit (naming the placement group, its roles, the bytes over and the
+    fields to change)."""
     gpu_bytes = max((int(n.get(GPU_MEMORY, 0)) for n in nodes), default=0) or None
     host_bytes = max((int(n.get(HOST_MEMORY, 0)) for n in nodes), default=0) or None
     roles = role_memory(job, gpu_bytes, derived)
-    table = Table(title=f"{job.kind}: memory per replica (GiB)")
-    for column in ("role", "weights", "grads", "optimizer", "activations", "logits", "KV cache", "device total",
-                   "host (offload)", "assumed"):
-        table.add_column(column, justify="left" if column in ("role", "assumed") else "right")
+    table = Table(title=f"{job.kind}: memory per replica (GiB)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, show_edge=False)
+    for column in MEMORY_COLUMNS:
+        table.add_column(column, justify="left" if column == "role" else "right", no_wrap=True)
     for name, rm in roles.items():
         b = rm.bytes
         if b is None:
-            table.add_row(name, *["?"] * 8, rm.how)
+            table.add_row(name, *["?"] * (len(MEMORY_COLUMNS) - 1))
             continue
         table.add_row(name, _gib(b.weights), _gib(b.gradients), _gib(b.optimizer), _gib(b.activations),
-                      _gib(b.logits), _gib(b.kv_cache), _gib(b.device), _gib(b.host), rm.how)
+                      _gib(b.logits), _gib(b.kv_cache), _gib(b.device), _gib(b.host))
+    notes = [Text("device: total on the role's device (host memory on CPU); host: offloaded state"),
+             Text("assumed:"), *(Text(f"  {name}: {rm.how}") for name, rm in roles.items())]
     problems, cpu_total, host_total = [], 0, 0
     for g in placement_memory(roles, plan, gpu_bytes):
         host_total += g.host * g.bundles
@@ -239,7 +248,7 @@ def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, Mo
         problems.append(f"CPU roles and offloaded state need {_gib(cpu_total + host_total)} GiB of host memory but "
                         f"the cluster has {_gib(host_bytes * len(nodes))} GiB; use fewer replicas, smaller "
                         "micro_batch_size or a smaller generation.vllm.kv_cache_gb")
-    return table, problems
+    return Group(table, *notes), problems
 
 
 def recipe_table(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
