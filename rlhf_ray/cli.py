@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_preprocess_arguments(sub.add_parser(
         "preprocess", help="tokenise text / JSON-lines files into an mmap corpus (PREFIX.bin + PREFIX.idx)"))
 
+    report = sub.add_parser("report", help="a report of finished or running jobs: summary table and plots per step, "
+                                           "as PNG files and one HTML page; several runs side by side")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a job's output_dir (a pipeline's: its stages)")
+    report.add_argument("--out", help="folder for report.html and report/*.png (default: the one RUN_DIR, else "
+                                      "./report)")
+
     quick = sub.add_parser("quickstart", help="GRPO on SmolLM2-135M-Instruct on CPU (--pipeline: SFT -> RM -> PPO "
                                               "on a tiny model)")
     quick.add_argument("--configs", default="configs/quickstart", help="folder of the quickstart YAMLs")
@@ -190,6 +196,21 @@ def cmd_import_gguf(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from rlhf_ray.jobs.report import run_folders, write_report
+
+    folders = [f for run in args.runs for f in run_folders(Path(run))]
+    missing = [run for run in args.runs if not run_folders(Path(run))]
+    if missing:
+        raise ValueError(f"no metrics.jsonl in {', '.join(missing)} (nor in a stage folder below): not a job's "
+                         "output_dir")
+    folder = Path(args.out) if args.out else (Path(args.runs[0]) if len(args.runs) == 1 else Path("report"))
+    page = write_report(folders, folder)
+    out.print(f"wrote {page} and {len(list((folder / 'report').glob('*.png')))} plots in {folder / 'report'}",
+              markup=False, highlight=False)
+    return EXIT_OK
+
+
 def cmd_quickstart(args: argparse.Namespace) -> int:
     from rlhf_ray.quickstart import run_quickstart
 
@@ -224,7 +245,8 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate, "schema": cmd_schema, "pretrain": cmd_job, "sft": cmd_job, "rm": cmd_job, "dpo": cmd_job, "ppo": cmd_job,
-    "pipeline": cmd_job, "rehearse": cmd_rehearse, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf, "quickstart": cmd_quickstart,
+    "pipeline": cmd_job, "rehearse": cmd_rehearse, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf,
+    "quickstart": cmd_quickstart, "report": cmd_report,
     "preprocess": cmd_preprocess,
     "compare": cmd_compare,
 }

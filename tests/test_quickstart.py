@@ -37,6 +37,9 @@ def test_the_quickstart_validates_every_config_and_reports_grpo_accuracy(tmp_pat
     # exact-answer rule would mark SmolLM2's explained answers ("23 + 48 = 71") wrong
     assert summary["task_accuracy_before"] == pytest.approx(summary["reward_before"])
     assert summary["task_accuracy_after"] == pytest.approx(summary["reward_after"])
+    # every job ends with its report (the page itself is checked in a browser in test_report.py)
+    page = (tmp_path / "grpo" / "report.html").read_text()
+    assert "task_accuracy_after" in page and (tmp_path / "grpo" / "report" / "reward.png").is_file()
 
 
 def test_a_quickstart_config_that_does_not_load_stops_before_anything_runs(tmp_path, capsys):
