@@ -139,14 +139,15 @@ def render_html(runs: list[Run], figures: list[tuple[str, bytes]]) -> str:
     head = "".join(f"<th>{e(run.name)}</th>" for run in runs)
     body = "".join(f"<tr><td>{e(key)}</td>" + "".join(f"<td>{e(c)}</td>" for c in cells) + "</tr>"
                    for key, cells in summary_rows(runs))
-    images = "".join(f'<figure><img alt="{e(title)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
-                     f"<figcaption>{e(title)}</figcaption></figure>" for title, png in figures)
+    images = "".join(f'<img alt="{e(title)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+                     for title, png in figures)
     steps = ", ".join(f"{e(run.name)}: {max((r.get('step', 0) for r in run.rows), default=0)} steps logged"
                       f"{'' if run.summary else ' (running)'}" for run in runs)
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>rlhf_ray report: {e(", ".join(run.name for run in runs))}</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;
-padding:2px 8px;text-align:right}}td:first-child{{text-align:left}}figure{{display:inline-block;margin:8px}}</style>
+padding:2px 8px;text-align:right}}td:first-child{{text-align:left}}#plots{{display:grid;gap:8px;
+grid-template-columns:repeat(auto-fill,minmax(400px,1fr))}}#plots img{{width:100%}}</style>
 </head><body>
 <h1>rlhf_ray report</h1>
 <p>{steps}</p>
