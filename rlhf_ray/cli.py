@@ -275,9 +275,27 @@ def setup_logging() -> None:
     logger.setLevel(os.environ.get("RLHF_RAY_LOG_LEVEL", "INFO").upper())
 
 
+def quiet_libraries() -> None:
+    """This process's library chatter off (the actors' goes to their log files, jobs/restarts.placed_attempts):
+    transformers' progress bars and info lines (GGUF conversion, weight loading, shard writing), and DeepSpeed's
+    notice that it fell back to the CPU, on a machine without CUDA (where an embedded Ray's workers have none
+    either)."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    if "deepspeed" not in sys.modules:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    if not getattr(args, "verbose", False):
+        quiet_libraries()
     try:
         return COMMANDS[args.command](args)
     except ConfigError as exc:

@@ -58,8 +58,10 @@ def run_quickstart(configs: Path, pipeline: bool = False, verbose: bool = False)
         console.print(f"[{steps}/{steps}] GRPO on SmolLM2-135M-Instruct ({configs / 'grpo.yaml'}): "
                       f"{job.ppo.iterations} iterations, then the held-out prompts again")
         summary = {"grpo": run_job(job)}
-    console.print_json(data=summary)
     _report(summary)
+    out = Path(job.output_dir)
+    console.print(f"written: {out / 'summary.json'}, the report {out / 'report.html'}, library logs in "
+                  f"{out / 'logs' if not pipeline else out / '<stage>' / 'logs'}/", markup=False, highlight=False)
     return EXIT_OK
 
 

@@ -71,7 +71,17 @@ def local_architecture(path: str | None) -> str | None:
 
 @lru_cache(maxsize=1)
 def vllm_architectures() -> frozenset[str]:
-    from vllm import ModelRegistry
+    import os
+
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # its import-time notices (e.g. Triton without a CPU backend)
+    try:
+        from vllm import ModelRegistry
+    finally:
+        if level is None:
+            del os.environ["VLLM_LOGGING_LEVEL"]
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = level
 
     return frozenset(ModelRegistry.get_supported_archs())
 
