@@ -10,6 +10,8 @@ and vLLM all read safetensors folders):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -67,6 +69,24 @@ def _content_key(file: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+@contextlib.contextmanager
+def _gguf_bar_as_transformers_bars():
+    """transformers' GGUF conversion draws its progress bar with plain tqdm, which its disable_progress_bar() does
+    not reach: off too while transformers' own bars are (a quiet job, cli.quiet_libraries)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Dequantise a GGUF model into a plain HF folder (fp32 safetensors, tokenizer, generation config). The GGUF's
     special-token metadata is kept (add BOS / EOS, every stop id, named chat templates: models/gguf_tokens.py), so
@@ -84,7 +104,8 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     log.info("importing %s (%s, %d tensors, %.0f MB)", file, info["architecture"], info["tensors"],
              info["bytes"] / 1e6)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _gguf_bar_as_transformers_bars():
+        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # a GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation record
     config = AutoConfig.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):

@@ -71,17 +71,12 @@ def local_architecture(path: str | None) -> str | None:
 
 @lru_cache(maxsize=1)
 def vllm_architectures() -> frozenset[str]:
-    import os
+    import logging
+    import sys
 
-    level = os.environ.get("VLLM_LOGGING_LEVEL")
-    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # its import-time notices (e.g. Triton without a CPU backend)
-    try:
-        from vllm import ModelRegistry
-    finally:
-        if level is None:
-            del os.environ["VLLM_LOGGING_LEVEL"]
-        else:
-            os.environ["VLLM_LOGGING_LEVEL"] = level
+    if "vllm" not in sys.modules:  # this process reads vLLM's registry only: its import-time notices (e.g. Triton
+        logging.getLogger("vllm").setLevel(logging.ERROR)  # without a CPU backend) say nothing to act on here
+    from vllm import ModelRegistry
 
     return frozenset(ModelRegistry.get_supported_archs())
 
