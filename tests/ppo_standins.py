@@ -85,7 +85,7 @@ class Workers:
         self.pool = Pool(self, finish_at_once)
         self.restarts = SimpleNamespace(replaced=[])
 
-    def score(self, rollout: FakeRollout, keep_samples: int = 0) -> Scored:
+    def score(self, rollout: FakeRollout, scored_at: int = 0, keep_samples: int = 0) -> Scored:
         self.events.append(f"put {rollout.index}")
         return Scored(experience=rollout.index, rows=rollout.samples,
                       metrics={"rollout": rollout.index, "compute/assembly_seconds": 0.0},

@@ -62,7 +62,7 @@ class ScoringLosesResults(Workers):
         super().__init__(capacity=4, max_staleness=4)
         self.losses, self.rollouts = losses, []
 
-    def score(self, rollout, keep_samples: int = 0) -> Scored:
+    def score(self, rollout, scored_at: int = 0, keep_samples: int = 0) -> Scored:
         self.rollouts.append(rollout)
         if len(self.rollouts) <= self.losses:
             raise ResultsLost(str(lost_with_node()))
@@ -82,7 +82,7 @@ def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_aga
         feed(ScoringLosesResults(losses=5), ahead=0, redo_limit=2).put(4, first, 0)
 
     class RewardFails(Workers):
-        def score(self, rollout, keep_samples: int = 0):
+        def score(self, rollout, scored_at: int = 0, keep_samples: int = 0):
             raise RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError())
 
     failing = RewardFails(capacity=4, max_staleness=4)
