@@ -42,12 +42,6 @@ def padded_tokens(prompt: np.ndarray, answer: np.ndarray) -> int:
     return int(len(prompt) * (prompt.max() + answer.max())) if len(prompt) else 0
 
 
-def packed_tokens(prompt: np.ndarray, answer: np.ndarray, groups: np.ndarray) -> int:
-    """Tokens of one packed forward over these rows: each group's prompt once, every answer."""
-    _, first = np.unique(groups, return_index=True)
-    return int(prompt[first].sum() + answer.sum())
-
-
 def by_token_budget(prompt: np.ndarray, answer: np.ndarray, budget: int, groups: np.ndarray | None = None,
                     packed: bool = False) -> list[np.ndarray]:
     """Row positions of each micro-batch: rows sorted by length and cut where one more row would pass `budget`
