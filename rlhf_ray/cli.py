@@ -14,7 +14,8 @@ import yaml
 from rich.console import Console
 
 from rlhf_ray.config import JOB_KINDS, ConfigError, ConfigSource, job_schema, validate_job
-from rlhf_ray.exit_codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT
+from rlhf_ray.exit_codes import EXIT_BAD_CONFIG, EXIT_JOB_FAILED, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT
+from rlhf_ray.jobs.failure import JobFailed, failures_reported
 from rlhf_ray.jobs.kinds import run_job
 from rlhf_ray.jobs.preflight import check_plan, preflight
 from rlhf_ray.models.packaged import PACKAGED, packaged_gguf
@@ -155,7 +156,8 @@ def cmd_job(args: argparse.Namespace) -> int:
         console.print("[red]refusing to start: the plan does not fit the cluster:[/red]\n  " + "\n  ".join(problems))
         return EXIT_PLAN_DOES_NOT_FIT
     preflight(job, source)  # every file the job reads, before Ray starts
-    summary = run_job(job, stop_after=getattr(args, "stop_after", None))
+    with failures_reported(job.output_dir):
+        summary = run_job(job, stop_after=getattr(args, "stop_after", None))
     out.print_json(data=summary)
     return EXIT_OK
 
@@ -168,7 +170,8 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     if args.iterations < 1:
         raise ValueError("--iterations must be at least 1")
     folder = Path(args.out) if args.out else Path(job.output_dir) / "rehearsal"
-    result = rehearse(job, folder, args.iterations)
+    with failures_reported(folder):
+        result = rehearse(job, folder, args.iterations)
     out.print("\n".join(result.lines(args.config, args.iterations)), markup=False, highlight=False)
     out.print(f"written: {folder / 'rehearsal.json'}", markup=False, highlight=False)
     return EXIT_OK
@@ -298,6 +301,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         quiet_libraries()
     try:
         return COMMANDS[args.command](args)
+    except JobFailed as failed:
+        console.print("\n".join(failed.lines), markup=False, highlight=False)
+        return EXIT_JOB_FAILED
     except ConfigError as exc:
         console.print(str(exc), markup=False, highlight=False)
         return EXIT_BAD_CONFIG

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from rlhf_ray.config import ConfigError, ConfigSource, PipelineJob, PPOJob, load_job, validate_job
 from rlhf_ray.exit_codes import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT
+from rlhf_ray.jobs.failure import failures_reported
 from rlhf_ray.jobs.kinds import run_job
 from rlhf_ray.jobs.preflight import check_plan, preflight
 
@@ -33,7 +34,6 @@ def run_quickstart(configs: Path, pipeline: bool = False, verbose: bool = False)
     else:
         assert isinstance(job, PPOJob)
 
-    console.print(f"[{steps - 1}/{steps}] validating {len(files)} quickstart configs")
     for path in files:
         try:
             config = load_job(path)
@@ -44,7 +44,8 @@ def run_quickstart(configs: Path, pipeline: bool = False, verbose: bool = False)
         if problems:
             console.print(f"[red]{path}: the plan does not fit this machine:[/red]\n  " + "\n  ".join(problems))
             return EXIT_PLAN_DOES_NOT_FIT
-        console.print(f"      ok  {path} ({config.kind})")
+    console.print(f"[{steps - 1}/{steps}] {len(files)} quickstart configs load and fit this machine: "
+                  f"{', '.join(p.stem for p in files)} (in {configs})", markup=False, highlight=False)
     try:
         preflight(job, source)  # the files the job about to run reads (the others may name models not built yet)
     except ConfigError as exc:
@@ -53,11 +54,11 @@ def run_quickstart(configs: Path, pipeline: bool = False, verbose: bool = False)
 
     if pipeline:
         console.print(f"[{steps}/{steps}] running the pipeline on the tiny model: SFT -> RM -> PPO")
-        summary = run_job(job)
     else:
         console.print(f"[{steps}/{steps}] GRPO on SmolLM2-135M-Instruct ({configs / 'grpo.yaml'}): "
                       f"{job.ppo.iterations} iterations, then the held-out prompts again")
-        summary = {"grpo": run_job(job)}
+    with failures_reported(job.output_dir):
+        summary = run_job(job) if pipeline else {"grpo": run_job(job)}
     _report(summary)
     out = Path(job.output_dir)
     console.print(f"written: {out / 'summary.json'}, the report {out / 'report.html'}, library logs in "

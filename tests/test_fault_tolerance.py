@@ -203,6 +203,41 @@ def failing_reward(prompts: list[str], answers: list[str]) -> list[float]:
     return [1.0] * len(answers)
 
 
+def raising_reward(prompts: list[str], answers: list[str]) -> list[float]:
+    return [_score_one(a) for a in answers]
+
+
+def _score_one(answer: str) -> float:
+    raise ValueError(f"cannot score {answer!r}")
+
+
+def test_a_failed_job_prints_the_actor_and_its_first_error_and_logs_every_traceback(tmp_path, sft_model, rm_model,
+                                                                                    capsys):
+    """`rlhf-ray ppo` whose reward function raises in its actor: the terminal names the actor and the call, shows
+    the user's frames once (no Ray wrapping, no driver stack), the exit code says the job failed, and
+    logs/error.log has the whole chain."""
+    from rlhf_ray.cli import main
+    from rlhf_ray.exit_codes import EXIT_JOB_FAILED
+    from tests.conftest import ROOT
+
+    out = tmp_path / "ppo"
+    overrides = [f"policy.model.path={sft_model}", "reward.model.path=null",
+                 "reward.function=tests.test_fault_tolerance:raising_reward", f"critic.model.path={rm_model}",
+                 f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false", *SMALL]
+    argv = ["ppo", "--config", str(ROOT / "configs/quickstart/ppo.yaml")] + [a for o in overrides for a in ("--set", o)]
+    assert main(argv) == EXIT_JOB_FAILED
+    err = capsys.readouterr().err
+    shown = err[err.index("the job failed"):].splitlines()
+    assert shown[0] == "the job failed: reward-0 failed in `score`"
+    assert shown[1].startswith("  RewardFunctionError: reward function tests.test_fault_tolerance:raising_reward "
+                               "failed on prompt")
+    assert err.count("Traceback") == 1 and err.count("in _score_one") == 1 and "ValueError: cannot score" in err
+    assert "ray::" not in err and "run_ppo" not in err and len(shown) < 15, shown
+    assert shown[-1] == f"every traceback: {out / 'logs' / 'error.log'}; reward-0's output: {out / 'logs' / 'reward-0.log'}"
+    logged = (out / "logs" / "error.log").read_text()
+    assert "in run_ppo" in logged and "in _score_one" in logged and "RemoteCallError: reward-0 raised" in logged
+
+
 def test_a_raising_reward_function_is_reported_with_the_sample(tiny_model):
     worker = RewardFunctionWorker(rank=0, world_size=1, function="tests.test_fault_tolerance:failing_reward",
                                   tokenizer=str(tiny_model))

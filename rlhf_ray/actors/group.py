@@ -39,12 +39,13 @@ class ActorDiedError(RuntimeError):
 
 
 class RemoteCallError(RuntimeError):
-    """The remote method raised. `cause` is the original exception (its type survives for `isinstance`)."""
+    """The remote method `call` raised. `cause` is the original exception (its type survives for `isinstance`)."""
 
-    def __init__(self, message: str, actor: str, cause: BaseException | None):
+    def __init__(self, message: str, actor: str, cause: BaseException | None, call: str = ""):
         super().__init__(message)
         self.actor = actor
         self.cause = cause
+        self.call = call
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -55,8 +56,8 @@ def _raise_for(name: str, what: str, err: Exception) -> None:
         raise ActorDiedError(f"{name} died during `{what}`: {_ANSI.sub('', str(err))}", name, what) from err
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = getattr(err, "cause", None)
-        raise RemoteCallError(f"{name} raised in `{what}`:\n{_ANSI.sub('', str(err))}", name, cause) from err
-    raise RemoteCallError(f"{name} failed in `{what}`: {type(err).__name__}: {err}", name, err) from err
+        raise RemoteCallError(f"{name} raised in `{what}`:\n{_ANSI.sub('', str(err))}", name, cause, what) from err
+    raise RemoteCallError(f"{name} failed in `{what}`: {type(err).__name__}: {err}", name, err, what) from err
 
 
 def gather(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: str) -> list:
@@ -263,8 +264,9 @@ class RestartBudget:
     def spend(self, err: ActorDiedError | ActorCallTimeout) -> None:
         actor = err.actor if isinstance(err, ActorDiedError) else err.pending[0][0]
         if len(self.replaced) >= self.limit:
-            raise ActorDiedError(f"{err} (no restarts left: cluster.max_actor_restarts={self.limit} already used "
-                                 f"by {', '.join(self.replaced)})", actor) from err
+            spent = (f"already used by {', '.join(self.replaced)}" if self.replaced else "allows no replacement")
+            raise ActorDiedError(f"{err} (no restarts left: cluster.max_actor_restarts={self.limit} {spent})", actor,
+                                 err.during if isinstance(err, ActorDiedError) else "") from err
         self.replaced.append(actor)
         how = "died" if isinstance(err, ActorDiedError) else "hangs (no answer within cluster.call_timeout_s)"
         log.warning("%s %s; replacing it (restart %d of %d): %s", actor, how, len(self.replaced), self.limit,
