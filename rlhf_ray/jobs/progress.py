@@ -1,5 +1,6 @@
-"""The live progress line of a PPO job: after every iteration, where the run is and how it goes (reward, KL,
-entropy, samples/s, where the iteration's time went, ETA). On a terminal the line is rewritten in place; anywhere
+"""The live progress line of a PPO job: after every iteration, where the run is and how it goes (reward, the
+held-out task accuracy of the latest evaluation where the task has a rule, KL, entropy, samples/s, where the
+iteration's time went, ETA). On a terminal the line is rewritten in place; anywhere
 else (`ray job logs`, a pipe, a CI log) each iteration is a line of its own, with no cursor control."""
 
 from __future__ import annotations
@@ -28,6 +29,13 @@ class Progress:
         self.first, self.began = start, time.monotonic()
         self.in_place = enabled and getattr(self.stream, "isatty", lambda: False)()
         self.width = 0
+        self.accuracy: tuple[int, float] | None = None
+
+    def evaluated(self, step: int, held_out: dict[str, float]) -> None:
+        """The held-out evaluation after `step` iterations: its task accuracy (greedy; a rule's) shows from the next
+        line on, with the iteration it was measured at."""
+        if "task_accuracy" in held_out:
+            self.accuracy = (step, held_out["task_accuracy"])
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """The line for `step` (iterations done) with that iteration's metrics."""
@@ -36,6 +44,8 @@ class Progress:
                                  ("entropy", "policy/entropy", "{:.2f}")):
             if key in metrics:
                 parts.append(f"{label} {form.format(metrics[key])}")
+            if key == "reward/mean" and self.accuracy is not None:
+                parts.append(f"acc {self.accuracy[1]:.3f} (iter {self.accuracy[0]})")
         wall = metrics.get("time/iteration")
         if wall:
             parts.append(f"{self.samples / wall:.1f} samples/s")

@@ -50,11 +50,12 @@ class PPOTrainer:
         """From the newest checkpoint (or the start) to the end of the job, or to `stop_after`."""
         start = self.start()
         progress = Progress(self.job.ppo.iterations, start, self.job.samples_per_iteration, self.job.logging.progress)
+        progress.evaluated(0, self.before)
         for step in range(start, self.end):
             taken, metrics = self.iterate(step)
             self.log(step + 1, metrics, taken)
             progress.update(step + 1, metrics)
-            self.maybe_evaluate(step + 1)
+            self.maybe_evaluate(step + 1, progress)
             self.maybe_checkpoint(step + 1)
         progress.close()
         return self.finish()
@@ -98,11 +99,12 @@ class PPOTrainer:
             write_samples(Path(self.job.output_dir) / SAMPLES_FILE, step, taken.put.scored.samples, self.tokenizer)
         self.watch.iteration(step, metrics)
 
-    def maybe_evaluate(self, step: int) -> None:
+    def maybe_evaluate(self, step: int, progress: Progress) -> None:
         every = self.job.ppo.eval_every
         if every and step % every == 0 and step < self.job.ppo.iterations:  # the last one: in finish()
             now = self.evaluator.evaluate()
             self.metrics.log(step, {f"eval/{k}": v for k, v in now.items()} | self.watch.evaluation(step, now))
+            progress.evaluated(step, now)
 
     def maybe_checkpoint(self, step: int) -> None:
         every = self.job.checkpoint.every_steps
