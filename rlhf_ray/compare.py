@@ -60,5 +60,27 @@ def render(result: dict, base: str, finetuned: str) -> Table:
     return table
 
 
+SIDE_BY_SIDE_COLUMNS = 120
+"""Narrower than this (a pipe, a CI log, `ray job logs`: 80), three columns of text wrap into slivers: each prompt
+is a block of lines instead."""
+
+
+def blocks(result: dict, base: str, finetuned: str) -> list[str]:
+    """The comparison as text blocks, one per prompt: the prompt, then each model's answer on its own line."""
+    out = [f"compare: base = {base}, finetuned = {finetuned}"]
+    for i, prompt in enumerate(result["prompts"]):
+        out += ["", f"prompt: {prompt}"]
+        for key in ("base", "finetuned"):
+            mark = f"  [score {result[f'{key}_scores'][i]:g}]" if f"{key}_scores" in result else ""
+            out.append(f"  {key}: {result[key][i]}{mark}")
+    if "base_mean_score" in result:
+        out += ["", f"mean score: base {result['base_mean_score']:.3f}, finetuned {result['finetuned_mean_score']:.3f}"]
+    return out
+
+
 def print_comparison(result: dict, base: str, finetuned: str) -> None:
-    Console(soft_wrap=True).print(render(result, base, finetuned))
+    console = Console(soft_wrap=True)
+    if console.is_terminal and console.width >= SIDE_BY_SIDE_COLUMNS:
+        console.print(render(result, base, finetuned))
+    else:
+        console.print("\n".join(blocks(result, base, finetuned)), markup=False, highlight=False)

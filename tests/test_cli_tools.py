@@ -46,7 +46,11 @@ def test_compare_prints_both_models_and_scores(tiny_model, tmp_path, capsys):
     result = json.loads(result_file.read_text())
     assert len(result["prompts"]) == 3 and result["base"] == result["finetuned"]  # same model, greedy
     assert set(result["base_scores"]) <= {0.0, 1.0}
-    assert "mean score" in capsys.readouterr().out
+    printed = capsys.readouterr().out  # not a terminal: a block of lines per prompt, no table
+    assert "mean score" in printed and printed.count("\nprompt: ") == 3
+    first = result["prompts"][0]
+    assert f"prompt: {first}\n  base: {result['base'][0]}  [score " in printed
+    assert "│" not in printed and "─" not in printed
     assert main(["compare", "--base", "a", "--finetuned", "b"]) == EXIT_BAD_CONFIG
 
 
