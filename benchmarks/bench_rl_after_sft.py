@@ -1,0 +1,161 @@
+"""Does RL add to SFT? SmolLM2-135M-Instruct on the bundled word problems: SFT on worked answers, then RL from
+the SFT model (issue 41). Each recipe is a pipeline run as a user runs it (`rlhf-ray pipeline --config ...`), seed
+by seed; the RL stage's held-out accuracy `before` is the SFT model's, on the same 300 held-out problems, so the
+gain is RL's alone. Reported: greedy and sampled accuracy before -> after with standard errors, RL minutes (the
+iterations' wall time), peak memory of the process tree, and per iteration the rollouts' reward (share right).
+
+    .venv/bin/python benchmarks/bench_rl_after_sft.py [--recipes sft-grpo] [--seeds 1,2,3] [--write docs/benchmarks.md]
+
+Each run's result is kept in benchmarks/results/rl_after_sft/<recipe>-<seed>.json (with the recipe file's hash),
+so a later invocation reports runs made earlier, on this machine or another; --report-only runs nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, pyplot, run_watched, save_figure, today, versions, write_section  # noqa: E402
+
+HEADING = "## RL after SFT on word problems (SmolLM2-135M-Instruct)"
+RECIPES = {"sft-grpo": "configs/recipes/smollm2-sft-grpo.yaml"}
+RESULTS = ROOT / "benchmarks" / "results" / "rl_after_sft"
+GOAL_POINTS, GOAL_MINUTES = 8.0, 20.0
+
+
+def recipe_hash(config: str) -> str:
+    return hashlib.sha256((ROOT / config).read_bytes()).hexdigest()[:12]
+
+
+def run(name: str, seed: int, work: Path, overrides: list[str]) -> dict:
+    config = RECIPES[name]
+    out = work / f"{name}-{seed}"
+    command = [sys.executable, "-m", "rlhf_ray.cli", "pipeline", "--config", str(ROOT / config)]
+    for item in [f"seed={seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
+                 *overrides]:
+        command += ["--set", item]
+    seconds, peak = run_watched(command, work / f"{name}-{seed}.log", timeout=3 * 3600)
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak,
+              "recipe": recipe_hash(config), "overrides": overrides, "date": today(), "machine": machine()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}-{seed}.json").write_text(json.dumps(result) + "\n")
+    return result
+
+
+def kept() -> dict:
+    found = {}
+    for name, config in RECIPES.items():
+        for file in sorted(RESULTS.glob(f"{name}-*.json")):
+            r = json.loads(file.read_text())
+            if r["recipe"] == recipe_hash(config):
+                found[(name, int(file.stem.rsplit("-", 1)[1]))] = r
+            else:
+                print(f"not reported: {file} ran an older {config}", flush=True)
+    return found
+
+
+def stderr(p: float, n: int) -> float:
+    return math.sqrt(p * (1 - p) / n) if n else float("nan")
+
+
+def rl_minutes(r: dict) -> float:
+    return sum(row["time/iteration"] for row in r["metrics"] if "time/iteration" in row) / 60
+
+
+def report(results: dict) -> str:
+    first = next(iter(results.values()))
+    rows = ["| recipe | seed | greedy: SFT model | greedy: after RL | gain (points) | sampled: SFT model | "
+            "sampled: after RL | RL iterations | RL min | total min | peak GiB |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    verdicts = []
+    for (name, seed), r in sorted(results.items()):
+        ppo, sft = r["summary"]["ppo"], r["summary"]["sft"]
+        n = ppo["eval_prompts"]
+        g0, g1 = ppo["task_accuracy_before"], ppo["task_accuracy_after"]
+        s0, s1 = ppo.get("sampled_task_accuracy_before"), ppo.get("sampled_task_accuracy_after")
+        samples = n * r.get("eval_samples", 2)
+        gain = 100 * (g1 - g0)
+        minutes = rl_minutes(r)
+        rows.append(f"| {name} | {seed} | {g0:.3f} ± {stderr(g0, n):.3f} | {g1:.3f} ± {stderr(g1, n):.3f} | "
+                    f"{gain:+.1f} | {s0:.3f} ± {stderr(s0, samples):.3f} | {s1:.3f} ± {stderr(s1, samples):.3f} | "
+                    f"{ppo['iterations']} | {minutes:.1f} | {r['seconds'] / 60:.1f} | {r['peak_gib']:.1f} |")
+        met = gain >= GOAL_POINTS and minutes <= GOAL_MINUTES and s1 > s0
+        verdicts.append(f"- {name} seed {seed}: greedy {gain:+.1f} points over the SFT model in {minutes:.1f} RL "
+                        f"minutes, sampled {s0:.3f} -> {s1:.3f}: {'met' if met else 'missed'} (SFT: "
+                        f"{sft['steps']} steps in {sft['seconds'] / 60:.1f} min, held-out loss "
+                        f"{sft['eval_loss_first']:.3f} -> {sft['eval_loss_last']:.3f}).")
+    for name in RECIPES:
+        done = sum(1 for (n, _) in results if n == name)
+        if done < 3:
+            verdicts.append(f"- {name}: {done} of 3 seeds run.")
+    runs = "; ".join(f"{name} seed {seed}: {r['date']}, {r['machine']}" for (name, seed), r in sorted(results.items()))
+    return "\n".join([
+        HEADING, "",
+        f"Runs: {runs}. Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.", "",
+        "Command: `python benchmarks/bench_rl_after_sft.py --recipes NAME --seeds N --write docs/benchmarks.md` "
+        "(each run kept in benchmarks/results/rl_after_sft/ and reported by later invocations while its recipe file "
+        "is unchanged). A recipe is a pipeline, run as `rlhf-ray pipeline --config configs/recipes/smollm2-NAME.yaml "
+        "--set seed=N`: SFT on worked answers, then RL from the SFT model. Held-out: "
+        f"{first['summary']['ppo']['eval_prompts']} problems never trained on, greedy and 2 sampled answers each at "
+        "the training temperature, scored by the correctness rule; ± is one standard error (binomial). `SFT model` "
+        "is the RL stage's evaluation before its first update, so the gain is RL's alone. RL min: the RL "
+        "iterations' wall time; total: the whole pipeline with model import, SFT, actor start and both evaluations.",
+        "", *rows, "",
+        f"Goal (issue 41): RL adds >= +{GOAL_POINTS:.0f} points of held-out greedy accuracy over the SFT model within "
+        f"{GOAL_MINUTES:.0f} minutes of RL on 3 of 3 seeds, and sampled accuracy rises too.", *verdicts, "",
+        "![rl_after_sft.png](img/rl_after_sft.png)"])
+
+
+def plot(results: dict, doc: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for (name, seed), r in sorted(results.items()):
+        rows = [row for row in r["metrics"] if "reward/mean" in row and "time/iteration" in row]
+        ax.plot([row["step"] for row in rows], [row["reward/mean"] for row in rows], marker=".",
+                label=f"{name} seed {seed}")
+    ax.set_xlabel("RL iteration")
+    ax.set_ylabel("rollouts right (share)")
+    ax.set_title("reward of the rollouts (the rule) per iteration, from the SFT model")
+    ax.legend(fontsize=8)
+    save_figure(fig, doc, "rl_after_sft.png")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--seeds", default="1,2,3")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--workdir", help="where the runs write (default: a temporary folder)")
+    parser.add_argument("--report-only", action="store_true", help="run nothing; report the kept results")
+    parser.add_argument("--write", help="replace this section of the given markdown file")
+    args = parser.parse_args()
+    if not args.report_only:
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="rl-after-sft-"))
+        work.mkdir(parents=True, exist_ok=True)
+        for name in args.recipes.split(","):
+            for seed in (int(s) for s in args.seeds.split(",")):
+                print(f"running {name} seed {seed} in {work}", flush=True)
+                run(name, seed, work, args.overrides)
+    results = kept()
+    if not results:
+        print("no results yet", flush=True)
+        return 1
+    text = report(results)
+    print(text)
+    if args.write:
+        doc = Path(args.write)
+        plot(results, doc)
+        write_section(doc, HEADING, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
