@@ -7,7 +7,7 @@ import torch
 
 from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, informative_groups_first, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
-from rlhf_ray.algorithms.experience import make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.experience import distill_advantages, make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
 from rlhf_ray.algorithms.losses import (aggregate, aggregated_sum, first_predicting_column, lm_loss_sum, loss_units,
                                        policy_loss, policy_token_loss, truncated_is_weights, value_loss)
@@ -147,6 +147,29 @@ def test_critic_free_estimators():
     out = reinforce_pp(T([[1.0, 2.0, 0.0], [0.0, 1.0, 0.0]]), T([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]]))
     sd = math.sqrt((1.25**2 + 0.25**2 + 0.75**2 + 0.75**2) / 3)
     close(out, [[1.25 / sd, 0.25 / sd, 0.0], [-0.75 / sd, -0.75 / sd, 0.0]], 1e-4)
+
+
+def test_distillation_credits_each_token_with_its_teacher_student_log_ratio():
+    """estimator distill: a sampled token's advantage is log p_teacher - log p_student of that token, nothing
+    summed over later tokens and nothing normalised; padding gets 0; the rule's score does not enter it."""
+    logp = T([[-1.0, -2.0, -0.5], [-0.2, -3.0, -1.0]])
+    teacher = T([[-0.5, -4.0, -9.0], [-0.2, -1.0, -7.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    spec = PPOSpec(advantage_estimator="distill", kl_coef=0.0)
+    for scores in (T([1.0, 0.0]), T([0.0, 5.0])):
+        out = make_experience(scores, logp, logp.clone(), None, mask, T([1.0, 1.0]).bool(), spec, 1,
+                              teacher_logp=teacher)
+        close(out.advantages, [[0.5, -2.0, 0.0], [0.0, 2.0, -6.0]])
+        assert out.returns is None and out.values is None
+    # a KL-to-reference penalty in the reward is charged to each token too
+    ref = logp - T([[0.1, 0.1, 0.1], [0.0, 0.2, 0.0]])
+    penalised = make_experience(T([0.0, 0.0]), logp, ref, None, mask, T([1.0, 1.0]).bool(),
+                                PPOSpec(advantage_estimator="distill", kl_coef=1.0, kl_estimator="k1"), 1,
+                                teacher_logp=teacher)
+    close(penalised.advantages, [[0.4, -2.1, 0.0], [0.0, 1.8, -6.0]], 1e-5)
+    close(distill_advantages(teacher, logp, mask), [[0.5, -2.0, 0.0], [0.0, 2.0, -6.0]])
+    with pytest.raises(ValueError, match="teacher"):
+        make_experience(T([0.0, 0.0]), logp, logp, None, mask, T([1.0, 1.0]).bool(), spec, 1)
 
 
 def test_policy_loss_clips_and_dual_clips():

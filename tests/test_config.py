@@ -154,6 +154,19 @@ def test_critic_free_estimators_refuse_a_critic_and_need_groups(write_yaml):
     assert "critic" not in job.placement_roles()
 
 
+def test_distillation_needs_a_teacher_and_a_teacher_needs_distillation(write_yaml):
+    path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", ""))
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=distill"])
+    assert "teacher: advantage_estimator distill learns from a teacher model" in problem
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
+                                    "teacher.model.path=teacher/model"])
+    assert "teacher: a teacher is used by advantage_estimator distill, not grpo" in problem
+    job = load_job(path, ["ppo.advantage_estimator=distill", "teacher.model.path=teacher/model",
+                          "teacher.placement.colocate_with=policy"])
+    assert list(job.placement_roles()) == ["policy", "reference", "teacher", "reward", "generation"]
+    assert not job.old_logprobs_from_training  # the student's log-probs of its samples are half the reward
+
+
 def test_an_option_the_advantage_estimator_does_not_read_is_refused_at_its_line(write_yaml):
     path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "").replace(
         "ppo:\n", "ppo:\n  advantage_estimator: reinforce_pp\n  whiten_advantages: false\n"))

@@ -361,3 +361,19 @@ def test_vllm_max_model_len_defaults_to_the_jobs_limits():
     assert with_model_len(job).vllm.max_model_len == 64
     job = load_job(ROOT / "configs/quickstart/ppo.yaml", ["generation.vllm.max_model_len=512"])
     assert with_model_len(job).vllm.max_model_len == 512
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both(capsys, family_models):
+    """Distillation compares two models' log-probs of the same ids: a teacher of another tokenizer is refused at
+    validate, at its field, naming both tokenizers; one of the policy's family passes."""
+    ppo = str(ROOT / "configs/quickstart/ppo.yaml")
+    distill = ["--set", "ppo.advantage_estimator=distill", "--set", "critic=null", "--set", "reward.model.path=null",
+               "--set", "reward.function=rlhf_ray.data.demo_sort:score", "--set", "reward.placement.colocate_with=policy",
+               "--set", "generation.engine=hf", "--set", "teacher.placement.colocate_with=policy",
+               "--set", "teacher.placement.num_cpus=0.25",
+               "--set", f"policy.model.path={family_models['qwen2']}"]
+    code, out = _validate(capsys, ppo, *distill, "--set", f"teacher.model.path={family_models['gpt2']}")
+    assert code != 0 and "teacher.model.path" in out and "the teacher's tokenizer" in out, out
+    assert str(family_models["gpt2"]) in out and str(family_models["qwen2"]) in out
+    code, out = _validate(capsys, ppo, *distill, "--set", f"teacher.model.path={family_models['qwen2']}")
+    assert code == 0, out

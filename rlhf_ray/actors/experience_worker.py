@@ -16,6 +16,7 @@ from rlhf_ray.algorithms.batch import Experience, RolloutBatch
 from rlhf_ray.algorithms.experience import logprob_gap, make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.advantages import informative_groups_first
 from rlhf_ray.algorithms.diagnostics import correlation
+from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -46,7 +47,8 @@ class ExperienceWorker:
         return batch
 
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
-                   value_refs: list | None, scored_at: int = 0, keep_samples: int = 0) -> dict:
+                   value_refs: list | None, scored_at: int = 0, keep_samples: int = 0,
+                   teacher_logp_refs: list | None = None) -> dict:
         """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
         "samples": the first `keep_samples` rows as token ids with their score and dataset columns,
         "token_versions": answer tokens per policy version that sampled them}. The metric
@@ -58,9 +60,10 @@ class ExperienceWorker:
             return torch.cat(ray.get(refs)) if refs else None
 
         scores, old_logp, ref_logp, values = cat(score_refs), cat(old_logp_refs), cat(ref_logp_refs), cat(value_refs)
+        teacher_logp = cat(teacher_logp_refs)
         start = time.perf_counter()
         targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
-                                  self.group_size, self.max_answer_tokens)
+                                  self.group_size, self.max_answer_tokens, teacher_logp)
         metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
                    "answer/length": batch.action_mask.sum(-1).mean().item(),
                    "reward/length_correlation": correlation(scores, batch.action_mask.sum(-1)),
@@ -73,6 +76,8 @@ class ExperienceWorker:
             full = full.select(rows)
             metrics |= {"dynamic/informative_groups": informative / self.spec.rollout_batch_size,
                         "dynamic/sampled_groups": len(scores) / self.group_size}
+        if teacher_logp is not None:  # the reverse KL(policy || teacher) per answer token, on the policy's samples
+            metrics["distill/reverse_kl"] = masked_mean(old_logp - teacher_logp, batch.action_mask).item()
         if targets.kl is not None:  # else the policy reports it from its training forward (policy/kl)
             metrics["kl/mean"] = targets.kl.mean().item()
         if old_logp is not None:  # else the policy measures it in its training forward

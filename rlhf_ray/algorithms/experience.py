@@ -74,12 +74,25 @@ def mismatch_kl(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_ma
     return masked_mean(torch.exp(log_ratio) - 1 - log_ratio, action_mask).item()
 
 
+def distill_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, action_mask: torch.Tensor,
+                       kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """On-policy distillation: each sampled token's advantage is log p_teacher(token) - log p_policy(token), the
+    negated per-token sample of the reverse KL(policy || teacher), with no discounting (a token is credited with its
+    own mismatch only), less a KL-to-reference penalty where the reward carries one."""
+    advantages = teacher_logp - logp
+    if kl_penalty is not None:
+        advantages = advantages - kl_penalty
+    return zero_masked(advantages, action_mask)
+
+
 def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,
                     values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
-                    group_size: int, max_answer_tokens: int | None = None) -> PPOTargets:
+                    group_size: int, max_answer_tokens: int | None = None,
+                    teacher_logp: torch.Tensor | None = None) -> PPOTargets:
     """Advantages and returns by the configured estimator, plus what the metrics report. `logp` (the policy's old
     log-probs) may be None when the reward carries no KL term: the learner then uses its training forward's.
-    `max_answer_tokens` (generation's max_new_tokens) is what `spec.overlong_buffer` counts back from."""
+    `max_answer_tokens` (generation's max_new_tokens) is what `spec.overlong_buffer` counts back from.
+    `teacher_logp` (estimator distill): the teacher's log-prob of each sampled token."""
     reward_kl_coef = 0.0 if spec.kl_in_loss else spec.kl_coef
     if logp is None and reward_kl_coef:
         raise ValueError("the KL-shaped reward needs the policy's old log-probs")
@@ -92,7 +105,11 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
     rewards = shaped_rewards(scores, ref_logp if logp is None else logp, ref_logp, action_mask, reward_kl_coef,
                              spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty, bonus)
     returns = None
-    if spec.advantage_estimator == "gae":
+    if spec.advantage_estimator == "distill":
+        if teacher_logp is None or logp is None:
+            raise ValueError("distillation needs the teacher's and the policy's log-probs of the sampled tokens")
+        advantages = distill_advantages(teacher_logp, logp, action_mask, reward_kl_coef * kl)
+    elif spec.advantage_estimator == "gae":
         assert values is not None, "gae needs critic values"
         advantages, returns = gae(rewards, values, action_mask, spec.gamma, spec.lam)
     elif spec.advantage_estimator == "reinforce_pp":

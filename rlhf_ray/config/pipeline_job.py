@@ -22,12 +22,20 @@ def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) ->
     section.setdefault(keys[-1], value)
 
 
+def _names_a_model(section: dict[str, Any], role: str) -> bool:
+    """The role's model is given in the raw YAML (a path, or a GGUF file)."""
+    model = (section.get(role) or {}).get("model") if isinstance(section.get(role), dict) else None
+    return isinstance(model, dict) and bool(model.get("path") or model.get("gguf_file"))
+
+
 class PipelineJob(JobBase):
     """SFT -> RM -> PPO, SFT -> PPO with a reward function or server (no reward model to train), or SFT -> DPO,
     optionally after continued pretraining. Stage outputs default to
     `<output_dir>/{pretrain,sft,rm,ppo,dpo}`; SFT starts from the pretrain stage's model when there is one, the reward
     model from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
-    and reward model from the RM, unless a path is given; DPO starts from the SFT model."""
+    and reward model from the RM, unless a path is given; DPO starts from the SFT model. A PPO stage with a teacher
+    (on-policy distillation) distils the SFT model by default: the teacher's path defaults to it, the policy to the
+    SFT model only where no model is named."""
 
     summary: ClassVar[str] = "(pretrain ->) SFT -> RM -> PPO, or SFT -> DPO"
     runner: ClassVar[str] = "rlhf_ray.jobs.pipeline:run_pipeline"
@@ -79,7 +87,10 @@ class PipelineJob(JobBase):
             if stage in stages:
                 _with_default(stages[stage], ("model", "path"), sft_model)
         if "ppo" in stages:
-            _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
+            if not _names_a_model(stages["ppo"], "policy"):
+                _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
+            if isinstance(stages["ppo"].get("teacher"), dict) and not _names_a_model(stages["ppo"], "teacher"):
+                _with_default(stages["ppo"], ("teacher", "model", "path"), sft_model)
         if "ppo" in stages and "rm" in stages:  # without an rm stage the reward is a function or a server
             rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
             reward = stages["ppo"].get("reward")

@@ -9,9 +9,9 @@ from pydantic import Field, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
 
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "distill"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp"})
+CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp", "distill"})
 USED_BY: dict[str, tuple[frozenset[str], str]] = {
     "whiten_advantages": (frozenset({"gae", "rloo"}), "grpo normalises within each prompt's group and reinforce_pp "
                                                       "always whitens over the batch"),
@@ -55,7 +55,10 @@ class PPOSpec(StrictModel):
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each iteration's experience (DeepSpeed-Chat found more than 1 unstable)."""
     advantage_estimator: AdvantageEstimator = "gae"
-    """gae uses a critic; grpo, rloo and reinforce_pp need none, and then no critic group is created."""
+    """gae uses a critic; grpo, rloo and reinforce_pp need none, and then no critic group is created. distill is
+    on-policy distillation: a `teacher` scores every sampled token, and a token's advantage is the teacher's
+    log-prob of it minus the policy's (the per-token reverse KL to the teacher, negated; no discounting); the
+    reward role's scores are measured (reward/mean), not optimised."""
     kl_coef: float = Field(0.1, ge=0)
     """KL penalty beta: per token in the shaped reward, or in the policy loss with `kl_in_loss`."""
     kl_in_loss: bool = False

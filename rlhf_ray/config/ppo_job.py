@@ -111,17 +111,22 @@ class PPOJob(JobBase):
     critic: LearnerRoleSpec | None = None
     """Required by advantage_estimator gae; must be absent for the critic-free estimators."""
     reference: InferenceRoleSpec = Field(default_factory=InferenceRoleSpec)
+    teacher: InferenceRoleSpec | None = None
+    """On-policy distillation (advantage_estimator: distill): the model the policy learns to match, scoring every
+    token the policy samples; placed and sharded like the reference. It must share the policy's tokenizer."""
     reward: RewardRoleSpec = Field(default_factory=RewardRoleSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     ppo: PPOSpec = Field(default_factory=PPOSpec)
 
-    ROLE_ORDER: ClassVar[tuple[str, ...]] = ("policy", "critic", "reference", "reward", "generation")
+    ROLE_ORDER: ClassVar[tuple[str, ...]] = ("policy", "critic", "reference", "teacher", "reward", "generation")
 
     def placement_roles(self) -> dict[str, PlacementSpec]:
         roles = {"policy": self.policy.placement, "reference": self.reference.placement,
                  "reward": self.reward.placement, "generation": self.generation.placement}
         if self.critic is not None:
             roles["critic"] = self.critic.placement
+        if self.teacher is not None:
+            roles["teacher"] = self.teacher.placement
         return {name: roles[name] for name in self.ROLE_ORDER if name in roles}
 
     @property
@@ -138,7 +143,7 @@ class PPOJob(JobBase):
         log-probs: the old log-probs are then its training forward's, detached, and no extra forward is run."""
         ppo = self.ppo
         one_step = ppo.mode == "sync" and ppo.ppo_epochs == 1 and self.train_batch_size == self.samples_per_iteration
-        return one_step and (ppo.kl_in_loss or ppo.kl_coef == 0)
+        return one_step and (ppo.kl_in_loss or ppo.kl_coef == 0) and ppo.advantage_estimator != "distill"
 
     @model_validator(mode="after")
     def _checks(self) -> "PPOJob":
@@ -203,14 +208,23 @@ class PPOJob(JobBase):
             if not self.critic.model.is_set:
                 raise FieldProblem("critic.model.path", "the critic starts from the reward model, but the reward is a "
                                                         "function; set critic.model.path")
+        if estimator == "distill" and self.teacher is None:
+            raise FieldProblem("teacher", "advantage_estimator distill learns from a teacher model: add a teacher "
+                                          "section (teacher.model.path: the model to distil)")
+        if self.teacher is not None:
+            if estimator != "distill":
+                raise FieldProblem("teacher", f"a teacher is used by advantage_estimator distill, not {estimator}: "
+                                              "set ppo.advantage_estimator: distill, or remove the teacher section")
+            if not self.teacher.model.is_set:
+                raise FieldProblem("teacher.model.path", "no teacher to distil: set teacher.model.path (or gguf_file)")
         if self.ppo.mode == "async" and self.ppo.max_staleness < 1:
             raise FieldProblem("ppo.max_staleness", "async mode trains on experience sampled one policy version "
                                                     "earlier; set ppo.max_staleness: 1 (or more), or ppo.mode: sync")
         if self.generation.partial_rollouts and self.ppo.mode != "async":
             raise FieldProblem("generation.partial_rollouts", "in sync mode no weight update reaches an engine during "
                                                               "a rollout; set ppo.mode: async, or remove it")
-        for name, role in {"reference": self.reference, "reward": self.reward}.items():
-            if role.sharded and role.placement.replicas < 2:
+        for name, role in {"reference": self.reference, "teacher": self.teacher, "reward": self.reward}.items():
+            if role is not None and role.sharded and role.placement.replicas < 2:
                 raise FieldProblem(f"{name}.placement.replicas", f"{name}.sharded splits the model's weights over "
                                    "the replicas: set replicas: 2 or more (or sharded: false)")
         if self.reward.sharded and not self.reward.is_model:
@@ -239,7 +253,7 @@ class PPOJob(JobBase):
                                f"samples, which do not split into batches of {train_batch}; use a divisor of {samples}")
         longest = self.data.max_prompt_len + self.generation.max_answer_tokens
         for name, role in {"policy": self.policy, "critic": self.critic, "reference": self.reference,
-                           "reward": self.reward}.items():
+                           "teacher": self.teacher, "reward": self.reward}.items():
             if role is not None and role.max_tokens_per_micro_batch is not None and \
                     role.max_tokens_per_micro_batch < longest:
                 raise FieldProblem(f"{name}.max_tokens_per_micro_batch",

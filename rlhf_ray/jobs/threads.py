@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 def phases(job: PPOJob) -> dict[str, list[str]]:
     """The roles busy together in each phase of a sync iteration (a reward function is too cheap to count)."""
-    experience = ["reference"] + (["reward"] if job.reward.is_model else [])
+    experience = ["reference"] + (["teacher"] if job.teacher is not None else []) + \
+        (["reward"] if job.reward.is_model else [])
     if job.critic is not None:
         experience.append("critic")  # values
     if not job.old_logprobs_from_training:

@@ -128,6 +128,22 @@ def tokenizer_bridge_problem(policy_path: str, reward_path: str) -> str | None:
     return None
 
 
+def teacher_tokenizer_problem(policy_path: str, teacher_path: str, policy=None, teacher=None) -> str | None:
+    """None when the teacher writes the policy's ids for every text (distillation compares their log-probs token by
+    token, so the vocabularies must be one); else why not, naming both. Loaded tokenizers may be passed in."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ray.data.build import same_tokenizer
+
+    policy = policy or AutoTokenizer.from_pretrained(policy_path)
+    teacher = teacher or AutoTokenizer.from_pretrained(teacher_path)
+    if same_tokenizer(policy, teacher):
+        return None
+    return (f"the teacher's tokenizer ({teacher_path}) differs from the policy's ({policy_path}); distillation "
+            "compares the two models' log-probs of the same token ids, so both must use one tokenizer: distil a "
+            "teacher of the policy's family (or train the policy from the teacher's tokenizer)")
+
+
 def model_problems(job) -> list[tuple[str, str]]:
     """(field, problem): an SFT / RM model transformers cannot build; a PPO policy architecture its engine cannot
     serve, and a reward model whose tokenizer cannot be bridged."""
@@ -147,10 +163,15 @@ def model_problems(job) -> list[tuple[str, str]]:
         if engine == "hf" and job.generation.weight_sync.lora == "adapter":
             problems.append(("generation.engine", f"generation.weight_sync.lora: adapter needs the vllm engine, and "
                                                   f"engine auto chose hf ({reason}): set generation.engine: vllm"))
-    for name in ("policy", "critic", "reference", "reward"):
+    for name in ("policy", "critic", "reference", "teacher", "reward"):
         role = getattr(job, name)
         if role is not None and role.pack_sequences and (problem := packing_problem(role.model.path)):
             problems.append((f"{name}.pack_sequences", problem))
+    teacher = job.teacher.model if job.teacher is not None else None
+    if teacher is not None and local_architecture(teacher.path) and local_architecture(job.policy.model.path):
+        problem = teacher_tokenizer_problem(job.policy.model.tokenizer_path, teacher.tokenizer_path)
+        if problem is not None:
+            problems.append(("teacher.model.path", problem))
     rm = job.reward.model
     if job.reward.is_model and local_architecture(rm.path) and local_architecture(job.policy.model.path):
         problem = tokenizer_bridge_problem(job.policy.model.tokenizer_path, rm.tokenizer_path)

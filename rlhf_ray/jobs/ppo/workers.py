@@ -1,5 +1,5 @@
-"""The actor groups of one PPO run, started and killed together: the policy and critic learner groups, the reference
-and reward replicas, the generation pool, and, on the driver's node, the experience assembler and the replay buffer.
+"""The actor groups of one PPO run, started and killed together: the policy and critic learner groups, the reference,
+teacher (distillation) and reward replicas, the generation pool, and, on the driver's node, the experience assembler and the replay buffer.
 Scoring a rollout on every role at once and training the learners on a take from the buffer are done here; the
 driver passes references, the tensors move from actor to actor in the object store."""
 
@@ -44,7 +44,8 @@ class ResultsLost(RuntimeError):
 def sharded_roles(job: PPOJob) -> tuple[str, ...]:
     """Forward-only roles whose replicas hold shards of one model (ZeRO-3 inference): a dead replica ends the
     attempt, as a dead learner rank does."""
-    return tuple(role for role in ("reference", "reward") if getattr(job, role).sharded)
+    return tuple(role for role in ("reference", "teacher", "reward")
+                 if getattr(job, role) is not None and getattr(job, role).sharded)
 
 
 def learner_groups(job: PPOJob) -> tuple[str, ...]:
@@ -128,6 +129,15 @@ class RoleWorkers:
                                                pack_sequences=job.reference.pack_sequences,
                                                temperature=job.generation.sampling.temperature,
                                                sharded=job.reference.sharded)
+        self.teacher = None
+        if job.teacher is not None:  # on-policy distillation: the teacher's log-probs of the policy's tokens
+            self.teacher = self._inference_group(ReferenceWorker, "teacher", job.teacher.placement, slots("teacher"),
+                                                 model=job.teacher.model.model_dump(),
+                                                 micro_batch_size=job.teacher.micro_batch_size,
+                                                 max_tokens_per_micro_batch=job.teacher.max_tokens_per_micro_batch,
+                                                 pack_sequences=job.teacher.pack_sequences,
+                                                 temperature=job.generation.sampling.temperature,
+                                                 sharded=job.teacher.sharded)
         self.reward = self._reward_group(job, tokenizer, slots("reward"))
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
         self.pool = GenerationPool.start(job, *slots("generation"), tokens, self.restarts, wait=False)
@@ -147,8 +157,9 @@ class RoleWorkers:
         setup_learner_group(self.policy, cluster, updates)
         if self.critic is not None:
             setup_learner_group(self.critic, cluster, updates)
-        for group in (self.reference, self.reward, self.pool.group, self.assembler, self.buffer):
-            group.wait_ready(cluster.startup_timeout_s)
+        for group in (self.reference, self.teacher, self.reward, self.pool.group, self.assembler, self.buffer):
+            if group is not None:
+                group.wait_ready(cluster.startup_timeout_s)
         for role in self.sharded:  # ZeRO-3 inference groups: one process group each, shards loaded together
             group = getattr(self, role)
             group.call("setup", *rendezvous(group, cluster.startup_timeout_s), cluster.call_timeout_s,
@@ -185,7 +196,7 @@ class RoleWorkers:
     def peak_memory(self) -> dict[str, int]:
         """Each role's peak bytes (its largest replica) above what its processes held before their models: what the
         plan predicts (memory/probe.py). A reward function or server has no model and no entry."""
-        groups = {"policy": self.policy, "critic": self.critic, "reference": self.reference,
+        groups = {"policy": self.policy, "critic": self.critic, "reference": self.reference, "teacher": self.teacher,
                   "reward": self.reward if self.job.reward.is_model else None, "generation": self.pool.group}
         return {role: max(p["bytes"] for p in group.call("peak_memory"))
                 for role, group in groups.items() if group is not None}
@@ -198,8 +209,8 @@ class RoleWorkers:
         if self.policy is not None:
             with contextlib.suppress(Exception):  # dead or hung: the next learner on the node sweeps the file
                 self.policy.call("release_shared_memory", timeout=10)
-        for group in (self.policy, self.critic, self.reference, self.reward, self.assembler, self.buffer,
-                      self.pool.group):
+        for group in (self.policy, self.critic, self.reference, self.teacher, self.reward, self.assembler,
+                      self.buffer, self.pool.group):
             if group is not None:
                 group.kill()
 
@@ -239,10 +250,14 @@ class RoleWorkers:
                  "reward": self._split_submit(self.reward, "score", batch, rollout.samples)}
         if not self.job.old_logprobs_from_training:
             calls["policy"] = self.policy.submit("logprobs", batch)
+        if self.teacher is not None:
+            calls["teacher"] = self._split_submit(self.teacher, "logprobs", batch, rollout.samples)
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
         results = {"reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
                    "reward": self._split_gather(self.reward, "score", calls["reward"])}
+        if self.teacher is not None:
+            results["teacher"] = self._split_gather(self.teacher, "logprobs", calls["teacher"])
         if "policy" in calls:
             results["policy"] = self.policy.gather(calls["policy"], "logprobs")
         if self.critic is not None:
@@ -250,7 +265,8 @@ class RoleWorkers:
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
                                                                     parts["reference"], parts.get("critic"),
-                                                                    scored_at, keep_samples)], "experience")
+                                                                    scored_at, keep_samples, parts.get("teacher"))],
+                                          "experience")
         return Scored(out["ref"], out["rows"], out["metrics"],
                       {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
                       out["token_versions"])
