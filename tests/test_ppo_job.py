@@ -440,7 +440,7 @@ def test_on_policy_distillation_moves_the_student_towards_the_teacher(tmp_path, 
                   "reward.placement.colocate_with=policy", "ppo.kl_coef=0", "ppo.iterations=4",
                   "policy.optim.lr=3e-3", "ppo.ppo_epochs=4", "ppo.eval_prompts=32")
     assert "teacher" in job.placement_roles() and not job.old_logprobs_from_training
-    summary = run_ppo(job)
+    run_ppo(job)
     lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     kl = [m["distill/reverse_kl"] for m in lines if "distill/reverse_kl" in m]
     # PPO's clipping bounds how far a token's probability moves per update, so from a random student the KL falls
