@@ -42,6 +42,8 @@ def run(name: str, seed: int, work: Path, overrides: list[str]) -> dict:
         command += ["--set", item]
     seconds, peak = run_watched(command, work / f"{name}-{seed}.log", timeout=3 * 3600)
     summary = json.loads((out / "summary.json").read_text())
+    # a rerun reuses the stages an earlier run finished: their time counts as if run now
+    seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak,
               "recipe": recipe_hash(config), "overrides": overrides, "date": today(), "machine": machine()}

@@ -131,6 +131,29 @@ def test_word_problems_stay_the_same_and_their_calculator_conversations_solve_th
         assert env.step(final["content"]).reward == 1.0
 
 
+def test_step_error_pairs_slip_in_one_step_and_stay_consistent_after_it():
+    """demo/word-problems-steps: demo/word-problems' prompts, chosen answers and ground truth; each rejected answer
+    has exactly one wrong equation, every later equation is right on the wrong number, and its final number is its
+    own last result (so only checking the steps' arithmetic separates it from the chosen one)."""
+    import re
+
+    from rlhf_ray.config.data import DatasetSpec
+    from rlhf_ray.data.registry import load_raw, task_rule
+
+    plain = load_raw(DatasetSpec(name="demo/word-problems"))
+    steps = load_raw(DatasetSpec(name="demo/word-problems-steps"))
+    assert [(s.prompt, s.chosen, s.columns) for s in steps.train + steps.eval] == \
+        [(s.prompt, s.chosen, s.columns) for s in plain.train + plain.eval]
+    for s in steps.train + steps.eval:
+        equations = re.findall(r"(\d+) ([-+x]) (\d+) = (-?\d+)", s.rejected)
+        wrong = [i for i, (a, op, b, c) in enumerate(equations)
+                 if {"+": int(a) + int(b), "-": int(a) - int(b), "x": int(a) * int(b)}[op] != int(c)]
+        assert len(wrong) == 1, s.rejected
+        assert s.rejected.endswith(f"The answer is {equations[-1][3]}.") and equations[-1][3] != s.columns["answer"]
+        assert min(int(n) for n in re.findall(r"-?\d+", s.rejected)) >= 0
+    assert task_rule("demo/word-problems-steps") is task_rule("demo/word-problems")
+
+
 def test_the_task_accuracy_rule_is_the_named_function_else_the_datasets_own():
     from rlhf_ray.config import ConfigError, load_job
     from rlhf_ray.data import demo

@@ -39,11 +39,13 @@ DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 _ADAPTERS: dict[str, Adapter] = {cls.name: cls() for cls in ADAPTERS}
 _GENERATED: dict[str, Callable[[], RawDataset]] = {demo.NAME: demo.load, demo_sort.NAME: demo_sort.load,
                                                    word_problems.NAME: word_problems.load,
-                                                   word_problems.CALCULATOR_NAME: word_problems.load_calculator}
+                                                   word_problems.CALCULATOR_NAME: word_problems.load_calculator,
+                                                   word_problems.STEPS_NAME: word_problems.load_steps}
 
 
 _RULES: dict[str, Callable[..., list[float]]] = {demo.NAME: demo.score, demo_sort.NAME: demo_sort.score,
-                                                 word_problems.NAME: last_number_reward}
+                                                 word_problems.NAME: last_number_reward,
+                                                 word_problems.STEPS_NAME: last_number_reward}
 
 
 def task_rule(name: str) -> Callable[[list[str], list[str]], list[float]] | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 
 from rlhf_ray.data.calculator_tool import calculate, first_message, show
@@ -31,6 +32,10 @@ class WordProblem:
     value: int
     expression: str
     """The whole computation as one calculator expression, e.g. "23 + 4 * 5 - 7"."""
+    start: int = 0
+    ops: tuple[tuple[str, int, int], ...] = ()
+    """The steps as (kind, n, m): ("buy", n, 0) adds n, ("give", n, 0) takes n away, ("packs", packs, each) adds
+    packs x each; from `start`, they give `value`."""
 
     @property
     def prompt(self) -> str:
@@ -45,28 +50,53 @@ def make_problem(rng: random.Random) -> WordProblem:
     who, item = rng.choice(NAMES), rng.choice(ITEMS)
     start = rng.randint(5, 60)
     sentences, steps, value, expression = [f"{who} has {start} {item}."], [], start, str(start)
+    ops: list[tuple[str, int, int]] = []
     for _ in range(rng.randint(1, 3)):
         kind = rng.choice(("buy", "give", "packs"))
         if kind == "give" and value > 2:
             n = rng.randint(2, value - 1)
             sentences.append(f"Then {who} gives {n} {item} to a friend.")
             steps.append(f"{value} - {n} = {value - n}.")
+            ops.append(("give", n, 0))
             value -= n
             expression += f" - {n}"
         elif kind == "packs":
             packs, each = rng.randint(2, 6), rng.randint(2, 9)
             sentences.append(f"Then {who} buys {packs} packs of {item} with {each} {item} in each pack.")
             steps.append(f"{packs} x {each} = {packs * each}, and {value} + {packs * each} = {value + packs * each}.")
+            ops.append(("packs", packs, each))
             value += packs * each
             expression += f" + {packs} * {each}"
         else:
             n = rng.randint(2, 40)
             sentences.append(f"Then {who} finds {n} more {item}.")
             steps.append(f"{value} + {n} = {value + n}.")
+            ops.append(("buy", n, 0))
             value += n
             expression += f" + {n}"
     question = " ".join(sentences) + f" How many {item} does {who} have now?"
-    return WordProblem(question, tuple(steps), value, expression)
+    return WordProblem(question, tuple(steps), value, expression, start, tuple(ops))
+
+
+def worked_steps(start: int, ops: tuple[tuple[str, int, int], ...], slip: tuple[int, int, bool] | None = None
+                 ) -> tuple[list[str], int]:
+    """The solution's step sentences and final value; `slip` = (step, error, in_product) writes that step's result
+    (or, for a packs step with `in_product`, its product) off by `error` and carries the wrong number through every
+    later step, so the answer agrees with its own steps."""
+    steps, value = [], start
+    for i, (kind, n, m) in enumerate(ops):
+        error, in_product = (slip[1], slip[2]) if slip is not None and slip[0] == i else (0, False)
+        if kind == "give":
+            steps.append(f"{value} - {n} = {value - n + error}.")
+            value = value - n + error
+        elif kind == "packs":
+            product = n * m + (error if in_product else 0)
+            steps.append(f"{n} x {m} = {product}, and {value} + {product} = {value + product + (0 if in_product else error)}.")
+            value = value + product + (0 if in_product else error)
+        else:
+            steps.append(f"{value} + {n} = {value + n + error}.")
+            value = value + n + error
+    return steps, value
 
 
 def wrong_value(value: int, rng: random.Random) -> int:
@@ -122,4 +152,37 @@ def load_calculator(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = E
 
     key = f"{CALCULATOR_NAME}:v{CALCULATOR_VERSION}:seed{seed}:{n_train}+{n_eval}"
     return RawDataset(name=CALCULATOR_NAME, train=samples(train), eval=samples(held_out),
+                      fingerprint=hashlib.sha256(key.encode()).hexdigest())
+
+
+STEPS_NAME = "demo/word-problems-steps"
+STEPS_VERSION = 1
+
+
+def step_slip(problem: WordProblem, rng: random.Random) -> str:
+    """The worked solution with one step's arithmetic wrong (off by 1, 2 or 10, either way) and every later step and
+    the final answer consistent with the wrong number: only checking the arithmetic of the steps tells it apart."""
+    step = rng.randrange(len(problem.ops))
+    for _ in range(20):
+        slip = (step, rng.choice((-10, -2, -1, 1, 2, 10)), rng.random() < 0.5)
+        steps, value = worked_steps(problem.start, problem.ops, slip)
+        if min(int(n) for n in re.findall(r"-?\d+", " ".join(steps))) >= 0:
+            return " " + " ".join(steps) + f" The answer is {value}."
+    raise ValueError(f"no step error keeps the numbers of {problem.question!r} non-negative")
+
+
+def load_steps(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_SIZE) -> RawDataset:
+    """`demo/word-problems-steps`: demo/word-problems' problems and splits, with reward-model pairs whose rejected
+    answer slips in one intermediate step and stays consistent after it (its final number repeats its own last
+    step). A reward model trained on demo/word-problems' pairs (only the final number wrong) can tell them apart by
+    consistency alone; on these it must check the steps' arithmetic. Prompts, chosen answers and `answer` columns
+    are demo/word-problems' own."""
+    train, held_out = problems(seed, n_train, n_eval)
+    slips = random.Random(f"{STEPS_NAME}:rejected:{seed}")
+
+    def samples(part: list[WordProblem]) -> list[RawSample]:
+        return [RawSample(p.prompt, p.solution(), step_slip(p, slips), {"answer": str(p.value)}) for p in part]
+
+    key = f"{STEPS_NAME}:v{STEPS_VERSION}:seed{seed}:{n_train}+{n_eval}"
+    return RawDataset(name=STEPS_NAME, train=samples(train), eval=samples(held_out),
                       fingerprint=hashlib.sha256(key.encode()).hexdigest())
