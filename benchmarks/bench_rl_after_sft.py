@@ -38,9 +38,31 @@ def recipe_hash(config: str) -> str:
     return hashlib.sha256((ROOT / config).read_bytes()).hexdigest()[:12]
 
 
+def sft_section(name: str) -> dict:
+    return yaml.safe_load((ROOT / RECIPES[name]).read_text())["sft"]
+
+
+def share_sft(name: str, seed: int, work: Path) -> None:
+    """Every recipe's SFT stage is the same job (same section, same seed): a finished one of another recipe of this
+    seed is copied in, and the pipeline reuses it (its minutes are counted as if run again). So the recipes of a
+    seed start from the very same SFT model, and distillation's teacher is the model sft-grpo starts from."""
+    import shutil
+
+    target = work / f"{name}-{seed}" / "sft"
+    if target.exists():
+        return
+    for other in RECIPES:
+        done = work / f"{other}-{seed}" / "sft"
+        if other != name and sft_section(other) == sft_section(name) and (done / "summary.json").is_file():
+            shutil.copytree(done, target, ignore=shutil.ignore_patterns("checkpoints"))
+            print(f"{name} seed {seed}: reusing the SFT stage of {other} seed {seed}", flush=True)
+            return
+
+
 def run(name: str, seed: int, work: Path, overrides: list[str]) -> dict:
     config = RECIPES[name]
     out = work / f"{name}-{seed}"
+    share_sft(name, seed, work)
     command = [sys.executable, "-m", "rlhf_ray.cli", "pipeline", "--config", str(ROOT / config)]
     for item in [f"seed={seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
                  *overrides]:

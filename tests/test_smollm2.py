@@ -197,3 +197,36 @@ def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_tru
         (metrics,) = [m for m in logged if m["step"] == iteration and "reward/mean" in m]
         rewards = [s["reward"] for s in samples if s["iteration"] == iteration]
         assert metrics["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
+
+
+def test_the_distillation_recipe_wires_the_sft_model_as_teacher_of_the_base_model():
+    job = load_job(ROOT / "configs/recipes/smollm2-distill.yaml", ["output_dir=/runs/d"])
+    ppo = job.ppo
+    assert ppo.teacher.model.path == "/runs/d/sft/model" and ppo.teacher.model.gguf_file is None
+    assert ppo.policy.model.gguf_file == "package:smollm2" and ppo.policy.model.path is None
+    assert ppo.reference.model.gguf_file == "package:smollm2"  # the reference follows the student, not the teacher
+    assert ppo.ppo.advantage_estimator == "distill" and ppo.critic is None
+
+
+@pytest.mark.system
+@pytest.mark.usefixtures("shared_ray")
+def test_distilling_the_model_into_itself_costs_nothing(tmp_path, smollm2):
+    """CI's two-iteration run of the distillation recipe's PPO stage with the base model as its own teacher
+    (the student from the GGUF package, the teacher the same weights as a folder): the teacher's log-probs of the
+    student's tokens equal the student's, so the per-token reverse KL, and with it every advantage, starts at 0
+    (up to the engines' numerics); the tokenizers are checked equal after the GGUF import."""
+    import json
+
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    job = load_job(ROOT / "configs/recipes/smollm2-distill.yaml",
+                   [f"output_dir={tmp_path}", f"ppo.teacher.model.path={smollm2}", "ppo.ppo.iterations=2",
+                    "ppo.ppo.rollout_batch_size=4", "ppo.ppo.eval_prompts=8", "ppo.ppo.eval_samples=0",
+                    "ppo.policy.micro_batch_size=4", "ppo.generation.sampling.max_new_tokens=32",
+                    "logging.progress=false", "cluster.dashboard=false", "ppo.checkpoint.every_steps=0"]).ppo
+    summary = run_ppo(job)
+    assert summary["iterations"] == 2 and "teacher" in summary["peak_memory_gib"]
+    logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    kl = [m["distill/reverse_kl"] for m in logged if "distill/reverse_kl" in m]
+    assert len(kl) == 2 and abs(kl[0]) < 1e-3, kl
+    assert (tmp_path / "ppo" / "logs" / "teacher-0.log").is_file()
