@@ -98,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--max-new-tokens", type=int, default=64)
     cmp.add_argument("--score", metavar="MODULE:FUNCTION", help="rule scoring each answer, e.g. "
                      "rlhf_ray.data.demo_sort:score")
+    cmp.add_argument("--chat-template", action="store_true",
+                     help="render each prompt with the model's chat template (as a job with chat_template: true)")
     cmp.add_argument("--json", dest="json_out", help="also write the result as JSON to this file")
 
     from rlhf_ray.data.preprocess import add_preprocess_arguments
@@ -223,17 +225,20 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from rlhf_ray.compare import compare, print_comparison
 
-    prompts = list(args.prompt)
+    prompts, columns = list(args.prompt), [{} for _ in args.prompt]
     if args.prompts_from:
         from rlhf_ray.config.data import DatasetSpec
         from rlhf_ray.data.registry import load_raw
 
         raw = load_raw(DatasetSpec(name=args.prompts_from))
-        prompts += [s.prompt for s in (raw.eval or raw.train)[: args.num_prompts]]
+        held_out = (raw.eval or raw.train)[: args.num_prompts]
+        prompts += [s.prompt for s in held_out]
+        columns += [dict(s.columns or {}) for s in held_out]  # the ground truth a scoring rule reads
     if not prompts:
         console.print("rlhf-ray compare: give --prompt TEXT (repeatable) or --prompts-from DATASET")
         return EXIT_BAD_CONFIG
-    result = compare(args.base, args.finetuned, prompts, args.max_new_tokens, args.score)
+    result = compare(args.base, args.finetuned, prompts, args.max_new_tokens, args.score, columns,
+                     args.chat_template)
     print_comparison(result, args.base, args.finetuned)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=2))

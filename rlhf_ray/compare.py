@@ -10,18 +10,24 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlhf_ray.data.adapters import apply_chat_template
 from rlhf_ray.data.collate import collate_prompts
+from rlhf_ray.data.raw import RawSample
 from rlhf_ray.data.tokens import TokenConventions
-from rlhf_ray.functions import load_function
+from rlhf_ray.functions import column_arguments, load_function
 
 
 @torch.no_grad()
 def generate(model_path: str, prompts: Sequence[str], max_new_tokens: int, greedy: bool = True,
-             seed: int = 0) -> list[str]:
+             seed: int = 0, chat_template: bool = False) -> list[str]:
+    """Each model's answers; with `chat_template`, each prompt (DeepSpeed-Chat " Human: ... Assistant:" turns or
+    plain text) is rendered with the model's own chat template first, as a job with `chat_template: true` does."""
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     tokens = TokenConventions.from_tokenizer(tokenizer, model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     torch.manual_seed(seed)
+    if chat_template:
+        prompts = [apply_chat_template(RawSample(p), tokenizer).prompt for p in prompts]
     batch = collate_prompts([{"prompt_ids": tokens.encode_prompt(tokenizer, p)} for p in prompts], tokens.pad_id)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=not greedy,
                          pad_token_id=tokens.pad_id, eos_token_id=list(tokens.stop_ids))
@@ -30,15 +36,17 @@ def generate(model_path: str, prompts: Sequence[str], max_new_tokens: int, greed
 
 
 def compare(base: str, finetuned: str, prompts: Sequence[str], max_new_tokens: int = 64,
-            score: str | None = None) -> dict:
-    """Generate with both models; returns the answers and, with `score`, each model's mean score."""
-    answers = {"base": generate(base, prompts, max_new_tokens), "finetuned": generate(finetuned, prompts,
-                                                                                         max_new_tokens)}
+            score: str | None = None, columns: Sequence[dict] | None = None, chat_template: bool = False) -> dict:
+    """Generate with both models; returns the answers and, with `score`, each model's mean score. `columns`: each
+    prompt's dataset columns (its ground truth), passed to the scoring function as a reward job passes them."""
+    answers = {key: generate(path, prompts, max_new_tokens, chat_template=chat_template)
+               for key, path in (("base", base), ("finetuned", finetuned))}
     result: dict = {"prompts": list(prompts), **answers}
     if score is not None:
         scorer = load_function(score)
+        kwargs = column_arguments(scorer, list(columns or [{} for _ in prompts]))
         for key in ("base", "finetuned"):
-            values = [float(v) for v in scorer(list(prompts), answers[key])]
+            values = [float(v) for v in scorer(list(prompts), answers[key], **kwargs)]
             result[f"{key}_scores"] = values
             result[f"{key}_mean_score"] = sum(values) / max(len(values), 1)
     return result

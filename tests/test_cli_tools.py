@@ -52,6 +52,11 @@ def test_compare_prints_both_models_and_scores(tiny_model, tmp_path, capsys):
     assert f"prompt: {first}\n  base: {result['base'][0]}  [score " in printed
     assert "│" not in printed and "─" not in printed
     assert main(["compare", "--base", "a", "--finetuned", "b"]) == EXIT_BAD_CONFIG
+    # a rule that reads the dataset's ground truth gets each prompt's columns, as in a reward job
+    code = main(["compare", "--base", str(tiny_model), "--finetuned", str(tiny_model), "--prompts-from",
+                 "demo/word-problems", "--num-prompts", "2", "--max-new-tokens", "4", "--score",
+                 "rlhf_ray.data.answers:last_number_reward", "--json", str(result_file)])
+    assert code == EXIT_OK and len(json.loads(result_file.read_text())["base_scores"]) == 2
 
 
 def test_preprocess_command_writes_a_readable_corpus(tiny_model, tmp_path, capsys):

@@ -230,3 +230,17 @@ def test_distilling_the_model_into_itself_costs_nothing(tmp_path, smollm2):
     kl = [m["distill/reverse_kl"] for m in logged if "distill/reverse_kl" in m]
     assert len(kl) == 2 and abs(kl[0]) < 1e-3, kl
     assert (tmp_path / "ppo" / "logs" / "teacher-0.log").is_file()
+
+
+def test_compare_renders_prompts_with_the_models_chat_template(smollm2):
+    """`rlhf-ray compare --chat-template` asks a chat model as a `chat_template: true` job does."""
+    from transformers import AutoTokenizer
+
+    from rlhf_ray.compare import generate
+    from rlhf_ray.data.adapters import apply_chat_template
+    from rlhf_ray.data.raw import RawSample
+
+    prompt = " Human: What is 2 + 3? Give the final answer as a number. Assistant:"
+    rendered = apply_chat_template(RawSample(prompt), AutoTokenizer.from_pretrained(smollm2)).prompt
+    assert "<|im_start|>user" in rendered
+    assert generate(str(smollm2), [prompt], 8, chat_template=True) == generate(str(smollm2), [rendered], 8)
