@@ -177,18 +177,22 @@ def report(results: dict) -> str:
 
 
 def plot(results: dict, doc: Path) -> None:
+    """Left: the rollouts' share right per RL iteration (not pipeline-steps, whose reward is a model's score);
+    right: distillation's reverse KL to the teacher per iteration."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, (right, kl) = plt.subplots(1, 2, figsize=(11, 3.5))
     for (name, seed), r in sorted(results.items()):
         rows = [row for row in r["metrics"] if "reward/mean" in row and "time/iteration" in row]
-        if name == "pipeline-steps":  # its reward is the reward model's score, not the share right
-            continue
-        ax.plot([row["step"] for row in rows], [row["reward/mean"] for row in rows], marker=".",
-                label=f"{name} seed {seed}")
-    ax.set_xlabel("RL iteration")
-    ax.set_ylabel("rollouts right (share)")
-    ax.set_title("rollouts right (the rule) per RL iteration")
-    ax.legend(fontsize=8)
+        steps = [row["step"] for row in rows]
+        if name != "pipeline-steps":
+            right.plot(steps, [row["reward/mean"] for row in rows], marker=".", label=f"{name} seed {seed}")
+        if name == "distill":
+            kl.plot(steps, [row["distill/reverse_kl"] for row in rows], marker=".", label=f"seed {seed}")
+    right.set(xlabel="RL iteration", ylabel="rollouts right (share)", title="rollouts right (the rule)")
+    kl.set(xlabel="RL iteration", ylabel="nats per answer token", title="distill: student's reverse KL to the teacher")
+    right.legend(fontsize=8)
+    kl.legend(fontsize=8)
+    fig.tight_layout()
     save_figure(fig, doc, "rl_after_sft.png")
 
 
