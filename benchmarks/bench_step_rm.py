@@ -40,7 +40,13 @@ def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, max_st
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [sys.executable, "-m", "rlhf_ray.cli", "rm", "--config", str(path), "--set", "cluster.dashboard=false"]
     seconds, _ = run_watched(command, out.parent / f"{out.name}.log", timeout=3600)
-    return {**json.loads((out / "summary.json").read_text()), "wall_seconds": seconds}
+    return {**json.loads((out / "summary.json").read_text()), "wall_seconds": seconds, "eval_pairs": eval_pairs(out)}
+
+
+def eval_pairs(out: Path) -> int:
+    """How many held-out pairs the job's evaluations scored."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return int(next(r["eval_pairs"] for r in reversed(rows) if "eval_pairs" in r))
 
 
 def measure(sft: str, seed: int, work: Path) -> dict:
@@ -67,6 +73,7 @@ def report(results: list[dict]) -> str:
             rows.append(f"| {r['seed']} | {kind} pairs ({RECIPES[kind][1]}) | {t['steps']} | "
                         f"{t['seconds'] / 60:.1f} | {t['eval_accuracy_first']:.2f} -> {t['eval_accuracy']:.2f} | "
                         f"{r['crossed'][kind]:.2f} on {other} pairs |")
+    pairs = sorted({t["eval_pairs"] for r in results for t in r["trained"].values()})
     runs = "; ".join(f"seed {r['seed']}: {r['date']}, {r['machine']}" for r in results)
     return "\n".join([
         HEADING, "",
@@ -77,7 +84,8 @@ def report(results: list[dict]) -> str:
         "(smollm2-pipeline.yaml: 16 steps of 8 pairs; smollm2-pipeline-steps.yaml: 40 steps). `final number` pairs: "
         "the rejected answer repeats the chosen one's steps and differs in its last number; `one step` pairs: one "
         "step's arithmetic is wrong and every later step and the answer agree with it. Accuracy: the share of the "
-        "300 held-out pairs whose chosen answer scores higher. On the other pairs: the first evaluation of a "
+        f"held-out pairs ({', '.join(map(str, pairs))} per job: the RM jobs' evaluation split) whose chosen answer "
+        "scores higher. On the other pairs: the first evaluation of a "
         "one-step reward-model job from the trained model on those pairs (before its step).", "", *rows])
 
 
