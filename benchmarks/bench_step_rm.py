@@ -36,6 +36,8 @@ def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, max_st
     config["data"] = {**section["data"], "datasets": [{"name": dataset, "chat_template": True}]}
     if max_steps is not None:
         config["train"] = {**section["train"], "max_steps": max_steps}
+    if (out / "summary.json").is_file():  # finished by an earlier invocation in the same --workdir
+        return {**json.loads((out / "summary.json").read_text()), "wall_seconds": None, "eval_pairs": eval_pairs(out)}
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     command = [sys.executable, "-m", "rlhf_ray.cli", "rm", "--config", str(path), "--set", "cluster.dashboard=false"]
