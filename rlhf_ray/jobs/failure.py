@@ -84,8 +84,8 @@ def explain(exc: BaseException) -> Failure:
         if isinstance(err, RemoteCallError):
             text = _remote_text(err)
             cause = err.cause
-            message = (f"{type(cause).__name__}: {cause}" if cause is not None and not isinstance(cause, ray.exceptions.RayError)
-                       else _last_line(text) or str(err))
+            own = cause is not None and not isinstance(cause, ray.exceptions.RayError)  # the remote code's exception
+            message = f"{type(cause).__name__}: {cause}" if own else _last_line(text) or str(err)
             return Failure(_headline(exc, message), err.actor, err.call, _first_traceback(text))
         if isinstance(err, ActorDiedError):
             cause = _first_traceback(_remote_text(err) or str(err))
