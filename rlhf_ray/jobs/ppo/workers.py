@@ -1,5 +1,6 @@
 """The actor groups of one PPO run, started and killed together: the policy and critic learner groups, the reference,
-teacher (distillation) and reward replicas, the generation pool, and, on the driver's node, the experience assembler and the replay buffer.
+teacher (distillation) and reward replicas, the generation pool, and, on the driver's node, the experience
+assembler and the replay buffer.
 Scoring a rollout on every role at once and training the learners on a take from the buffer are done here; the
 driver passes references, the tensors move from actor to actor in the object store."""
 
@@ -22,7 +23,7 @@ from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
 from rlhf_ray.algorithms.experience import row_bounds
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer, Minibatches
-from rlhf_ray.config.ppo_job import LearnerRoleSpec, PPOJob
+from rlhf_ray.config.ppo_job import InferenceRoleSpec, LearnerRoleSpec, PPOJob
 from rlhf_ray.data.build import same_tokenizer
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.distributed import actor_env
@@ -122,22 +123,10 @@ class RoleWorkers:
             self.critic = spawn_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
                                               cluster, clip_value=ppo.clip_value, pad_token_id=pad,
                                               **_learner_kwargs(job, job.critic))
-        self.reference = self._inference_group(ReferenceWorker, "reference", job.reference.placement,
-                                               slots("reference"), model=job.reference.model.model_dump(),
-                                               micro_batch_size=job.reference.micro_batch_size,
-                                               max_tokens_per_micro_batch=job.reference.max_tokens_per_micro_batch,
-                                               pack_sequences=job.reference.pack_sequences,
-                                               temperature=job.generation.sampling.temperature,
-                                               sharded=job.reference.sharded)
-        self.teacher = None
-        if job.teacher is not None:  # on-policy distillation: the teacher's log-probs of the policy's tokens
-            self.teacher = self._inference_group(ReferenceWorker, "teacher", job.teacher.placement, slots("teacher"),
-                                                 model=job.teacher.model.model_dump(),
-                                                 micro_batch_size=job.teacher.micro_batch_size,
-                                                 max_tokens_per_micro_batch=job.teacher.max_tokens_per_micro_batch,
-                                                 pack_sequences=job.teacher.pack_sequences,
-                                                 temperature=job.generation.sampling.temperature,
-                                                 sharded=job.teacher.sharded)
+        self.reference = self._logprob_group("reference", job.reference, slots("reference"))
+        self.teacher = None  # on-policy distillation: the teacher's log-probs of the policy's tokens
+        if job.teacher is not None:
+            self.teacher = self._logprob_group("teacher", job.teacher, slots("teacher"))
         self.reward = self._reward_group(job, tokenizer, slots("reward"))
         self.restarts = RestartBudget(cluster.max_actor_restarts)  # engines, reference and reward share it
         self.pool = GenerationPool.start(job, *slots("generation"), tokens, self.restarts, wait=False)
@@ -184,6 +173,14 @@ class RoleWorkers:
                                      pack_sequences=job.reward.pack_sequences,
                                      tokens=TokenConventions.from_tokenizer(rm_tokenizer, job.reward.model.path),
                                      bridge_from=bridge, sharded=job.reward.sharded)
+
+    def _logprob_group(self, role: str, spec: InferenceRoleSpec, slot) -> ActorGroup:
+        """A frozen model scoring the log-probs of sampled tokens (the reference, or a distillation teacher)."""
+        return self._inference_group(ReferenceWorker, role, spec.placement, slot, model=spec.model.model_dump(),
+                                     micro_batch_size=spec.micro_batch_size,
+                                     max_tokens_per_micro_batch=spec.max_tokens_per_micro_batch,
+                                     pack_sequences=spec.pack_sequences,
+                                     temperature=self.job.generation.sampling.temperature, sharded=spec.sharded)
 
     def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
         """The role's replicas, started; the caller waits for them."""
