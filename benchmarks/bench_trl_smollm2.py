@@ -23,8 +23,8 @@ from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, machine, pyplot, run_watched, save_figure, steady, today, trl_step_timer,  # noqa: E402
-                    versions, write_section)
+from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_figure, steady, today,  # noqa: E402
+                    trl_step_timer, versions, write_section)
 
 SECTION = "## GRPO against TRL on SmolLM2-135M-Instruct"
 RECIPE = ROOT / "configs/recipes/smollm2-grpo.yaml"
@@ -76,22 +76,6 @@ def trl_child(model_dir: str, rows_file: str, steps: int, new_tokens: int, out: 
             "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h], "trl": trl.__version__}
 
 
-def eval_child(model_dir: str, tokenizer: str, rows_file: str, new_tokens: int) -> dict:
-    """Greedy accuracy of a model on the held-out rows (vLLM, fp32, the last-number rule)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
-
-    from rlhf_ray.data.answers import last_number_reward
-
-    rows = json.loads(Path(rows_file).read_text())
-    llm = LLM(model_dir, tokenizer=tokenizer, dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
-    outs = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0, max_tokens=new_tokens),
-                        use_tqdm=False)
-    answers = [o.outputs[0].text for o in outs]
-    scores = last_number_reward([r["prompt"] for r in rows], answers, answer=[r["answer"] for r in rows])
-    return {"accuracy": sum(scores) / len(scores)}
-
-
 def plot(trl: dict, runs: dict, before: float, trl_after: float, doc: Path) -> str:
     """Reward and KL per step for TRL and each of our runs, and held-out greedy accuracy before and after."""
     plt = pyplot()
@@ -141,7 +125,8 @@ def main() -> int:
         return 0
     if args.eval_child:
         model_dir, tokenizer, rows_file, new_tokens = args.eval_child
-        print(json.dumps(eval_child(model_dir, tokenizer, rows_file, int(new_tokens))))
+        rows = json.loads(Path(rows_file).read_text())
+        print(json.dumps({"accuracy": greedy_accuracy(model_dir, tokenizer, rows, int(new_tokens))}))
         return 0
 
     from rlhf_ray.config import load_job

@@ -154,6 +154,23 @@ def run_watched(command: list[str], log: Path, env: dict | None = None, timeout:
     return time.perf_counter() - start, peak / 2**30
 
 
+def greedy_accuracy(model_dir: str, tokenizer: str, rows: list[dict], new_tokens: int) -> float:
+    """Greedy accuracy of a model on held-out rows ({"prompt": the prompt as the engines see it, "answer": the
+    truth}) by vLLM in fp32, scored by the last-number rule. Loads vLLM into this process: call it from a child."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    from rlhf_ray.data.answers import last_number_reward
+
+    llm = LLM(model_dir, tokenizer=tokenizer, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=2**30)  # vLLM's default on CPU reserves 92% of a NUMA node's memory
+    outs = llm.generate([r["prompt"] for r in rows], SamplingParams(temperature=0, max_tokens=new_tokens),
+                        use_tqdm=False)
+    scores = last_number_reward([r["prompt"] for r in rows], [o.outputs[0].text for o in outs],
+                                answer=[r["answer"] for r in rows])
+    return sum(scores) / len(scores)
+
+
 def trl_step_timer(marks: list[float]):
     """A TRL/transformers callback appending the time at the first step's start and at every step's end to `marks`
     (so consecutive differences are step times)."""

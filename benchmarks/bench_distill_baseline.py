@@ -1,0 +1,262 @@
+"""On-policy distillation against its off-policy baseline at equal teacher calls (issue 41): held-out greedy
+accuracy of the student against the number of tokens the teacher scored or wrote for it.
+
+- on-policy: the distill recipe's run of this seed (benchmarks/bench_rl_after_sft.py --recipes distill, with
+  `--set ppo.ppo.eval_every=N` for points between its two evaluations): the student samples, the teacher scores each
+  sampled token; teacher tokens after iteration k = the answer tokens of iterations 1..k.
+- off-policy: SFT of the same student on the teacher's own answers (the same teacher, the same training prompts, the
+  recipe's sampling: temperature 1, up to 64 new tokens), one pass, the SFT stage's optimizer settings; teacher
+  tokens after step k = the answer tokens the teacher wrote for the samples of steps 1..k. Checkpoints every
+  `--eval-every` steps are scored by the same evaluator as the teacher (vLLM greedy, the correctness rule, the same
+  held-out problems: 300, never trained on by either side).
+
+    .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W [--write docs/benchmarks.md]
+
+W is bench_rl_after_sft's --workdir: W/distill-SEED holds the teacher (its SFT stage). The result is kept in
+benchmarks/results/distill_baseline/seed-SEED.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_figure, today, versions,  # noqa: E402
+                    write_section)
+
+HEADING = "## On-policy distillation against SFT on the teacher's samples"
+RECIPE = ROOT / "configs/recipes/smollm2-distill.yaml"
+RESULTS = ROOT / "benchmarks" / "results" / "distill_baseline"
+ON_POLICY = ROOT / "benchmarks" / "results" / "rl_after_sft"
+EVAL, GOAL = 300, 0.9
+
+
+def sample_child(teacher: str, rows_file: str, n: int, new_tokens: int, seed: int, out: str) -> None:
+    """The teacher's answers to n training prompts (vLLM, fp32, temperature 1): text, token count, finished."""
+    import os
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM, SamplingParams
+
+    rows = json.loads(Path(rows_file).read_text())[:n]
+    llm = LLM(teacher, dtype="float32", max_model_len=512, enforce_eager=True, seed=seed,
+              kv_cache_memory_bytes=2**30)
+    outs = llm.generate([r["rendered"] for r in rows], SamplingParams(temperature=1.0, max_tokens=new_tokens),
+                        use_tqdm=False)
+    answers = [{"prompt": r["prompt"], "answer": o.outputs[0].text, "tokens": len(o.outputs[0].token_ids),
+                "finished": o.outputs[0].finish_reason == "stop"} for r, o in zip(rows, outs)]
+    Path(out).write_text("\n".join(json.dumps(a) for a in answers) + "\n")
+
+
+def hf_from_checkpoint(checkpoint: Path, student: str, out: Path) -> None:
+    """The student's weights in a ZeRO-0 DeepSpeed checkpoint written as a plain HF folder vLLM reads."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    states = torch.load(checkpoint / "state" / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    model = AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(states["module"], strict=False)
+    if unexpected or [k for k in missing if "lm_head" not in k]:  # a tied head is saved once, as the embedding
+        raise RuntimeError(f"{checkpoint}: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(student).save_pretrained(out)
+
+
+def setup(seed: int, work: Path):
+    """The distill recipe's stages for this seed as bench_rl_after_sft ran them: the teacher's folder, the
+    student's, the recipe's sections, and the PPO stage's training prompts and held-out rows."""
+    from rlhf_ray.config import load_job
+    from rlhf_ray.data.build import build_phase_data
+    from rlhf_ray.data.tokens import TokenConventions
+    from rlhf_ray.models.loading import load_tokenizer
+    from rlhf_ray.models.sources import resolve_model_sources
+
+    pipeline = load_job(RECIPE, [f"seed={seed}", f"output_dir={work / f'distill-{seed}'}"])
+    ppo = resolve_model_sources(pipeline.ppo)
+    teacher = ppo.teacher.model.path
+    if not (Path(teacher) / "config.json").is_file():
+        raise SystemExit(f"no teacher at {teacher}: run bench_rl_after_sft.py --recipes distill --seeds {seed} "
+                         f"--workdir {work} first")
+    tokenizer = load_tokenizer(ppo.policy.model)
+    data = build_phase_data(ppo.data, tokenizer, "ppo", seed, work / "baseline-cache",
+                            tokens=TokenConventions.from_tokenizer(tokenizer, ppo.policy.model.path))
+    train = [{"prompt": r["prompt"], "rendered": tokenizer.decode(r["prompt_ids"])} for r in data.train]
+    random.Random(seed).shuffle(train)
+    held_out = [{"prompt": tokenizer.decode(r["prompt_ids"]), "answer": r["columns"]["answer"]}
+                for r in data.eval[:EVAL]]
+    return teacher, ppo.policy.model.path, yaml.safe_load(RECIPE.read_text()), ppo, train, held_out
+
+
+def sft_config(recipe: dict, student: str, samples: Path, steps: int, every: int, seed: int, out: Path) -> dict:
+    """An SFT job on the teacher's answers: the distill recipe's SFT settings, the student's model, one pass."""
+    sft = recipe["sft"]
+    return {"kind": "sft", "output_dir": str(out), "seed": seed, "cluster": recipe["cluster"],
+            "model": {"path": student, "dtype": "fp32"},
+            "data": {"datasets": [{"name": "custom", "path": str(samples),
+                                   "format": {"messages_field": "messages", "template": "chat_template"}}],
+                     "split": "1,0,0", "max_seq_len": sft["data"]["max_seq_len"]},
+            "train": {**sft["train"], "max_steps": steps},
+            "optim": sft["optim"], "deepspeed": sft["deepspeed"], "placement": sft["placement"],
+            "checkpoint": {"every_steps": every, "keep_last": steps // every + 1, "save_optimizer": False},
+            "logging": {"progress": False, "tensorboard": False}}
+
+
+def on_policy_curve(seed: int) -> tuple[list[tuple[int, float]], dict]:
+    """(teacher tokens, greedy accuracy) at each evaluation of the distill run of this seed, and the run."""
+    run = json.loads((ON_POLICY / f"distill-{seed}.json").read_text())
+    tokens, curve = 0, []
+    for row in run["metrics"]:
+        tokens += row.get("generate/tokens", 0)
+        if "eval/task_accuracy" in row:
+            curve.append((int(tokens), row["eval/task_accuracy"]))
+    return curve, run
+
+
+def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
+    from rlhf_ray.data.adapters import dschat_messages
+
+    teacher, student, recipe, ppo, train, held_out = setup(seed, work)
+    base = work / f"baseline-{seed}"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "train.json").write_text(json.dumps(train))
+    (base / "held_out.json").write_text(json.dumps(held_out))
+    new_tokens = ppo.generation.sampling.max_new_tokens
+    samples = base / "teacher_answers.jsonl"
+    if not samples.exists():
+        run_watched([sys.executable, __file__, "--sample-child", teacher, str(base / "train.json"), str(answers),
+                     str(new_tokens), str(seed), str(samples)], base / "sample.log")
+    written = [json.loads(line) for line in samples.read_text().splitlines()]
+    conversations = base / "sft_data.jsonl"
+    conversations.write_text("".join(json.dumps({"messages": dschat_messages(a["prompt"]) + [
+        {"role": "assistant", "content": a["answer"].strip()}]}) + "\n" for a in written))
+    batch = recipe["sft"]["train"]["global_batch_size"]
+    steps = answers // batch
+    config = base / "sft.yaml"
+    config.write_text(yaml.safe_dump(sft_config(recipe, student, conversations, steps, every, seed, base / "sft")))
+    if not (base / "sft" / "summary.json").exists():
+        run_watched([sys.executable, "-m", "rlhf_ray.cli", "sft", "--config", str(config)], base / "sft.log",
+                    timeout=2 * 3600)
+
+    def accuracy(model_dir: Path, name: str) -> float:
+        out = base / f"eval-{name}.json"
+        if not out.exists():
+            run_watched([sys.executable, __file__, "--eval-child", str(model_dir), str(base / "held_out.json"),
+                         str(new_tokens), str(out)], base / f"eval-{name}.log")
+        return json.loads(out.read_text())["accuracy"]
+
+    mean_tokens = sum(a["tokens"] for a in written) / len(written)
+    curve = [(0, accuracy(Path(student), "student"))]
+    for step in range(every, steps + 1, every):
+        model = base / f"hf-step{step}"
+        if not (model / "config.json").exists():
+            hf_from_checkpoint(base / "sft" / "checkpoints" / f"step_{step}", student, model)
+        curve.append((round(step * batch * mean_tokens), accuracy(model, f"step{step}")))
+    result = {"seed": seed, "answers": answers, "teacher_tokens": sum(a["tokens"] for a in written),
+              "finished": sum(a["finished"] for a in written) / len(written), "steps": steps, "batch": batch,
+              "curve": curve, "teacher_accuracy": accuracy(Path(teacher), "teacher"),
+              "date": today(), "machine": machine()}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"seed-{seed}.json").write_text(json.dumps(result) + "\n")
+    return result
+
+
+def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
+    return next((tokens for tokens, acc in curve if acc >= level), None)
+
+
+def report(doc: Path | None) -> str:
+    rows, plots = [], []
+    for file in sorted(RESULTS.glob("seed-*.json")):
+        base = json.loads(file.read_text())
+        on, run = on_policy_curve(base["seed"])
+        teacher = base["teacher_accuracy"]
+        plots.append((base, on, teacher))
+        best_on, best_off = max(a for _, a in on), max(a for _, a in base["curve"])
+        level = min(best_on, best_off)  # the accuracy both reach: who needs fewer teacher tokens for it
+        need_on, need_off = tokens_to_reach(on, level), tokens_to_reach(base["curve"], level)
+        rows.append(f"| {base['seed']} | {teacher:.3f} | {on[0][1]:.3f} | {best_on:.3f} ({best_on / teacher:.0%}) "
+                    f"at {on[-1][0]:,} | {best_off:.3f} ({best_off / teacher:.0%}) at {base['curve'][-1][0]:,} | "
+                    f"{level:.3f}: {need_on:,} on-policy, {need_off:,} off-policy |")
+    text = [HEADING, "",
+            f"Measured {today()} on {machine()}; {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.",
+            "",
+            "Command: `python benchmarks/bench_rl_after_sft.py --recipes distill --seeds N --set ppo.ppo.eval_every=5 "
+            "--workdir W` (on-policy: the distill recipe with evaluations every 5 iterations), then `python "
+            "benchmarks/bench_distill_baseline.py --seed N --workdir W --write docs/benchmarks.md` (off-policy: the "
+            "teacher answers training prompts at the recipe's sampling settings and the base student is fine-tuned "
+            "on those answers, one pass, the SFT stage's optimizer, checkpoints scored every few steps). Both "
+            "students are the base SmolLM2-135M-Instruct; the teacher is the seed's SFT model; held-out: greedy "
+            f"accuracy on the same {EVAL} problems, one evaluator (vLLM, the correctness rule). Teacher tokens: "
+            "on-policy, the student's answer tokens the teacher scored; off-policy, the answer tokens the teacher "
+            "wrote for the samples trained on so far.", "",
+            "| seed | teacher | student before | on-policy best (of teacher) at teacher tokens | off-policy best "
+            "(of teacher) at teacher tokens | teacher tokens to reach the accuracy both reach |",
+            "|---:|---:|---:|---|---|---|", *rows, ""]
+    for base, on, teacher in plots:
+        reached_on = tokens_to_reach(on, GOAL * teacher)
+        reached_off = tokens_to_reach(base["curve"], GOAL * teacher)
+        verdict = ("met" if reached_on is not None and (reached_off is None or reached_on < reached_off)
+                   else "missed")
+        text.append(f"Goal (issue 41), seed {base['seed']}: the student at >= {GOAL:.0%} of the teacher's accuracy "
+                    f"({GOAL * teacher:.3f}) in fewer teacher tokens than SFT on teacher samples: on-policy "
+                    f"{'reached at ' + format(reached_on, ',') if reached_on else 'not reached'}, off-policy "
+                    f"{'reached at ' + format(reached_off, ',') if reached_off else 'not reached'}: {verdict}.")
+    text.append("")
+    plt = pyplot()
+    if plt is not None and plots and doc is not None:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for base, on, teacher in plots:
+            ax.plot(*zip(*on), "o-", label=f"on-policy distillation, seed {base['seed']}")
+            ax.plot(*zip(*base["curve"]), "s--", label=f"SFT on teacher samples, seed {base['seed']}")
+            ax.axhline(teacher, color="gray", lw=0.8)
+            ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
+        ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)")
+        ax.set_ylabel(f"held-out greedy accuracy ({EVAL} problems)")
+        ax.set_title("student accuracy against teacher calls (gray: teacher, dotted: 90% of it)", fontsize=9)
+        ax.legend(fontsize=8)
+        text.append(save_figure(fig, doc, "distill_baseline.png"))
+        text.append("")
+    return "\n".join(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workdir", type=Path, help="bench_rl_after_sft's --workdir (holds the teacher)")
+    parser.add_argument("--answers", type=int, default=480,
+                        help="teacher answers to train on (480: the distill recipe's 15 iterations x 32 prompts)")
+    parser.add_argument("--eval-every", type=int, default=15, help="SFT steps between scored checkpoints")
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--write", type=Path)
+    parser.add_argument("--sample-child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--eval-child", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sample_child:
+        teacher, rows_file, n, new_tokens, seed, out = args.sample_child
+        sample_child(teacher, rows_file, int(n), int(new_tokens), int(seed), out)
+        return 0
+    if args.eval_child:
+        model_dir, rows_file, new_tokens, out = args.eval_child
+        rows = json.loads(Path(rows_file).read_text())
+        Path(out).write_text(json.dumps({"accuracy": greedy_accuracy(model_dir, model_dir, rows, int(new_tokens))}))
+        return 0
+    if not args.report_only:
+        if args.workdir is None:
+            parser.error("--workdir is needed to run (it holds the teacher)")
+        run_baseline(args.seed, args.workdir, args.answers, args.eval_every)
+    text = report(args.write)
+    print(text)
+    if args.write:
+        write_section(args.write, HEADING, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
