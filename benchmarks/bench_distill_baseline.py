@@ -156,7 +156,7 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
     for step in range(every, steps + 1, every):
         model = base / f"hf-step{step}"
         if not (model / "config.json").exists():
-            hf_from_checkpoint(base / "sft" / "checkpoints" / f"step_{step}", student, model)
+            hf_from_checkpoint(base / "sft" / "checkpoints" / f"step-{step:08d}", student, model)
         curve.append((round(step * batch * mean_tokens), accuracy(model, f"step{step}")))
     result = {"seed": seed, "answers": answers, "teacher_tokens": sum(a["tokens"] for a in written),
               "finished": sum(a["finished"] for a in written) / len(written), "steps": steps, "batch": batch,

@@ -42,27 +42,28 @@ def sft_section(name: str) -> dict:
     return yaml.safe_load((ROOT / RECIPES[name]).read_text())["sft"]
 
 
-def share_sft(name: str, seed: int, work: Path) -> None:
+def share_sft(name: str, seed: int, work: Path, out: Path) -> None:
     """Every recipe's SFT stage is the same job (same section, same seed): a finished one of another recipe of this
     seed is copied in, and the pipeline reuses it (its minutes are counted as if run again). So the recipes of a
-    seed start from the very same SFT model, and distillation's teacher is the model sft-grpo starts from."""
+    seed start from the very same SFT model, and distillation's teacher is the model sft-grpo starts from. `out`:
+    the pipeline's output folder (a tagged experiment reuses its recipe's own SFT stage too)."""
     import shutil
 
-    target = work / f"{name}-{seed}" / "sft"
+    target = out / "sft"
     if target.exists():
         return
     for other in RECIPES:
         done = work / f"{other}-{seed}" / "sft"
-        if other != name and sft_section(other) == sft_section(name) and (done / "summary.json").is_file():
+        if done != target and sft_section(other) == sft_section(name) and (done / "summary.json").is_file():
             shutil.copytree(done, target, ignore=shutil.ignore_patterns("checkpoints"))
             print(f"{name} seed {seed}: reusing the SFT stage of {other} seed {seed}", flush=True)
             return
 
 
-def run(name: str, seed: int, work: Path, overrides: list[str]) -> dict:
+def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None = None) -> dict:
     config = RECIPES[name]
-    out = work / f"{name}-{seed}"
-    share_sft(name, seed, work)
+    out = work / f"{name}-{seed}" if tag is None else work / f"{name}-{seed}-{tag}"
+    share_sft(name, seed, work, out)
     command = [sys.executable, "-m", "rlhf_ray.cli", "pipeline", "--config", str(ROOT / config)]
     for item in [f"seed={seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
                  *overrides]:
@@ -74,8 +75,10 @@ def run(name: str, seed: int, work: Path, overrides: list[str]) -> dict:
     metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak,
               "recipe": recipe_hash(config), "overrides": overrides, "date": today(), "machine": machine()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}-{seed}.json").write_text(json.dumps(result) + "\n")
+    kept_in = RESULTS if tag is None else RESULTS / "experiments"
+    kept_in.mkdir(parents=True, exist_ok=True)
+    (kept_in / (f"{name}-{seed}.json" if tag is None else f"{name}-{seed}-{tag}.json")).write_text(
+        json.dumps(result) + "\n")
     return result
 
 
@@ -132,8 +135,8 @@ def verdict(name: str, seed: int, r: dict, results: dict) -> list[str]:
     share = g1 / t if t else float("nan")
     return [f"- distill seed {seed}: student {g0:.3f} -> {g1:.3f} greedy, {share:.0%} of the teacher's {t:.3f} "
             f"(the SFT model of the same seed, sft-grpo's `before`) in {teacher_tokens(r):,} teacher-scored tokens: "
-            f"{'met' if share >= 0.9 else 'missed'} (goal: >= 90%; the off-policy baseline, SFT on the teacher's "
-            "samples at equal teacher calls, is not run by this script yet)."]
+            f"{'met' if share >= 0.9 else 'missed'} (goal: >= 90%, in fewer teacher tokens than the off-policy "
+            "baseline: section \"On-policy distillation against SFT on the teacher's samples\")."]
 
 
 def report(results: dict) -> str:
@@ -201,6 +204,8 @@ def main() -> int:
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--tag", help="a tuning experiment (overrides that change training): kept apart in "
+                                      "results/rl_after_sft/experiments/NAME-SEED-TAG.json, not in the table")
     parser.add_argument("--workdir", help="where the runs write (default: a temporary folder)")
     parser.add_argument("--report-only", action="store_true", help="run nothing; report the kept results")
     parser.add_argument("--write", help="replace this section of the given markdown file")
@@ -211,7 +216,7 @@ def main() -> int:
         for name in args.recipes.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
                 print(f"running {name} seed {seed} in {work}", flush=True)
-                run(name, seed, work, args.overrides)
+                run(name, seed, work, args.overrides, args.tag)
     results = kept()
     if not results:
         print("no results yet", flush=True)
