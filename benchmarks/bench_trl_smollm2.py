@@ -239,7 +239,9 @@ def main() -> int:
               f"forward and backward {t['time/train']:.1f} s, together "
               f"{t['time/experience'] + t['time/train']:.1f} s against TRL's {trl_step - trl_gen:.1f} s of scoring "
               f"and training. Held-out accuracy moves by a few of {EVAL} problems in {args.steps} steps on every side "
-              "(noise at this scale: the starting model answers few of these problems right).", ""]
+              "(noise at this scale: the starting model answers few of these problems right, and at 24 new tokens most "
+              "answers stop before their final number, so most rollouts score 0: the workload measures speed, not "
+              "learning).", ""]
     text = "\n".join(lines)
     print(text)
     print(json.dumps({"trl": trl, "ours": ours}))
