@@ -230,6 +230,7 @@ def main() -> int:
                      f"{t['policy/padding_fraction']:.0%} | {samples / t['time/iteration']:.2f} | "
                      f"{ratios[label]:.2f}x | {runs[label]['peak']:.1f} | {before:.3f} -> {runs[label]['after']:.3f} |")
     t = ours[best]
+    ended = steady(runs[best]["metrics"], "answer/ended")
     lines += ["",
               f"Goal (issue 38): 2x TRL's samples per second on this work: {ratios[best]:.2f}x at best ({best}; "
               f"{'met' if ratios[best] >= 2 else 'missed'}). Held-out accuracy after the same steps equal or better: "
@@ -239,9 +240,10 @@ def main() -> int:
               f"forward and backward {t['time/train']:.1f} s, together "
               f"{t['time/experience'] + t['time/train']:.1f} s against TRL's {trl_step - trl_gen:.1f} s of scoring "
               f"and training. Held-out accuracy moves by a few of {EVAL} problems in {args.steps} steps on every side "
-              "(noise at this scale: the starting model answers few of these problems right, and at 24 new tokens most "
-              "answers stop before their final number, so most rollouts score 0: the workload measures speed, not "
-              "learning).", ""]
+              "(noise at this scale: the starting model answers few of these problems right" + (
+                  f", and at {args.new_tokens} new tokens {1 - ended:.0%} of the answers stop before their final "
+                  "number, so most rollouts score 0: the workload measures speed, not learning)." if ended < 0.5
+                  else ")."), ""]
     text = "\n".join(lines)
     print(text)
     print(json.dumps({"trl": trl, "ours": ours}))
