@@ -160,7 +160,7 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
         curve.append((round(step * batch * mean_tokens), accuracy(model, f"step{step}")))
     result = {"seed": seed, "answers": answers, "teacher_tokens": sum(a["tokens"] for a in written),
               "finished": sum(a["finished"] for a in written) / len(written), "steps": steps, "batch": batch,
-              "curve": curve, "teacher_accuracy": accuracy(Path(teacher), "teacher"),
+              "every": every, "curve": curve, "teacher_accuracy": accuracy(Path(teacher), "teacher"),
               "date": today(), "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"seed-{seed}.json").write_text(json.dumps(result) + "\n")
@@ -185,13 +185,17 @@ def report(doc: Path | None) -> str:
                     f"at {on[-1][0]:,} | {best_off:.3f} ({best_off / teacher:.0%}) at {base['curve'][-1][0]:,} | "
                     f"{level:.3f}: {need_on:,} on-policy, {need_off:,} off-policy |")
     text = [HEADING, "",
-            f"Measured {today()} on {machine()}; {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.",
+            "Runs: " + "; ".join(f"seed {b['seed']}: {b['date']}, {b['machine']}" for b, _, _ in plots)
+            + f". Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.",
             "",
             "Command: `python benchmarks/bench_rl_after_sft.py --recipes distill --seeds N --set ppo.ppo.eval_every=5 "
-            "--workdir W` (on-policy: the distill recipe with evaluations every 5 iterations), then `python "
-            "benchmarks/bench_distill_baseline.py --seed N --workdir W --write docs/benchmarks.md` (off-policy: the "
-            "teacher answers training prompts at the recipe's sampling settings and the base student is fine-tuned "
-            "on those answers, one pass, the SFT stage's optimizer, checkpoints scored every few steps). Both "
+            "--workdir W` (on-policy: the distill recipe; with evaluations every 5 iterations where the run had "
+            "them), then `python benchmarks/bench_distill_baseline.py --seed N --workdir W --answers A --eval-every E "
+            "--write docs/benchmarks.md` (off-policy: the teacher answers A training prompts at the recipe's sampling "
+            "settings and the base student is fine-tuned on those answers, one pass in batches of the SFT stage's "
+            "size with its optimizer, a checkpoint scored every E steps; "
+            + "; ".join(f"seed {b['seed']}: A = {b['answers']}, E = {b['every']}" for b, _, _ in plots)
+            + "). Both "
             "students are the base SmolLM2-135M-Instruct; the teacher is the seed's SFT model; held-out: greedy "
             f"accuracy on the same {EVAL} problems, one evaluator (vLLM, the correctness rule). Teacher tokens: "
             "on-policy, the student's answer tokens the teacher scored; off-policy, the answer tokens the teacher "
