@@ -69,6 +69,17 @@ def hf_from_checkpoint(checkpoint: Path, student: str, out: Path) -> None:
     AutoTokenizer.from_pretrained(student).save_pretrained(out)
 
 
+def user_message(tokenizer, prompt: str) -> str:
+    """The user's message of a one-turn prompt as the chat template rendered it (the rows hold rendered text), checked
+    by rendering it again: the SFT data must render to the very prompts distillation sampled from."""
+    question = prompt.split("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+    again = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                          tokenize=False)
+    if again != prompt:
+        raise RuntimeError(f"cannot recover the user message of {prompt!r}: it renders as {again!r}")
+    return question
+
+
 def setup(seed: int, work: Path):
     """The distill recipe's stages for this seed as bench_rl_after_sft ran them: the teacher's folder, the
     student's, the recipe's sections, and the PPO stage's training prompts and held-out rows."""
@@ -87,7 +98,8 @@ def setup(seed: int, work: Path):
     tokenizer = load_tokenizer(ppo.policy.model)
     data = build_phase_data(ppo.data, tokenizer, "ppo", seed, work / "baseline-cache",
                             tokens=TokenConventions.from_tokenizer(tokenizer, ppo.policy.model.path))
-    train = [{"prompt": r["prompt"], "rendered": tokenizer.decode(r["prompt_ids"])} for r in data.train]
+    train = [{"prompt": r["prompt"], "question": user_message(tokenizer, r["prompt"]),
+              "rendered": tokenizer.decode(r["prompt_ids"])} for r in data.train]
     random.Random(seed).shuffle(train)
     held_out = [{"prompt": tokenizer.decode(r["prompt_ids"]), "answer": r["columns"]["answer"]}
                 for r in data.eval[:EVAL]]
@@ -120,8 +132,6 @@ def on_policy_curve(seed: int) -> tuple[list[tuple[int, float]], dict]:
 
 
 def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
-    from rlhf_ray.data.adapters import dschat_messages
-
     teacher, student, recipe, ppo, train, held_out = setup(seed, work)
     base = work / f"baseline-{seed}"
     base.mkdir(parents=True, exist_ok=True)
@@ -134,8 +144,9 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
                      str(new_tokens), str(seed), str(samples)], base / "sample.log")
     written = [json.loads(line) for line in samples.read_text().splitlines()]
     conversations = base / "sft_data.jsonl"
-    conversations.write_text("".join(json.dumps({"messages": dschat_messages(a["prompt"]) + [
-        {"role": "assistant", "content": a["answer"].strip()}]}) + "\n" for a in written))
+    conversations.write_text("".join(json.dumps({"messages": [{"role": "user", "content": row["question"]},
+                                                              {"role": "assistant", "content": a["answer"].strip()}]})
+                                     + "\n" for row, a in zip(train, written)))
     batch = recipe["sft"]["train"]["global_batch_size"]
     steps = answers // batch
     config = base / "sft.yaml"
