@@ -193,7 +193,8 @@ def report(doc: Path | None) -> str:
         level = min(best_on, best_off)  # the accuracy both reach: who needs fewer teacher tokens for it
         need_on, need_off = tokens_to_reach(on, level), tokens_to_reach(base["curve"], level)
         rows.append(f"| {base['seed']} | {teacher:.3f} | {on[0][1]:.3f} | {best_on:.3f} ({best_on / teacher:.0%}) "
-                    f"at {on[-1][0]:,} | {best_off:.3f} ({best_off / teacher:.0%}) at {base['curve'][-1][0]:,} | "
+                    f"at {tokens_to_reach(on, best_on):,} | {best_off:.3f} ({best_off / teacher:.0%}) at "
+                    f"{tokens_to_reach(base['curve'], best_off):,} | "
                     f"{level:.3f}: {need_on:,} on-policy, {need_off:,} off-policy |")
     text = [HEADING, "",
             "Runs: " + "; ".join(f"seed {b['seed']}: {b['date']}, {b['machine']}" for b, _, _ in plots)
