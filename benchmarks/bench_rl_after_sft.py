@@ -77,8 +77,7 @@ def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None 
               "recipe": recipe_hash(config), "overrides": overrides, "date": today(), "machine": machine()}
     kept_in = RESULTS if tag is None else RESULTS / "experiments"
     kept_in.mkdir(parents=True, exist_ok=True)
-    (kept_in / (f"{name}-{seed}.json" if tag is None else f"{name}-{seed}-{tag}.json")).write_text(
-        json.dumps(result) + "\n")
+    (kept_in / f"{out.name}.json").write_text(json.dumps(result) + "\n")  # NAME-SEED[-TAG], as its folder
     return result
 
 
