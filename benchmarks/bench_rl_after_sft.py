@@ -27,9 +27,11 @@ from common import ROOT, machine, pyplot, run_watched, save_figure, today, versi
 
 HEADING = "## RL after SFT on word problems (SmolLM2-135M-Instruct)"
 RECIPES = {"sft-grpo": "configs/recipes/smollm2-sft-grpo.yaml",
+           "sft-ppo": "configs/recipes/smollm2-sft-ppo.yaml",
            "pipeline-steps": "configs/recipes/smollm2-pipeline-steps.yaml",
            "distill": "configs/recipes/smollm2-distill.yaml"}
-STARTS_FROM = {"sft-grpo": "SFT model", "pipeline-steps": "SFT model", "distill": "base (student)"}
+STARTS_FROM = {"sft-grpo": "SFT model", "sft-ppo": "SFT model", "pipeline-steps": "SFT model",
+               "distill": "base (student)"}
 RESULTS = ROOT / "benchmarks" / "results" / "rl_after_sft"
 GOAL_POINTS, GOAL_MINUTES = 8.0, 20.0
 
@@ -119,6 +121,17 @@ def verdict(name: str, seed: int, r: dict, results: dict) -> list[str]:
         return [f"- sft-grpo seed {seed}: greedy {gain:+.1f} points over the SFT model in {minutes:.1f} RL minutes, "
                 f"sampled {s0:.3f} -> {s1:.3f}: {'met' if met else 'missed'} (goal: >= +{GOAL_POINTS:.0f} points "
                 f"within {GOAL_MINUTES:.0f} min, sampled rising)."]
+    if name == "sft-ppo":
+        grpo = results.get(("sft-grpo", seed))
+        if grpo is None:
+            beside = ""
+        else:
+            other = grpo["summary"]["ppo"]
+            beside = (f"; sft-grpo of the same seed (the same SFT model): "
+                      f"{100 * (other['task_accuracy_after'] - other['task_accuracy_before']):+.1f} in "
+                      f"{rl_minutes(grpo):.1f}")
+        return [f"- sft-ppo seed {seed}: greedy {gain:+.1f} points over the SFT model in {minutes:.1f} RL minutes, "
+                f"sampled {s0:.3f} -> {s1:.3f} (no goal of its own: the +{GOAL_POINTS:.0f} goal is GRPO's{beside})."]
     if name == "pipeline-steps":
         rm = stages["rm"]
         return [f"- pipeline-steps seed {seed}: greedy {g0:.3f} -> {g1:.3f} ({gain:+.1f} points) with the "
@@ -167,8 +180,10 @@ def report(results: dict) -> str:
         "(each run kept in benchmarks/results/rl_after_sft/ and reported by later invocations while its recipe file "
         "is unchanged). A recipe is a pipeline, run as `rlhf-ray pipeline --config configs/recipes/smollm2-NAME.yaml "
         "--set seed=N`: SFT on worked answers first. sft-grpo: GRPO from the SFT model with the correctness rule as "
-        "reward; pipeline-steps: a reward model on step-error pairs (demo/word-problems-steps), then PPO from the "
-        "SFT model with it; distill: the base model distilled from the SFT model (the teacher), on-policy. Held-out: "
+        "reward; sft-ppo: PPO from the SFT model with a critic (the SFT model with a new value head), one answer "
+        "per prompt and the same rule as reward; pipeline-steps: a reward model on step-error pairs "
+        "(demo/word-problems-steps), then PPO from the SFT model with it; distill: the base model distilled from "
+        "the SFT model (the teacher), on-policy. Held-out: "
         f"{first['summary']['ppo']['eval_prompts']} problems never trained on, greedy and 2 sampled answers each at "
         "the training temperature, scored by the correctness rule; ± is one standard error (binomial). `before` "
         "is the RL stage's evaluation before its first update (the SFT model, or the base student), so the gain is "

@@ -243,6 +243,20 @@ def test_pipeline_wires_stage_outputs_into_ppo():
     assert given.rm.model.path == "my/rm-base"  # a path given is kept
 
 
+def test_a_pipeline_without_a_reward_model_starts_its_critic_from_the_sft_model():
+    """SFT -> PPO with a critic and a reward function (configs/recipes/smollm2-sft-ppo.yaml): there is no reward
+    model to start the critic from, so it takes the SFT model's backbone (a new value head); a critic model given
+    is kept."""
+    job = load_job(ROOT / "configs/recipes/smollm2-sft-ppo.yaml", ["output_dir=/runs/p"])
+    sft_model = f"/runs/p/sft/{FINAL_MODEL_DIR}"
+    assert job.rm is None and job.ppo.reward.function == "rlhf_ray.data.answers:last_number_reward"
+    assert job.ppo.policy.model.path == job.ppo.reference.model.path == sft_model
+    assert job.ppo.critic is not None and job.ppo.critic.model.path == sft_model
+    assert job.ppo.ppo.advantage_estimator == "gae"
+    given = load_job(ROOT / "configs/recipes/smollm2-sft-ppo.yaml", ["ppo.critic.model.gguf_file=package:smollm2"])
+    assert given.ppo.critic.model.gguf_file == "package:smollm2" and given.ppo.critic.model.path is None
+
+
 def test_deepspeed_config_translation():
     spec = DeepSpeedSpec(zero_stage=3, offload_params=True, gradient_accumulation_steps=4,
                          extra={"zero_optimization": {"round_robin_gradients": True}, "prescale_gradients": False})

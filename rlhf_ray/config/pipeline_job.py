@@ -33,7 +33,8 @@ class PipelineJob(JobBase):
     optionally after continued pretraining. Stage outputs default to
     `<output_dir>/{pretrain,sft,rm,ppo,dpo}`; SFT starts from the pretrain stage's model when there is one, the reward
     model from the SFT model (as InstructGPT's does), PPO's policy and reference from the SFT model, and its critic
-    and reward model from the RM, unless a path is given; DPO starts from the SFT model. A PPO stage with a teacher
+    and reward model from the RM, unless a path is given (without an RM stage the critic starts from the SFT model,
+    its value head new); DPO starts from the SFT model. A PPO stage with a teacher
     (on-policy distillation) distils the SFT model by default: the teacher's path defaults to it, the policy to the
     SFT model only where no model is named."""
 
@@ -91,6 +92,9 @@ class PipelineJob(JobBase):
                 _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
             if isinstance(stages["ppo"].get("teacher"), dict) and not _names_a_model(stages["ppo"], "teacher"):
                 _with_default(stages["ppo"], ("teacher", "model", "path"), sft_model)
+            if "rm" not in stages and isinstance(stages["ppo"].get("critic"), dict) \
+                    and not _names_a_model(stages["ppo"], "critic"):  # no reward model: the SFT backbone, a new head
+                _with_default(stages["ppo"], ("critic", "model", "path"), sft_model)
         if "ppo" in stages and "rm" in stages:  # without an rm stage the reward is a function or a server
             rm_model = f"{stages['rm']['output_dir']}/{FINAL_MODEL_DIR}"
             reward = stages["ppo"].get("reward")
