@@ -183,6 +183,14 @@ def test_an_option_the_advantage_estimator_does_not_read_is_refused_at_its_line(
     (problem,) = problems_of(write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "")),
                              ["ppo.advantage_estimator=rloo", "generation.sampling.n_samples_per_prompt=2", "ppo.lam=1.0"])
     assert "ppo.lam" in problem and "rloo does not use lam" in problem
+    # the critic's warm-up: gae only, and it must leave the policy iterations to train in
+    (problem,) = problems_of(write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "")),
+                             ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2",
+                              "ppo.critic_warmup=2"])
+    assert "ppo.critic_warmup" in problem and "grpo does not use critic_warmup" in problem
+    (problem,) = problems_of(write_yaml(PPO), ["ppo.iterations=3", "ppo.critic_warmup=3"])
+    assert "ppo.critic_warmup" in problem and "below ppo.iterations" in problem
+    assert load_job(write_yaml(PPO), ["ppo.iterations=3", "ppo.critic_warmup=2"]).ppo.critic_warmup == 2
 
 
 def test_dapo_options_load_and_an_overlong_buffer_as_long_as_the_answers_is_refused(write_yaml):

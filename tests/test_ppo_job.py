@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
-
+import json
 import math
+import shutil
 
 import pytest
 
@@ -189,13 +189,20 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
 
 
 def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_models):
+    """Stopped after iteration 2 and resumed (by the same ranks, then by twice as many), PPO ends with the weights
+    of an uninterrupted run. The runs warm the critic up for one iteration: that iteration trains the critic alone
+    and leaves the policy, and the engines' weights, at version 0."""
     import torch
     from safetensors.torch import load_file
 
     sft, rm = stage_models
     common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
-              "critic.micro_batch_size=16"]
+              "critic.micro_batch_size=16", "ppo.critic_warmup=1"]  # iteration 1 trains the critic alone
     straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
+    lines = [json.loads(line) for line in (tmp_path / "a" / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    first, second = ([m for m in lines if m["step"] == step and "time/iteration" in m][0] for step in (1, 2))
+    assert "critic/loss" in first and "policy/loss" not in first and first["policy_version"] == 0
+    assert "policy/loss" in second and second["policy_version"] == 1
     job = ppo_job(tmp_path / "b", sft, rm, *common)
     assert run_ppo(job, stop_after=2)["stopped_at_iteration"] == 2
     shutil.copytree(tmp_path / "b", tmp_path / "c")

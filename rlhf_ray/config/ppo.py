@@ -18,6 +18,7 @@ USED_BY: dict[str, tuple[frozenset[str], str]] = {
     "lam": (frozenset({"gae"}), "lambda weighs the critic's temporal differences"),
     "gamma": (frozenset({"gae", "reinforce_pp"}), "grpo and rloo score whole answers, with nothing to discount"),
     "clip_value": (frozenset({"gae"}), "it clips the critic's value loss"),
+    "critic_warmup": (frozenset({"gae"}), "only gae has a critic to warm up"),
 }
 """Options that only some advantage estimators read: a value other than the default for another estimator is
 refused, not ignored."""
@@ -88,6 +89,11 @@ class PPOSpec(StrictModel):
     """Discount (gae and reinforce_pp; refused for grpo and rloo, which score whole answers)."""
     lam: float = Field(0.95, ge=0, le=1)
     """GAE lambda (gae only)."""
+    critic_warmup: int = Field(0, ge=0)
+    """The first this many iterations train the critic alone (gae only): the policy keeps its starting weights, so
+    a critic with a new value head (one that starts from the SFT model, not from a reward model) learns that
+    policy's values before its advantages steer an update (veRL's critic_warmup). The policy's learning-rate
+    schedule spans the iterations after it. Must be below `iterations`."""
     whiten_advantages: bool = True
     """Normalise advantages to zero mean and unit variance over the batch (gae and rloo; grpo normalises within
     each prompt's group and reinforce_pp always whitens, so setting it for them is refused)."""
@@ -136,6 +142,9 @@ class PPOSpec(StrictModel):
             raise FieldProblem("dynamic_sampling.enabled", f"dynamic sampling keeps groups of answers to one prompt "
                                f"whose scores differ; advantage_estimator {self.advantage_estimator} has no groups "
                                "(use grpo or rloo)")
+        if self.critic_warmup >= self.iterations:
+            raise FieldProblem("critic_warmup", f"{self.critic_warmup} warm-up iterations of {self.iterations} leave "
+                               "the policy none to train in: lower it below ppo.iterations")
         if self.mode == "sync" and self.rollouts_ahead != 1:
             raise FieldProblem("rollouts_ahead", "sync mode samples each rollout with the weights of the update "
                                "before it (one at a time); set ppo.mode: async to let generation run ahead")

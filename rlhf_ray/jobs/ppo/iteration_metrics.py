@@ -32,7 +32,8 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
             "experience/staleness": minibatches.staleness, "actors/restarts": restarts,
             "actors/learner_restarts": learner_restarts}
     # without old log-probs in the experience, the policy measures KL and the engine gap in its training forward
-    line.setdefault("kl/mean", line["policy/kl"])
+    if "kl/mean" not in line and "policy/kl" in line:  # not in the critic's warm-up, where the policy did not run
+        line["kl/mean"] = line["policy/kl"]
     if "policy/engine_logprob_gap" in line:
         line.setdefault("generate/logprob_gap", line["policy/engine_logprob_gap"])
         line.setdefault("generate/mismatch_kl", line["policy/engine_mismatch_kl"])

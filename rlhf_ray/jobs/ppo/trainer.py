@@ -62,11 +62,12 @@ class PPOTrainer:
 
     def iterate(self, step: int) -> tuple[Taken, dict[str, float]]:
         """One update: the oldest fresh experience (rollouts generated, scored and buffered as far ahead as the mode
-        allows) -> PPO epochs on policy and critic -> the new weights to the engines (policy version + 1)."""
+        allows) -> PPO epochs on policy and critic (the critic alone in its warm-up) -> the new weights to the
+        engines (policy version + 1)."""
         began = time.perf_counter()
         taken = self.rollouts.take(self.weights.version, updates_left=self.end - step)
-        trained = self.workers.train(taken.minibatches)
-        synced = self.weights.sync() if trained.steps_applied else self.weights.unchanged(taken.minibatches)
+        trained = self.workers.train(taken.minibatches, policy=step >= self.job.ppo.critic_warmup)
+        synced = self.weights.sync() if trained.steps_applied else self.weights.unchanged(taken.minibatches, trained)
         return taken, iteration_metrics(taken, trained, synced, time.perf_counter() - began,
                                         len(self.workers.pool.group), len(self.workers.restarts.replaced),
                                         self.learner_restarts)

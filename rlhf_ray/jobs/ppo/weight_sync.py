@@ -14,7 +14,7 @@ import ray
 from rlhf_ray.actors.group import ActorDiedError, gather, results_lost
 from rlhf_ray.buffer.replay_buffer import Minibatches
 from rlhf_ray.config.ppo_job import PPOJob
-from rlhf_ray.jobs.ppo.workers import RoleWorkers
+from rlhf_ray.jobs.ppo.workers import RoleWorkers, Trained
 from rlhf_ray.learners.learner_group import rendezvous
 from rlhf_ray.models.weight_transport import gpus_shared
 
@@ -116,11 +116,13 @@ class WeightSync:
         return SyncResult(self.version, float(published["bytes"]), time.perf_counter() - start, gathered - start,
                           published["seconds"], loaded["seconds"], loaded["engine_seconds"])
 
-    def unchanged(self, minibatches: Minibatches) -> SyncResult:
-        """An update whose every policy step was skipped (non-finite gradients): same weights, same version, nothing
-        to send."""
-        log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the policy "
-                    "stays at version %d and no weights are sent", minibatches.meta.rollout_index + 1, self.version)
+    def unchanged(self, minibatches: Minibatches, trained: Trained) -> SyncResult:
+        """An update that left the policy's weights as they were (the critic's warm-up, or every policy step skipped
+        for non-finite gradients): same weights, same version, nothing to send."""
+        if trained.policy_trained:
+            log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the "
+                        "policy stays at version %d and no weights are sent", minibatches.meta.rollout_index + 1,
+                        self.version)
         return SyncResult(self.version)
 
     def _form_broadcast(self) -> None:

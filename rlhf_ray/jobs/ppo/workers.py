@@ -83,9 +83,15 @@ class Trained:
     """From the call to the last result, at the driver."""
 
     @property
+    def policy_trained(self) -> bool:
+        """The policy took part (not during the critic's warm-up)."""
+        return "policy/steps_applied" in self.metrics
+
+    @property
     def steps_applied(self) -> float:
-        """Policy optimizer steps that changed the weights (0: every one was skipped for a non-finite gradient)."""
-        return self.metrics["policy/steps_applied"]
+        """Policy optimizer steps that changed the weights (0: the policy did not train, or every one of its steps
+        was skipped for a non-finite gradient)."""
+        return self.metrics.get("policy/steps_applied", 0.0)
 
 
 def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
@@ -102,7 +108,7 @@ class RoleWorkers:
         """Start every role's processes at once (imports and model loads overlap), then wait for each."""
         self.job, self.tokens = job, tokens
         pad, cluster, ppo = tokens.pad_id, job.cluster, job.ppo
-        updates = ppo.iterations * ppo.ppo_epochs * (job.samples_per_iteration // job.train_batch_size)
+        steps_per_iteration = ppo.ppo_epochs * (job.samples_per_iteration // job.train_batch_size)
 
         def slots(role):
             name, bundles = plan.role_slots(role)
@@ -143,9 +149,9 @@ class RoleWorkers:
         self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
                                  kwargs={"capacity": ppo.buffer_capacity, "max_staleness": ppo.max_staleness},
                                  call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
-        setup_learner_group(self.policy, cluster, updates)
+        setup_learner_group(self.policy, cluster, (ppo.iterations - ppo.critic_warmup) * steps_per_iteration)
         if self.critic is not None:
-            setup_learner_group(self.critic, cluster, updates)
+            setup_learner_group(self.critic, cluster, ppo.iterations * steps_per_iteration)
         for group in (self.reference, self.teacher, self.reward, self.pool.group, self.assembler, self.buffer):
             if group is not None:
                 group.wait_ready(cluster.startup_timeout_s)
@@ -269,10 +275,11 @@ class RoleWorkers:
                       out["token_versions"])
 
     # ---- training -------------------------------------------------------------------------------------------
-    def train(self, minibatches: Minibatches) -> Trained:
-        """PPO epochs on the experience the mini-batches index: policy and critic groups at once, every rank of each."""
+    def train(self, minibatches: Minibatches, policy: bool = True) -> Trained:
+        """PPO epochs on the experience the mini-batches index: policy and critic groups at once, every rank of each
+        (`policy` False: the critic alone, as in its warm-up)."""
         began = time.perf_counter()
-        calls = [(self.policy, self.policy.submit("train", minibatches))]
+        calls = [(self.policy, self.policy.submit("train", minibatches))] if policy else []
         if self.critic is not None:
             calls.append((self.critic, self.critic.submit("train", minibatches)))
         metrics, seconds = {}, 0.0
