@@ -57,7 +57,7 @@ def test_the_critics_warm_up_trains_the_critic_alone_and_sends_no_weights(caplog
         asked.append(policy)
         metrics = {"critic/loss": 0.5} | ({"policy/loss": 0.1, "policy/kl": 0.0, "policy/steps_applied": 1}
                                           if policy else {})
-        return Trained(metrics, seconds=0.01, wall=0.01)
+        return Trained(metrics, seconds=0.01, wall=0.01, policy_trained=policy)
 
     trainer = trainer_with(workers, train, critic_warmup=2)
     lines = [trainer.iterate(step)[1] for step in range(3)]

@@ -81,11 +81,8 @@ class Trained:
     """The slowest rank's compute seconds."""
     wall: float
     """From the call to the last result, at the driver."""
-
-    @property
-    def policy_trained(self) -> bool:
-        """The policy took part (not during the critic's warm-up)."""
-        return "policy/steps_applied" in self.metrics
+    policy_trained: bool = True
+    """The policy took part (False in the critic's warm-up)."""
 
     @property
     def steps_applied(self) -> float:
@@ -287,7 +284,7 @@ class RoleWorkers:
             out = group.gather(refs, "train")
             metrics |= out[0]
             seconds = max([seconds] + [m[f"{group.role}/seconds"] for m in out])
-        return Trained(metrics, seconds, time.perf_counter() - began)
+        return Trained(metrics, seconds, time.perf_counter() - began, policy_trained=policy)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def save(self, staging: Path, iteration: int) -> None:
