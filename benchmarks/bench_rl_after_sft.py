@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import json
 import math
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -49,8 +50,6 @@ def share_sft(name: str, seed: int, work: Path, out: Path) -> None:
     seed is copied in, and the pipeline reuses it (its minutes are counted as if run again). So the recipes of a
     seed start from the very same SFT model, and distillation's teacher is the model sft-grpo starts from. `out`:
     the pipeline's output folder (a tagged experiment reuses its recipe's own SFT stage too)."""
-    import shutil
-
     target = out / "sft"
     if target.exists():
         return
@@ -70,7 +69,7 @@ def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None 
     for item in [f"seed={seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
                  *overrides]:
         command += ["--set", item]
-    seconds, peak = run_watched(command, work / f"{name}-{seed}.log", timeout=3 * 3600)
+    seconds, peak = run_watched(command, work / f"{out.name}.log", timeout=3 * 3600)
     summary = json.loads((out / "summary.json").read_text())
     # a rerun reuses the stages an earlier run finished: their time counts as if run now
     seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
@@ -80,6 +79,9 @@ def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None 
     kept_in = RESULTS if tag is None else RESULTS / "experiments"
     kept_in.mkdir(parents=True, exist_ok=True)
     (kept_in / f"{out.name}.json").write_text(json.dumps(result) + "\n")  # NAME-SEED[-TAG], as its folder
+    # the result is kept: the stages' DeepSpeed checkpoints (~6 GB a run) serve no later run (share_sft skips them)
+    for folder in out.glob("*/checkpoints"):
+        shutil.rmtree(folder, ignore_errors=True)
     return result
 
 
