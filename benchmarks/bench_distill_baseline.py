@@ -120,9 +120,10 @@ def sft_config(recipe: dict, student: str, samples: Path, steps: int, every: int
             "logging": {"progress": False, "tensorboard": False}}
 
 
-def on_policy_curve(seed: int) -> tuple[list[tuple[int, float]], dict]:
-    """(teacher tokens, greedy accuracy) at each evaluation of the distill run of this seed, and the run."""
-    run = json.loads((ON_POLICY / f"distill-{seed}.json").read_text())
+def on_policy_curve(seed: int, file: Path | None = None) -> tuple[list[tuple[int, float]], dict]:
+    """(teacher tokens, greedy accuracy) at each evaluation of the distill run of this seed (or of the run kept in
+    `file`), and the run."""
+    run = json.loads((file or ON_POLICY / f"distill-{seed}.json").read_text())
     tokens, curve = 0, []
     for row in run["metrics"]:
         tokens += row.get("generate/tokens", 0)
@@ -178,6 +179,15 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
     return result
 
 
+def experiments(seed: int) -> list[tuple[str, list[tuple[int, float]], dict]]:
+    """Tagged distill runs of this seed (bench_rl_after_sft --tag: settings the recipe does not ship): tag, curve, run."""
+    found = []
+    for file in sorted((ON_POLICY / "experiments").glob(f"distill-{seed}-*.json")):
+        curve, run = on_policy_curve(seed, file)
+        found.append((file.stem.split("-", 2)[2], curve, run))
+    return found
+
+
 def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
     return next((tokens for tokens, acc in curve if acc >= level), None)
 
@@ -224,6 +234,15 @@ def report(doc: Path | None) -> str:
                     f"({GOAL * teacher:.3f}) in fewer teacher tokens than SFT on teacher samples: on-policy "
                     f"{'reached at ' + format(reached_on, ',') if reached_on else 'not reached'}, off-policy "
                     f"{'reached at ' + format(reached_off, ',') if reached_off else 'not reached'}: {verdict}.")
+    for base, _, teacher in plots:
+        for tag, curve, run in experiments(base["seed"]):
+            settings = ", ".join(f"`{o}`" for o in run["overrides"])
+            reached = tokens_to_reach(curve, GOAL * teacher)
+            text.append("")
+            text.append(f"Experiment `{tag}`, seed {base['seed']} (on-policy with {settings}; not the recipe, so not "
+                        f"in the goal above): " + ", ".join(f"{a:.3f} at {t:,}" for t, a in curve)
+                        + f" teacher tokens; {GOAL:.0%} of the teacher "
+                        + (f"reached at {reached:,}." if reached else "not reached."))
     text.append("")
     plt = pyplot()
     if plt is not None and plots and doc is not None:
@@ -231,6 +250,8 @@ def report(doc: Path | None) -> str:
         for base, on, teacher in plots:
             ax.plot(*zip(*on), "o-", label=f"on-policy distillation, seed {base['seed']}")
             ax.plot(*zip(*base["curve"]), "s--", label=f"SFT on teacher samples, seed {base['seed']}")
+            for tag, curve, _ in experiments(base["seed"]):
+                ax.plot(*zip(*curve), "^:", label=f"on-policy, experiment {tag}, seed {base['seed']}")
             ax.axhline(teacher, color="gray", lw=0.8)
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
         ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)")
