@@ -234,8 +234,9 @@ def report(doc: Path | None) -> str:
                     f"({GOAL * teacher:.3f}) in fewer teacher tokens than SFT on teacher samples: on-policy "
                     f"{'reached at ' + format(reached_on, ',') if reached_on else 'not reached'}, off-policy "
                     f"{'reached at ' + format(reached_off, ',') if reached_off else 'not reached'}: {verdict}.")
+    tried = {base["seed"]: experiments(base["seed"]) for base, _, _ in plots}
     for base, _, teacher in plots:
-        for tag, curve, run in experiments(base["seed"]):
+        for tag, curve, run in tried[base["seed"]]:
             settings = ", ".join(f"`{o}`" for o in run["overrides"])
             reached = tokens_to_reach(curve, GOAL * teacher)
             text.append("")
@@ -250,7 +251,7 @@ def report(doc: Path | None) -> str:
         for base, on, teacher in plots:
             ax.plot(*zip(*on), "o-", label=f"on-policy distillation, seed {base['seed']}")
             ax.plot(*zip(*base["curve"]), "s--", label=f"SFT on teacher samples, seed {base['seed']}")
-            for tag, curve, _ in experiments(base["seed"]):
+            for tag, curve, _ in tried[base["seed"]]:
                 ax.plot(*zip(*curve), "^:", label=f"on-policy, experiment {tag}, seed {base['seed']}")
             ax.axhline(teacher, color="gray", lw=0.8)
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
