@@ -221,7 +221,8 @@ def test_distilling_the_model_into_itself_costs_nothing(tmp_path, smollm2):
 
     job = load_job(ROOT / "configs/recipes/smollm2-distill.yaml",
                    [f"output_dir={tmp_path}", f"ppo.teacher.model.path={smollm2}", "ppo.ppo.iterations=2",
-                    "ppo.ppo.rollout_batch_size=4", "ppo.ppo.eval_prompts=8", "ppo.ppo.eval_samples=0",
+                    "ppo.ppo.rollout_batch_size=4", "ppo.ppo.train_batch_size=4",
+                    "ppo.ppo.eval_prompts=8", "ppo.ppo.eval_every=0", "ppo.ppo.eval_samples=0",
                     "ppo.policy.micro_batch_size=4", "ppo.generation.sampling.max_new_tokens=32",
                     "logging.progress=false", "cluster.dashboard=false", "ppo.checkpoint.every_steps=0"]).ppo
     summary = run_ppo(job)
