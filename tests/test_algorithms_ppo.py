@@ -172,6 +172,26 @@ def test_distillation_credits_each_token_with_its_teacher_student_log_ratio():
         make_experience(T([0.0, 0.0]), logp, logp, None, mask, T([1.0, 1.0]).bool(), spec, 1)
 
 
+def test_without_a_reference_the_advantages_are_the_same_and_no_kl_is_reported():
+    """A run with no KL term may run no reference (reference: null): its experience carries no reference log-probs
+    and no KL, and the advantages equal those computed beside a reference; a KL-shaped reward without one is
+    refused."""
+    logp = T([[-1.0, -2.0, -0.5], [-0.2, -3.0, -1.0], [-0.4, -0.1, -2.0], [-1.5, -0.3, -0.2]])
+    ref = logp - 0.3
+    mask = T([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    ended = T([1.0, 1.0, 1.0, 0.0]).bool()
+    for spec, teacher in ((PPOSpec(advantage_estimator="distill", kl_coef=0.0), logp - 0.5),
+                          (PPOSpec(advantage_estimator="grpo", kl_coef=0.0), None)):
+        beside = make_experience(T([1.0, 0.0, 0.0, 1.0]), logp, ref, None, mask, ended, spec, 2, teacher_logp=teacher)
+        alone = make_experience(T([1.0, 0.0, 0.0, 1.0]), logp, None, None, mask, ended, spec, 2, teacher_logp=teacher)
+        close(alone.advantages, beside.advantages.tolist())
+        close(alone.rewards, beside.rewards.tolist())
+        assert beside.kl is not None and alone.kl is None and alone.ref_logp is None
+    with pytest.raises(ValueError, match="reference"):
+        make_experience(T([1.0, 0.0, 0.0, 1.0]), logp, None, None, mask, ended,
+                        PPOSpec(advantage_estimator="grpo", kl_coef=0.1), 2)
+
+
 def test_policy_loss_clips_and_dual_clips():
     old = T([[0.0, 0.0, 0.0]])
     logp = T([[math.log(1.5), math.log(0.5), 3.0]])

@@ -167,6 +167,24 @@ def test_distillation_needs_a_teacher_and_a_teacher_needs_distillation(write_yam
     assert not job.old_logprobs_from_training  # the student's log-probs of its samples are half the reward
 
 
+def test_a_run_without_a_kl_term_may_leave_out_the_reference_and_one_with_it_may_not(write_yaml):
+    path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "") + "reference: null\n")
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4"])
+    assert "job.yaml" in problem and "reference: ppo.kl_coef is 0.1: the KL term in the reward" in problem
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
+                                    "ppo.kl_in_loss=true", "ppo.kl_coef=0.01"])
+    assert "the KL term in the policy loss (ppo.kl_in_loss)" in problem
+    (problem,) = problems_of(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
+                                    "ppo.kl_coef=0", "reward.placement.colocate_with=reference"])
+    assert "reward.placement.colocate_with" in problem  # no reference to sit beside
+    job = load_job(path, ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
+                          "ppo.kl_coef=0"])
+    assert job.reference is None and list(job.placement_roles()) == ["policy", "reward", "generation"]
+    from rlhf_ray.jobs.threads import phases
+
+    assert phases(job)["experience"] == ["reward"]  # the reward model alone scores a rollout
+
+
 def test_an_option_the_advantage_estimator_does_not_read_is_refused_at_its_line(write_yaml):
     path = write_yaml(PPO.replace("critic:\n  micro_batch_size: 4\n", "").replace(
         "ppo:\n", "ppo:\n  advantage_estimator: reinforce_pp\n  whiten_advantages: false\n"))

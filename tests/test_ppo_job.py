@@ -73,6 +73,7 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
 def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
     sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics.
+    Without a KL term it runs with no reference (reference: null): nothing measures a KL, and nothing is missed.
     Dynamic sampling trains on 8 of 16 sampled groups. The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
     ppo.eval_every a held-out evaluation between the first and last (reward beside rule accuracy)."""
     import json
@@ -83,11 +84,13 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
                   "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
                   "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
                   "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
-                  "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2")
-    assert run_ppo(job)["iterations"] == 2
+                  "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2",
+                  "reference=null")
+    summary = run_ppo(job)
+    assert summary["iterations"] == 2 and "reference" not in summary["peak_memory_gib"]
     lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "policy/loss" in r]
-    assert len(steps) == 2
+    assert len(steps) == 2 and not any("kl/mean" in r or "policy/kl" in r for r in steps)
     evals = [r for r in lines if "eval/reward" in r]
     assert [r["step"] for r in evals] == [0, 1, 2]  # before, every iteration, after
     assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals[1:])

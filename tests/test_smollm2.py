@@ -214,7 +214,8 @@ def test_distilling_the_model_into_itself_costs_nothing(tmp_path, smollm2):
     """CI's two-iteration run of the distillation recipe's PPO stage with the base model as its own teacher
     (the student from the GGUF package, the teacher the same weights as a folder): the teacher's log-probs of the
     student's tokens equal the student's, so the per-token reverse KL, and with it every advantage, starts at 0
-    (up to the engines' numerics); the tokenizers are checked equal after the GGUF import."""
+    (up to the engines' numerics); the tokenizers are checked equal after the GGUF import. With no KL term it runs
+    no reference (reference: null): none is started, and no KL to one is reported."""
     import json
 
     from rlhf_ray.jobs.ppo import run_ppo
@@ -222,7 +223,7 @@ def test_distilling_the_model_into_itself_costs_nothing(tmp_path, smollm2):
     job = load_job(ROOT / "configs/recipes/smollm2-distill.yaml",
                    [f"output_dir={tmp_path}", f"ppo.teacher.model.path={smollm2}", "ppo.ppo.iterations=2",
                     "ppo.ppo.rollout_batch_size=4", "ppo.ppo.train_batch_size=4",
-                    "ppo.ppo.eval_prompts=8", "ppo.ppo.eval_every=0", "ppo.ppo.eval_samples=0",
+                    "ppo.ppo.eval_prompts=8", "ppo.ppo.eval_every=0", "ppo.ppo.eval_samples=0", "ppo.reference=null",
                     "ppo.policy.micro_batch_size=4", "ppo.generation.sampling.max_new_tokens=32",
                     "logging.progress=false", "cluster.dashboard=false", "ppo.checkpoint.every_steps=0"]).ppo
     summary = run_ppo(job)
@@ -231,6 +232,9 @@ def test_distilling_the_model_into_itself_costs_nothing(tmp_path, smollm2):
     kl = [m["distill/reverse_kl"] for m in logged if "distill/reverse_kl" in m]
     assert len(kl) == 2 and abs(kl[0]) < 1e-3, kl
     assert (tmp_path / "ppo" / "logs" / "teacher-0.log").is_file()
+    assert "reference" not in summary["peak_memory_gib"]
+    assert not (tmp_path / "ppo" / "logs" / "reference-0.log").exists()
+    assert not any("kl/mean" in m or "policy/kl" in m for m in logged)
 
 
 def test_compare_renders_prompts_with_the_models_chat_template(smollm2):

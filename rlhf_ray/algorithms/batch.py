@@ -103,15 +103,16 @@ class PPOTargets:
 
     advantages: torch.Tensor
     """[B, A]."""
-    ref_logp: torch.Tensor
-    """[B, A]: the reference's log-probs of the answer tokens (the KL term)."""
     rewards: torch.Tensor
     """[B, A]: per-token rewards (the score on the last token, a KL penalty when it is in the reward)."""
+    ref_logp: torch.Tensor | None = None
+    """[B, A]: the reference's log-probs of the answer tokens (the KL term). None when the run has no reference (no
+    KL term)."""
     old_logp: torch.Tensor | None = None
     """[B, A]: the policy's log-probs when the rollout was scored. None when the KL is in the loss and the update is the
     rollout's only one: the training forward's (detached) are the same."""
     kl: torch.Tensor | None = None
-    """[B]: mean KL to the reference per row (with old_logp)."""
+    """[B]: mean KL to the reference per row (with old_logp and ref_logp)."""
     values: torch.Tensor | None = None
     """[B, A]: the critic's values when the rollout was scored (GAE only)."""
     returns: torch.Tensor | None = None

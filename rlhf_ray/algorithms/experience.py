@@ -85,18 +85,20 @@ def distill_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, action_ma
     return zero_masked(advantages, action_mask)
 
 
-def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor,
+def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
                     values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
                     group_size: int, max_answer_tokens: int | None = None,
                     teacher_logp: torch.Tensor | None = None) -> PPOTargets:
     """Advantages and returns by the configured estimator, plus what the metrics report. `logp` (the policy's old
     log-probs) may be None when the reward carries no KL term: the learner then uses its training forward's.
+    `ref_logp` (the reference's) is None when the run has no reference, which only a run without a KL term may do.
     `max_answer_tokens` (generation's max_new_tokens) is what `spec.overlong_buffer` counts back from.
     `teacher_logp` (estimator distill): the teacher's log-prob of each sampled token."""
     reward_kl_coef = 0.0 if spec.kl_in_loss else spec.kl_coef
-    if logp is None and reward_kl_coef:
-        raise ValueError("the KL-shaped reward needs the policy's old log-probs")
-    kl = None if logp is None else kl_estimate(logp, ref_logp, spec.kl_estimator, action_mask) * action_mask
+    if (logp is None or ref_logp is None) and reward_kl_coef:
+        raise ValueError("the KL-shaped reward needs the policy's old log-probs and the reference's")
+    kl = None if logp is None or ref_logp is None else \
+        kl_estimate(logp, ref_logp, spec.kl_estimator, action_mask) * action_mask
     bonus = None
     if spec.overlong_buffer:
         if max_answer_tokens is None:
@@ -108,7 +110,8 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
     if spec.advantage_estimator == "distill":
         if teacher_logp is None or logp is None:
             raise ValueError("distillation needs the teacher's and the policy's log-probs of the sampled tokens")
-        advantages = distill_advantages(teacher_logp, logp, action_mask, reward_kl_coef * kl)
+        penalty = reward_kl_coef * kl if reward_kl_coef else None
+        advantages = distill_advantages(teacher_logp, logp, action_mask, penalty)
     elif spec.advantage_estimator == "gae":
         assert values is not None, "gae needs critic values"
         advantages, returns = gae(rewards, values, action_mask, spec.gamma, spec.lam)
@@ -124,5 +127,5 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
     if spec.whiten_advantages and spec.advantage_estimator in ("gae", "rloo"):
         advantages = masked_whiten(advantages, action_mask)
     return PPOTargets(advantages=advantages, ref_logp=ref_logp, rewards=rewards, old_logp=logp,
-                      kl=None if logp is None else masked_mean(kl, action_mask, dim=-1),
+                      kl=None if kl is None else masked_mean(kl, action_mask, dim=-1),
                       values=values if returns is not None else None, returns=returns, overlong_penalty=bonus)

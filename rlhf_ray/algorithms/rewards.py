@@ -59,13 +59,17 @@ def sequence_scores(scores: torch.Tensor, clip_reward: float, ended: torch.Tenso
     return score
 
 
-def shaped_rewards(scores: torch.Tensor, logp: torch.Tensor, ref_logp: torch.Tensor, action_mask: torch.Tensor,
-                   kl_coef: float, clip_reward: float, estimator: KLEstimator = "k1",
+def shaped_rewards(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+                   action_mask: torch.Tensor, kl_coef: float, clip_reward: float, estimator: KLEstimator = "k1",
                    ended: torch.Tensor | None = None, eos_penalty: float | None = None,
                    bonus: torch.Tensor | None = None) -> torch.Tensor:
     """rewards[b, t] = -kl_coef * KL_t on answer tokens, plus the answer's sequence_scores (clipped score,
-    `eos_penalty` for an answer that never produced end-of-text, `bonus`) on its last token; 0 on padding."""
-    rewards = -kl_coef * kl_estimate(logp, ref_logp, estimator, action_mask) * action_mask
+    `eos_penalty` for an answer that never produced end-of-text, `bonus`) on its last token; 0 on padding. With
+    kl_coef 0 the log-probs are not read (and may be None)."""
+    if kl_coef:
+        rewards = -kl_coef * kl_estimate(logp, ref_logp, estimator, action_mask) * action_mask
+    else:
+        rewards = torch.zeros(action_mask.shape, dtype=torch.float32 if logp is None else logp.dtype)
     score = sequence_scores(scores, clip_reward, ended, eos_penalty, rewards.dtype, bonus)
     last = last_action_index(action_mask)
     return rewards.scatter_add(1, last.unsqueeze(1), score.unsqueeze(1) * (action_mask.sum(-1, keepdim=True) > 0))

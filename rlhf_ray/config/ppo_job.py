@@ -110,7 +110,9 @@ class PPOJob(JobBase):
     policy: LearnerRoleSpec = Field(default_factory=LearnerRoleSpec)
     critic: LearnerRoleSpec | None = None
     """Required by advantage_estimator gae; must be absent for the critic-free estimators."""
-    reference: InferenceRoleSpec = Field(default_factory=InferenceRoleSpec)
+    reference: InferenceRoleSpec | None = Field(default_factory=InferenceRoleSpec)
+    """The frozen model the KL term measures the policy against. null: none runs, which only a run without a KL term
+    may do (ppo.kl_coef: 0; on-policy distillation, GRPO without KL): its forward is then saved on every rollout."""
     teacher: InferenceRoleSpec | None = None
     """On-policy distillation (advantage_estimator: distill): the model the policy learns to match, scoring every
     token the policy samples; placed and sharded like the reference. It must share the policy's tokenizer."""
@@ -121,12 +123,11 @@ class PPOJob(JobBase):
     ROLE_ORDER: ClassVar[tuple[str, ...]] = ("policy", "critic", "reference", "teacher", "reward", "generation")
 
     def placement_roles(self) -> dict[str, PlacementSpec]:
-        roles = {"policy": self.policy.placement, "reference": self.reference.placement,
-                 "reward": self.reward.placement, "generation": self.generation.placement}
-        if self.critic is not None:
-            roles["critic"] = self.critic.placement
-        if self.teacher is not None:
-            roles["teacher"] = self.teacher.placement
+        roles = {"policy": self.policy.placement, "reward": self.reward.placement,
+                 "generation": self.generation.placement}
+        for name in ("critic", "reference", "teacher"):
+            if getattr(self, name) is not None:
+                roles[name] = getattr(self, name).placement
         return {name: roles[name] for name in self.ROLE_ORDER if name in roles}
 
     @property
@@ -167,7 +168,7 @@ class PPOJob(JobBase):
 
     def _fill_model_defaults(self) -> None:
         """Reference starts from the policy and the critic from the reward model (DeepSpeed-Chat step 3)."""
-        if not self.reference.model.is_set:
+        if self.reference is not None and not self.reference.model.is_set:
             self.reference.model = self.policy.model.model_copy(update={"lora": self.reference.model.lora})
         if self.critic is not None and not self.critic.model.is_set and self.reward.model.is_set:
             self.critic.model = self.critic.model.model_copy(update={"path": self.reward.model.path,
@@ -223,6 +224,11 @@ class PPOJob(JobBase):
         if self.generation.partial_rollouts and self.ppo.mode != "async":
             raise FieldProblem("generation.partial_rollouts", "in sync mode no weight update reaches an engine during "
                                                               "a rollout; set ppo.mode: async, or remove it")
+        if self.reference is None and self.ppo.kl_coef:
+            where = "policy loss (ppo.kl_in_loss)" if self.ppo.kl_in_loss else "reward"
+            raise FieldProblem("reference", f"ppo.kl_coef is {self.ppo.kl_coef}: the KL term in the {where} needs the "
+                                            "reference's log-probs; give reference a section (an empty one starts "
+                                            "it from the policy's model) or set ppo.kl_coef: 0")
         for name, role in {"reference": self.reference, "teacher": self.teacher, "reward": self.reward}.items():
             if role is not None and role.sharded and role.placement.replicas < 2:
                 raise FieldProblem(f"{name}.placement.replicas", f"{name}.sharded splits the model's weights over "

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 def phases(job: PPOJob) -> dict[str, list[str]]:
     """The roles busy together in each phase of a sync iteration (a reward function is too cheap to count)."""
-    experience = ["reference"] + (["teacher"] if job.teacher is not None else []) + \
+    experience = [role for role in ("reference", "teacher") if getattr(job, role) is not None] + \
         (["reward"] if job.reward.is_model else [])
     if job.critic is not None:
         experience.append("critic")  # values

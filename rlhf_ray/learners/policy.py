@@ -86,19 +86,21 @@ class PolicyLearner(PPOLearnerRank):
                 loss = loss * weights
                 stats |= {"tis_weight": masked_mean(weights, mask),
                           "tis_truncated": masked_mean((weights >= self.tis_cap).float(), mask)}
-            # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept)
-            kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro.ref_logp, self.kl_estimator,
-                             mask) * mask
-            if self.kl_loss_coef:
-                loss = loss + self.kl_loss_coef * kl
             tokens = mask.sum().item()
             extra = {}
+            # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept); none
+            # without a reference
+            if micro.ref_logp is not None:
+                kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro.ref_logp, self.kl_estimator,
+                                 mask) * mask
+                if self.kl_loss_coef:
+                    loss = loss + self.kl_loss_coef * kl
+                extra["kl"] = kl.detach().sum().item()
             if micro.old_logp is None and micro.engine_logp is not None:  # the on-policy step: the pure engine gap
                 extra["engine_logprob_gap"] = logprob_gap(micro.engine_logp, logp.detach(), mask) * tokens
                 extra["engine_mismatch_kl"] = mismatch_kl(micro.engine_logp, logp.detach(), mask) * tokens
             return aggregated_sum(loss, mask, self.loss_aggregation), {
-                **{k: v.item() * tokens for k, v in stats.items()}, "kl": kl.detach().sum().item(),
-                "entropy": ent.sum().item(), **extra}
+                **{k: v.item() * tokens for k, v in stats.items()}, "entropy": ent.sum().item(), **extra}
 
         metrics = self.run_epochs(self.fetch(minibatches), minibatches, token_loss)
         if self.ema_beta is not None and metrics["steps_applied"]:  # unchanged weights: nothing to average in

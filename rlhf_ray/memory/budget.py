@@ -138,10 +138,10 @@ def ppo_memory_roles(job, gpu_bytes: int | None, derived: dict[str, ModelShape])
     seq = job.data.max_prompt_len + answer
     policy = job.policy
     out = {"policy": _learner("policy", policy.model, policy.deepspeed, policy.placement.replicas,
-                              *_micro_batch(policy, seq, answer + 1), policy.placement.num_gpus > 0, False, derived),
-           "reference": _scorer("reference", job.reference, seq, answer + 1, False, derived)}
-    if job.teacher is not None:
-        out["teacher"] = _scorer("teacher", job.teacher, seq, answer + 1, False, derived)
+                              *_micro_batch(policy, seq, answer + 1), policy.placement.num_gpus > 0, False, derived)}
+    for name in ("reference", "teacher"):
+        if getattr(job, name) is not None:
+            out[name] = _scorer(name, getattr(job, name), seq, answer + 1, False, derived)
     if job.critic is not None:
         critic = job.critic
         out["critic"] = _learner("critic", critic.model, critic.deepspeed, critic.placement.replicas,

@@ -126,7 +126,9 @@ class RoleWorkers:
             self.critic = spawn_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
                                               cluster, clip_value=ppo.clip_value, pad_token_id=pad,
                                               **_learner_kwargs(job, job.critic))
-        self.reference = self._logprob_group("reference", job.reference, slots("reference"))
+        self.reference = None  # none when no KL term reads its log-probs
+        if job.reference is not None:
+            self.reference = self._logprob_group("reference", job.reference, slots("reference"))
         self.teacher = None  # on-policy distillation: the teacher's log-probs of the policy's tokens
         if job.teacher is not None:
             self.teacher = self._logprob_group("teacher", job.teacher, slots("teacher"))
@@ -246,25 +248,23 @@ class RoleWorkers:
     def _score(self, rollout: Rollout, scored_at: int, keep_samples: int) -> Scored:
         (assembler,) = self.assembler.actors
         batch = assembler.batch.remote(rollout.refs)
-        calls = {"reference": self._split_submit(self.reference, "logprobs", batch, rollout.samples),
-                 "reward": self._split_submit(self.reward, "score", batch, rollout.samples)}
+        scorers = {"reference": (self.reference, "logprobs"), "reward": (self.reward, "score"),
+                   "teacher": (self.teacher, "logprobs")}
+        scorers = {role: (group, method) for role, (group, method) in scorers.items() if group is not None}
+        calls = {role: self._split_submit(group, method, batch, rollout.samples)
+                 for role, (group, method) in scorers.items()}
         if not self.job.old_logprobs_from_training:
             calls["policy"] = self.policy.submit("logprobs", batch)
-        if self.teacher is not None:
-            calls["teacher"] = self._split_submit(self.teacher, "logprobs", batch, rollout.samples)
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
-        results = {"reference": self._split_gather(self.reference, "logprobs", calls["reference"]),
-                   "reward": self._split_gather(self.reward, "score", calls["reward"])}
-        if self.teacher is not None:
-            results["teacher"] = self._split_gather(self.teacher, "logprobs", calls["teacher"])
+        results = {role: self._split_gather(group, method, calls[role]) for role, (group, method) in scorers.items()}
         if "policy" in calls:
             results["policy"] = self.policy.gather(calls["policy"], "logprobs")
         if self.critic is not None:
             results["critic"] = self.critic.gather(calls["critic"], "values")
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
-                                                                    parts["reference"], parts.get("critic"),
+                                                                    parts.get("reference"), parts.get("critic"),
                                                                     scored_at, keep_samples, parts.get("teacher"))],
                                           "experience")
         return Scored(out["ref"], out["rows"], out["metrics"],
