@@ -30,6 +30,7 @@ SCRIPTS = {
     "memory_model": "bench_memory_model.py",  # memory model predicted vs measured peak per learner rank
     "logprob_memory": "bench_logprob_memory.py",  # a policy step's peak at 512 + 512 tokens, log-prob paths
     "partial_rollouts": "bench_partial_rollouts.py",  # sync / async / partial rollouts on long-tailed answers
+    "no_reference": "bench_no_reference.py",  # reference: null in runs without a KL term: the iteration time saved
 }
 
 
