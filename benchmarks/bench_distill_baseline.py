@@ -1,9 +1,10 @@
 """On-policy distillation against its off-policy baseline at equal teacher calls (issue 41): held-out greedy
 accuracy of the student against the number of tokens the teacher scored or wrote for it.
 
-- on-policy: the distill recipe's run of this seed (benchmarks/bench_rl_after_sft.py --recipes distill, with
-  `--set ppo.ppo.eval_every=N` for points between its two evaluations): the student samples, the teacher scores each
-  sampled token; teacher tokens after iteration k = the answer tokens of iterations 1..k.
+- on-policy: the distill recipe's run of this seed (benchmarks/bench_rl_after_sft.py --recipes distill; the recipe
+  evaluates every 5 iterations): the student samples, the teacher scores each sampled token; teacher tokens after
+  iteration k = the answer tokens of iterations 1..k. Kept runs of earlier recipe versions and tagged experiments
+  of the seed are listed and plotted beside it.
 - off-policy: SFT of the same student on the teacher's own answers (the same teacher, the same training prompts, the
   recipe's sampling: temperature 1, up to 64 new tokens), one pass, the SFT stage's optimizer settings; teacher
   tokens after step k = the answer tokens the teacher wrote for the samples of steps 1..k. Checkpoints every
@@ -27,8 +28,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_figure, today, versions,  # noqa: E402
-                    write_section)
+from common import (ROOT, file_hash, greedy_accuracy, machine, pyplot, run_watched, save_figure, today,  # noqa: E402
+                    versions, write_section)
 
 HEADING = "## On-policy distillation against SFT on the teacher's samples"
 RECIPE = ROOT / "configs/recipes/smollm2-distill.yaml"
@@ -179,13 +180,23 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
     return result
 
 
-def experiments(seed: int) -> list[tuple[str, list[tuple[int, float]], dict]]:
-    """Tagged distill runs of this seed (bench_rl_after_sft --tag: settings the recipe does not ship): tag, curve, run."""
-    found = []
-    for file in sorted((ON_POLICY / "experiments").glob(f"distill-{seed}-*.json")):
-        curve, run = on_policy_curve(seed, file)
-        found.append((file.stem.split("-", 2)[2], curve, run))
-    return found
+def on_policy_runs(seed: int) -> tuple[list[tuple[int, float]] | None, list[tuple[str, list, dict]]]:
+    """The curve of the current distill recipe's run of this seed (None when none is kept), and the other kept runs
+    of this seed as (label, curve, run): runs of an earlier version of the recipe (superseded/) and tagged
+    experiments (bench_rl_after_sft --tag: settings the recipe did not ship)."""
+    recipe, others = None, []
+    current = ON_POLICY / f"distill-{seed}.json"
+    if current.is_file():
+        curve, run = on_policy_curve(seed, current)
+        if run["recipe"] == file_hash(RECIPE):
+            recipe = curve
+        else:
+            others.append(("an earlier recipe", curve, run))
+    for folder, kind in (("superseded", "an earlier recipe"), ("experiments", "experiment")):
+        for file in sorted((ON_POLICY / folder).glob(f"distill-{seed}-*.json")):
+            curve, run = on_policy_curve(seed, file)
+            others.append((f"{kind} `{file.stem.split('-', 2)[2]}`", curve, run))
+    return recipe, others
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
@@ -193,26 +204,30 @@ def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
 
 
 def report(doc: Path | None) -> str:
-    rows, plots = [], []
+    rows, plots, tried = [], [], {}
     for file in sorted(RESULTS.glob("seed-*.json")):
         base = json.loads(file.read_text())
-        on, run = on_policy_curve(base["seed"])
-        teacher = base["teacher_accuracy"]
+        on, tried[base["seed"]] = on_policy_runs(base["seed"])
+        teacher, off = base["teacher_accuracy"], base["curve"]
         plots.append((base, on, teacher))
-        best_on, best_off = max(a for _, a in on), max(a for _, a in base["curve"])
+        best_off = max(a for _, a in off)
+        off_cell = f"{best_off:.3f} ({best_off / teacher:.0%}) at {tokens_to_reach(off, best_off):,}"
+        if on is None:
+            rows.append(f"| {base['seed']} | {teacher:.3f} | {off[0][1]:.3f} | no run of the current recipe kept | "
+                        f"{off_cell} | - |")
+            continue
+        best_on = max(a for _, a in on)
         level = min(best_on, best_off)  # the accuracy both reach: who needs fewer teacher tokens for it
-        need_on, need_off = tokens_to_reach(on, level), tokens_to_reach(base["curve"], level)
+        need_on, need_off = tokens_to_reach(on, level), tokens_to_reach(off, level)
         rows.append(f"| {base['seed']} | {teacher:.3f} | {on[0][1]:.3f} | {best_on:.3f} ({best_on / teacher:.0%}) "
-                    f"at {tokens_to_reach(on, best_on):,} | {best_off:.3f} ({best_off / teacher:.0%}) at "
-                    f"{tokens_to_reach(base['curve'], best_off):,} | "
+                    f"at {tokens_to_reach(on, best_on):,} | {off_cell} | "
                     f"{level:.3f}: {need_on:,} on-policy, {need_off:,} off-policy |")
     text = [HEADING, "",
             "Runs: " + "; ".join(f"seed {b['seed']}: {b['date']}, {b['machine']}" for b, _, _ in plots)
             + f". Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.",
             "",
-            "Command: `python benchmarks/bench_rl_after_sft.py --recipes distill --seeds N --set ppo.ppo.eval_every=5 "
-            "--workdir W` (on-policy: the distill recipe; with evaluations every 5 iterations where the run had "
-            "them), then `python benchmarks/bench_distill_baseline.py --seed N --workdir W --answers A --eval-every E "
+            "Command: `python benchmarks/bench_rl_after_sft.py --recipes distill --seeds N --workdir W` (on-policy: "
+            "the distill recipe, evaluated every 5 iterations), then `python benchmarks/bench_distill_baseline.py --seed N --workdir W --answers A --eval-every E "
             "--write docs/benchmarks.md` (off-policy: the teacher answers A training prompts at the recipe's sampling "
             "settings and the base student is fine-tuned on those answers, one pass in batches of the SFT stage's "
             "size with its optimizer, a checkpoint scored every E steps; "
@@ -226,6 +241,10 @@ def report(doc: Path | None) -> str:
             "(of teacher) at teacher tokens | teacher tokens to reach the accuracy both reach |",
             "|---:|---:|---:|---|---|---|", *rows, ""]
     for base, on, teacher in plots:
+        if on is None:
+            text.append(f"Goal (issue 41), seed {base['seed']}: not judged, no run of the current distill recipe is "
+                        f"kept for this seed (the runs below are of other settings).")
+            continue
         reached_on = tokens_to_reach(on, GOAL * teacher)
         reached_off = tokens_to_reach(base["curve"], GOAL * teacher)
         verdict = ("met" if reached_on is not None and (reached_off is None or reached_on < reached_off)
@@ -234,14 +253,14 @@ def report(doc: Path | None) -> str:
                     f"({GOAL * teacher:.3f}) in fewer teacher tokens than SFT on teacher samples: on-policy "
                     f"{'reached at ' + format(reached_on, ',') if reached_on else 'not reached'}, off-policy "
                     f"{'reached at ' + format(reached_off, ',') if reached_off else 'not reached'}: {verdict}.")
-    tried = {base["seed"]: experiments(base["seed"]) for base, _, _ in plots}
     for base, _, teacher in plots:
-        for tag, curve, run in tried[base["seed"]]:
-            settings = ", ".join(f"`{o}`" for o in run["overrides"])
+        for label, curve, run in tried[base["seed"]]:
+            settings = ", ".join(f"`{o}`" for o in run["overrides"]) or "no overrides"
             reached = tokens_to_reach(curve, GOAL * teacher)
             text.append("")
-            text.append(f"Experiment `{tag}`, seed {base['seed']} (on-policy with {settings}; not the recipe, so not "
-                        f"in the goal above): " + ", ".join(f"{a:.3f} at {t:,}" for t, a in curve)
+            text.append(f"On-policy, {label}, seed {base['seed']} ({run['date']}, recipe file {run['recipe']} with "
+                        f"{settings}; not the current recipe, so not in the goal above): "
+                        + ", ".join(f"{a:.3f} at {t:,}" for t, a in curve)
                         + f" teacher tokens; {GOAL:.0%} of the teacher "
                         + (f"reached at {reached:,}." if reached else "not reached."))
     text.append("")
@@ -249,10 +268,11 @@ def report(doc: Path | None) -> str:
     if plt is not None and plots and doc is not None:
         fig, ax = plt.subplots(figsize=(7, 4))
         for base, on, teacher in plots:
-            ax.plot(*zip(*on), "o-", label=f"on-policy distillation, seed {base['seed']}")
+            if on is not None:
+                ax.plot(*zip(*on), "o-", label=f"on-policy distillation (the recipe), seed {base['seed']}")
             ax.plot(*zip(*base["curve"]), "s--", label=f"SFT on teacher samples, seed {base['seed']}")
-            for tag, curve, _ in tried[base["seed"]]:
-                ax.plot(*zip(*curve), "^:", label=f"on-policy, experiment {tag}, seed {base['seed']}")
+            for label, curve, _ in tried[base["seed"]]:
+                ax.plot(*zip(*curve), "^:", label=f"on-policy, {label.replace('`', '')}, seed {base['seed']}")
             ax.axhline(teacher, color="gray", lw=0.8)
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
         ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)")

@@ -13,7 +13,6 @@ so a later invocation reports runs made earlier, on this machine or another; --r
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import shutil
@@ -24,7 +23,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, pyplot, run_watched, save_figure, today, versions, write_section  # noqa: E402
+from common import (ROOT, file_hash, machine, pyplot, run_watched, save_figure, today, versions,  # noqa: E402
+                    write_section)
 
 HEADING = "## RL after SFT on word problems (SmolLM2-135M-Instruct)"
 RECIPES = {"sft-grpo": "configs/recipes/smollm2-sft-grpo.yaml",
@@ -38,7 +38,7 @@ GOAL_POINTS, GOAL_MINUTES = 8.0, 20.0
 
 
 def recipe_hash(config: str) -> str:
-    return hashlib.sha256((ROOT / config).read_bytes()).hexdigest()[:12]
+    return file_hash(ROOT / config)
 
 
 def sft_section(name: str) -> dict:

@@ -43,6 +43,13 @@ def versions(*modules: str) -> str:
     return f"Python {platform.python_version()}, " + ", ".join(found)
 
 
+def file_hash(path: Path) -> str:
+    """The first 12 hex digits of a file's SHA-256: which version of a recipe a kept result ran."""
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
 def today() -> str:
     return datetime.date.today().isoformat()
 
