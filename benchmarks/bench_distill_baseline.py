@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, file_hash, greedy_accuracy, machine, pyplot, run_watched, save_figure, today,  # noqa: E402
+from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_figure, settings_hash, today,  # noqa: E402
                     versions, write_section)
 
 HEADING = "## On-policy distillation against SFT on the teacher's samples"
@@ -188,7 +188,7 @@ def on_policy_runs(seed: int) -> tuple[list[tuple[int, float]] | None, list[tupl
     current = ON_POLICY / f"distill-{seed}.json"
     if current.is_file():
         curve, run = on_policy_curve(seed, current)
-        if run["recipe"] == file_hash(RECIPE):
+        if run["settings"] == settings_hash(RECIPE.read_text(), []):
             recipe = curve
         else:
             others.append(("an earlier recipe", curve, run))

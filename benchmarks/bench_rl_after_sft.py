@@ -6,8 +6,9 @@ iterations' wall time), peak memory of the process tree, and per iteration the r
 
     .venv/bin/python benchmarks/bench_rl_after_sft.py [--recipes sft-grpo] [--seeds 1,2,3] [--write docs/benchmarks.md]
 
-Each run's result is kept in benchmarks/results/rl_after_sft/<recipe>-<seed>.json (with the recipe file's hash),
-so a later invocation reports runs made earlier, on this machine or another; --report-only runs nothing.
+Each run's result is kept in benchmarks/results/rl_after_sft/<recipe>-<seed>.json (with the hashes of the recipe
+file and of the settings it ran: the recipe with the run's overrides), so a later invocation reports runs made
+earlier, on this machine or another, while their settings are still the recipe's; --report-only runs nothing.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, file_hash, machine, pyplot, run_watched, save_figure, today, versions,  # noqa: E402
-                    write_section)
+from common import (ROOT, file_hash, machine, pyplot, run_watched, save_figure, settings_hash, today,  # noqa: E402
+                    versions, write_section)
 
 HEADING = "## RL after SFT on word problems (SmolLM2-135M-Instruct)"
 RECIPES = {"sft-grpo": "configs/recipes/smollm2-sft-grpo.yaml",
@@ -39,6 +40,12 @@ GOAL_POINTS, GOAL_MINUTES = 8.0, 20.0
 
 def recipe_hash(config: str) -> str:
     return file_hash(ROOT / config)
+
+
+def recipe_settings(config: str, overrides: list[str] | None = None) -> str:
+    """Which settings a run of this recipe with these overrides has: a kept result counts for the recipe as it is
+    now when its settings equal the recipe's own (its file hash says which file version it started from)."""
+    return settings_hash((ROOT / config).read_text(), overrides or [])
 
 
 def sft_section(name: str) -> dict:
@@ -75,7 +82,7 @@ def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None 
     seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak,
-              "recipe": recipe_hash(config), "overrides": overrides, "date": today(), "machine": machine()}
+              "recipe": recipe_hash(config), "settings": recipe_settings(config, overrides), "overrides": overrides, "date": today(), "machine": machine()}
     kept_in = RESULTS if tag is None else RESULTS / "experiments"
     kept_in.mkdir(parents=True, exist_ok=True)
     (kept_in / f"{out.name}.json").write_text(json.dumps(result) + "\n")  # NAME-SEED[-TAG], as its folder
@@ -90,10 +97,10 @@ def kept() -> dict:
     for name, config in RECIPES.items():
         for file in sorted(RESULTS.glob(f"{name}-*.json")):
             r = json.loads(file.read_text())
-            if r["recipe"] == recipe_hash(config):
+            if r["settings"] == recipe_settings(config):
                 found[(name, int(file.stem.rsplit("-", 1)[1]))] = r
             else:
-                print(f"not reported: {file} ran an older {config}", flush=True)
+                print(f"not reported: {file} ran other settings than {config} holds now", flush=True)
     return found
 
 
@@ -175,12 +182,17 @@ def report(results: dict) -> str:
         if done < 3:
             verdicts.append(f"- {name}: {done} of 3 seeds run.")
     runs = "; ".join(f"{name} seed {seed}: {r['date']}, {r['machine']}" for (name, seed), r in sorted(results.items()))
+    overridden = [f"{name} seed {seed} ran recipe file {r['recipe']} with "
+                  + ", ".join(f"`{o}`" for o in r["overrides"])
+                  for (name, seed), r in sorted(results.items()) if r["overrides"]]
+    if overridden:
+        runs += ". Kept because those settings are the recipe's now: " + "; ".join(overridden)
     return "\n".join([
         HEADING, "",
         f"Runs: {runs}. Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.", "",
         "Command: `python benchmarks/bench_rl_after_sft.py --recipes NAME --seeds N --write docs/benchmarks.md` "
-        "(each run kept in benchmarks/results/rl_after_sft/ and reported by later invocations while its recipe file "
-        "is unchanged). A recipe is a pipeline, run as `rlhf-ray pipeline --config configs/recipes/smollm2-NAME.yaml "
+        "(each run kept in benchmarks/results/rl_after_sft/ and reported by later invocations while the settings it "
+        "ran, the recipe with its overrides, are the recipe's). A recipe is a pipeline, run as `rlhf-ray pipeline --config configs/recipes/smollm2-NAME.yaml "
         "--set seed=N`: SFT on worked answers first. sft-grpo: GRPO from the SFT model with the correctness rule as "
         "reward; sft-ppo: PPO from the SFT model with a critic (the SFT model with a new value head), one answer "
         "per prompt and the same rule as reward; pipeline-steps: a reward model on step-error pairs "

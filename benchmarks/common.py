@@ -44,10 +44,25 @@ def versions(*modules: str) -> str:
 
 
 def file_hash(path: Path) -> str:
-    """The first 12 hex digits of a file's SHA-256: which version of a recipe a kept result ran."""
+    """The first 12 hex digits of a file's SHA-256: which version of a recipe file a kept result ran."""
     import hashlib
 
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def settings_hash(recipe_text: str, overrides: list[str]) -> str:
+    """The first 12 hex digits of the SHA-256 of a recipe's settings with `--set` overrides applied, as the CLI
+    applies them: which configuration a kept result ran. Comments and layout do not change it; a run of an
+    earlier recipe file whose overrides made it today's recipe has today's recipe's hash."""
+    import hashlib
+    import json
+
+    import yaml
+
+    from rlhf_ray.config.loader import ConfigSource
+
+    source = ConfigSource(yaml.safe_load(recipe_text), "recipe").override(overrides)
+    return hashlib.sha256(json.dumps(source.data, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def today() -> str:

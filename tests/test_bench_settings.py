@@ -1,0 +1,34 @@
+"""Which kept benchmark results count for a recipe: the settings they ran (recipe + overrides), not the file bytes."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import settings_hash  # noqa: E402
+
+EARLIER = """# one optimizer step per rollout
+ppo:
+  policy: {micro_batch_size: 16}
+  ppo: {rollout_batch_size: 32}
+"""
+NOW = """ppo:
+  policy: {micro_batch_size: 8}
+  ppo:
+    rollout_batch_size: 32
+    train_batch_size: 8     # four steps per rollout
+"""
+
+
+def test_a_run_whose_overrides_made_it_todays_recipe_counts_for_it():
+    ran = settings_hash(EARLIER, ["ppo.policy.micro_batch_size=8", "ppo.ppo.train_batch_size=8"])
+    assert ran == settings_hash(NOW, [])
+
+
+def test_comments_and_layout_do_not_change_the_settings():
+    assert settings_hash("# a note\nppo: {ppo: {rollout_batch_size: 32}}\n", []) == \
+        settings_hash("ppo:\n  ppo:\n    rollout_batch_size: 32   # moved\n", [])
+
+
+def test_a_changed_value_does():
+    assert settings_hash(EARLIER, []) != settings_hash(NOW, [])
+    assert settings_hash(NOW, ["ppo.ppo.train_batch_size=16"]) != settings_hash(NOW, [])
