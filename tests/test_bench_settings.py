@@ -1,10 +1,14 @@
 """Which kept benchmark results count for a recipe: the settings they ran (recipe + overrides), not the file bytes."""
 
-import sys
+import importlib.util
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from common import settings_hash  # noqa: E402
+# benchmarks/common.py by its path: putting benchmarks/ on sys.path would let its modules shadow others in the session
+_spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).resolve().parent.parent / "benchmarks"
+                                               / "common.py")
+_common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_common)
+settings_hash = _common.settings_hash
 
 EARLIER = """# one optimizer step per rollout
 ppo:
