@@ -266,19 +266,21 @@ def report(doc: Path | None) -> str:
     text.append("")
     plt = pyplot()
     if plt is not None and plots and doc is not None:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for base, on, teacher in plots:
+        # one panel per seed: each seed has its own teacher, so its own teacher and goal lines
+        fig, axes = plt.subplots(1, len(plots), figsize=(4.5 * len(plots) + 1, 4), sharey=True, squeeze=False)
+        for ax, (base, on, teacher) in zip(axes[0], plots):
             if on is not None:
-                ax.plot(*zip(*on), "o-", label=f"on-policy distillation (the recipe), seed {base['seed']}")
-            ax.plot(*zip(*base["curve"]), "s--", label=f"SFT on teacher samples, seed {base['seed']}")
+                ax.plot(*zip(*on), "o-", label="on-policy distillation (the recipe)")
+            ax.plot(*zip(*base["curve"]), "s--", label="SFT on teacher samples")
             for label, curve, _ in tried[base["seed"]]:
-                ax.plot(*zip(*curve), "^:", label=f"on-policy, {label.replace('`', '')}, seed {base['seed']}")
+                ax.plot(*zip(*curve), "^:", label=f"on-policy, {label.replace('`', '')}")
             ax.axhline(teacher, color="gray", lw=0.8)
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
-        ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)")
-        ax.set_ylabel(f"held-out greedy accuracy ({EVAL} problems)")
-        ax.set_title("student accuracy against teacher calls (gray: teacher, dotted: 90% of it)", fontsize=9)
-        ax.legend(fontsize=8)
+            ax.set_title(f"seed {base['seed']}: teacher {teacher:.3f} (gray), {GOAL:.0%} of it dotted", fontsize=9)
+            ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)", fontsize=8)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel(f"held-out greedy accuracy ({EVAL} problems)")
+        fig.suptitle("student accuracy against teacher calls", fontsize=10)
         text.append(save_figure(fig, doc, "distill_baseline.png"))
         text.append("")
     return "\n".join(text)
