@@ -28,8 +28,8 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_figure, settings_hash, today,  # noqa: E402
-                    versions, write_section)
+from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_figure, settings_hash,  # noqa: E402
+                    today, versions, write_section)
 
 HEADING = "## On-policy distillation against SFT on the teacher's samples"
 RECIPE = ROOT / "configs/recipes/smollm2-distill.yaml"

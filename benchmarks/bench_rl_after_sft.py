@@ -82,7 +82,8 @@ def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None 
     seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak,
-              "recipe": recipe_hash(config), "settings": recipe_settings(config, overrides), "overrides": overrides, "date": today(), "machine": machine()}
+              "recipe": recipe_hash(config), "settings": recipe_settings(config, overrides), "overrides": overrides,
+              "date": today(), "machine": machine()}
     kept_in = RESULTS if tag is None else RESULTS / "experiments"
     kept_in.mkdir(parents=True, exist_ok=True)
     (kept_in / f"{out.name}.json").write_text(json.dumps(result) + "\n")  # NAME-SEED[-TAG], as its folder
@@ -192,8 +193,9 @@ def report(results: dict) -> str:
         f"Runs: {runs}. Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.", "",
         "Command: `python benchmarks/bench_rl_after_sft.py --recipes NAME --seeds N --write docs/benchmarks.md` "
         "(each run kept in benchmarks/results/rl_after_sft/ and reported by later invocations while the settings it "
-        "ran, the recipe with its overrides, are the recipe's). A recipe is a pipeline, run as `rlhf-ray pipeline --config configs/recipes/smollm2-NAME.yaml "
-        "--set seed=N`: SFT on worked answers first. sft-grpo: GRPO from the SFT model with the correctness rule as "
+        "ran, the recipe with its overrides, are the recipe's). A recipe is a pipeline, run as `rlhf-ray pipeline "
+        "--config configs/recipes/smollm2-NAME.yaml --set seed=N`: SFT on worked answers first. sft-grpo: GRPO "
+        "from the SFT model with the correctness rule as "
         "reward; sft-ppo: PPO from the SFT model with a critic (the SFT model with a new value head), one answer "
         "per prompt and the same rule as reward; pipeline-steps: a reward model on step-error pairs "
         "(demo/word-problems-steps), then PPO from the SFT model with it; distill: the base model distilled from "

@@ -43,18 +43,21 @@ def versions(*modules: str) -> str:
     return f"Python {platform.python_version()}, " + ", ".join(found)
 
 
-def file_hash(path: Path) -> str:
-    """The first 12 hex digits of a file's SHA-256: which version of a recipe file a kept result ran."""
+def _sha12(data: bytes) -> str:
     import hashlib
 
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def file_hash(path: Path) -> str:
+    """The first 12 hex digits of a file's SHA-256: which version of a recipe file a kept result ran."""
+    return _sha12(path.read_bytes())
 
 
 def settings_hash(recipe_text: str, overrides: list[str]) -> str:
     """The first 12 hex digits of the SHA-256 of a recipe's settings with `--set` overrides applied, as the CLI
     applies them: which configuration a kept result ran. Comments and layout do not change it; a run of an
     earlier recipe file whose overrides made it today's recipe has today's recipe's hash."""
-    import hashlib
     import json
 
     import yaml
@@ -62,7 +65,7 @@ def settings_hash(recipe_text: str, overrides: list[str]) -> str:
     from rlhf_ray.config.loader import ConfigSource
 
     source = ConfigSource(yaml.safe_load(recipe_text), "recipe").override(overrides)
-    return hashlib.sha256(json.dumps(source.data, sort_keys=True).encode()).hexdigest()[:12]
+    return _sha12(json.dumps(source.data, sort_keys=True).encode())
 
 
 def today() -> str:
