@@ -27,14 +27,19 @@ def ppo_job(tmp_path, sft, rm, *overrides):
                      "cluster.dashboard=false", "logging.progress=false", *overrides])
 
 
-@pytest.mark.parametrize("engine", [["generation.engine=hf"], ["generation.engine=vllm", "generation.vllm.dtype=fp32"]],
-                         ids=["hf", "vllm"])
-def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models, engine):
-    """The quickstart PPO run with each engine: the reward-model score and the rule accuracy of the policy's
-    sampled answers (what PPO optimises) rise; its greedy answers, already the SFT policy's most likely ones, keep
-    about their score and accuracy (docs/jobs.md, "What to expect on the demo task")."""
+def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
+    """The quickstart PPO run as shipped (engine auto: the hf engine for a model this small): the reward-model score
+    and the rule accuracy of the policy's sampled answers (what PPO optimises) rise; its greedy answers, already the
+    SFT policy's most likely ones, keep about their score and accuracy (docs/jobs.md, "What to expect on the demo
+    task"). Learning does not depend on the engine once the engine samples the learner's distribution, which is
+    checked for vLLM on its own (mismatch ~0 after every sync in the LoRA tests below, log-probs equal the learner's
+    in test_engines.py), so the same run with vLLM is not repeated here."""
+    from rlhf_ray.models.support import resolve_engine
+
     sft, rm = stage_models
-    summary = run_ppo(ppo_job(tmp_path, sft, rm, *engine))
+    job = ppo_job(tmp_path, sft, rm)
+    assert resolve_engine(job.generation, job.policy.model)[0] == "hf"
+    summary = run_ppo(job)
     assert summary["sampled_reward_after"] > summary["sampled_reward_before"] + 0.5, summary
     assert summary["sampled_task_accuracy_after"] > summary["sampled_task_accuracy_before"] + 0.03, summary
     assert summary["reward_after"] > summary["reward_before"] - 0.1, summary
