@@ -174,7 +174,7 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
 
 
 # (the hf engine with a ZeRO-2 policy, the defaults, is the first leg of every family's end-to-end test in
-# test_model_families.py; ipc in place, ZeRO-0 fp32, is test_smollm2.py's; the object store is
+# test_model_families.py; ipc in place, ZeRO-0 fp32, is test_smollm2.py's SFT -> PPO pipeline's; the object store is
 # test_fault_tolerance.py's: the same check, not run again here. ipc here: 64 KiB buckets, each vLLM reloads on its own)
 # the first also cuts every role's micro-batches by a token budget: the two ZeRO-3 policy ranks then need different
 # numbers of micro-batches, and must still run as many forwards (their gathers are collectives)
