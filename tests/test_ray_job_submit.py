@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from tests.conftest import ROOT
 
 pytestmark = pytest.mark.system
 RAY = str(Path(sys.executable).parent / "ray")
+SUBMIT_TIMEOUT_S = 420  # the job takes ~30 s on 2 cores
 
 
 def _free_port() -> int:
@@ -28,27 +30,58 @@ def ray_head(tmp_path_factory):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     dashboard = _free_port()
     temp_dir = tmp_path_factory.mktemp("ray")
+    # every port the head listens on is a free one (the job agent's default, 52365, is fixed: another Ray on the
+    # machine, or one still shutting down, would leave this head's agent without its HTTP server)
     start = [RAY, "start", "--head", f"--port={_free_port()}", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dashboard}", "--num-cpus=2", "--disable-usage-stats", f"--temp-dir={temp_dir}"]
+             f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={_free_port()}",
+             f"--metrics-export-port={_free_port()}", "--num-cpus=2", "--disable-usage-stats",
+             f"--temp-dir={temp_dir}"]
     subprocess.run(start, env=env, check=True, timeout=180, capture_output=True)
     try:
-        yield f"http://127.0.0.1:{dashboard}", env
+        yield f"http://127.0.0.1:{dashboard}", env, temp_dir
     finally:
         subprocess.run([RAY, "stop", "--force"], env=env, timeout=120, capture_output=True)
 
 
+def _diagnosis(address: str, env: dict, job_id: str, temp_dir: Path) -> str:
+    """What a stalled submission leaves to read: the job's status and driver log, the tails of the head's own logs
+    (the job agent, the runtime-env agent, the raylet), and the processes that held the CPUs meanwhile."""
+    top = subprocess.run(["ps", "-eo", "pid,ppid,pcpu,etime,args", "--sort=-pcpu"], capture_output=True, text=True)
+    parts = ["$ ps (busiest first)\n" + "\n".join(line[:160] for line in top.stdout.splitlines()[:12])]
+    for what in (["status", job_id], ["logs", job_id]):
+        try:
+            got = subprocess.run([RAY, "job", *what, "--address", address], env=env, capture_output=True,
+                                 text=True, timeout=60, cwd=ROOT)
+            parts.append(f"$ ray job {' '.join(what)}\n{got.stdout[-3000:]}{got.stderr[-1500:]}")
+        except subprocess.TimeoutExpired:
+            parts.append(f"$ ray job {' '.join(what)}: no answer in 60 s")
+    for name in ("dashboard_agent.log", "runtime_env_agent.log", "raylet.out", "dashboard.log"):
+        for log in sorted((temp_dir / "session_latest" / "logs").glob(name)):
+            parts.append(f"--- {log.name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+    return "\n".join(parts)
+
+
+@pytest.mark.timeout(900)
 def test_sft_quickstart_through_ray_job_submit(ray_head, tmp_path, tiny_model):
-    address, env = ray_head
+    address, env, temp_dir = ray_head
+    env = {**env, "RAY_AUTH_MODE": "token"}  # the token `ray start --head` wrote is read by the client in token mode
+    job_id = f"sft-{uuid.uuid4().hex[:8]}"
     out = tmp_path / "sft"
     entrypoint = [sys.executable, "-m", "rlhf_ray.cli", "sft", "--config", "configs/quickstart/sft.yaml",
                   "--set", f"model.path={tiny_model}", "--set", f"output_dir={out}", "--set", "train.max_steps=10",
                   "--set", "logging.progress=false"]
-    submit = [RAY, "job", "submit", "--address", address, "--working-dir", ".",
+    submit = [RAY, "job", "submit", "--address", address, "--submission-id", job_id, "--working-dir", ".",
               "--runtime-env", "deploy/runtime_env.yaml", "--"]
-    # the token that `ray start --head` wrote is read by the client only in token mode
-    result = subprocess.run(submit + entrypoint, env={**env, "RAY_AUTH_MODE": "token"}, capture_output=True,
-                            text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    try:  # a stall is reported with what the head logged, inside pytest's own timeout
+        result = subprocess.run(submit + entrypoint, env=env, capture_output=True, text=True,
+                                timeout=SUBMIT_TIMEOUT_S, cwd=ROOT)
+    except subprocess.TimeoutExpired as stalled:
+        printed = stalled.stdout or b""  # bytes even with text=True
+        printed = printed.decode(errors="replace") if isinstance(printed, bytes) else printed
+        pytest.fail(f"`ray job submit` did not end in {SUBMIT_TIMEOUT_S} s; it printed:\n{printed[-3000:]}\n"
+                    f"{_diagnosis(address, env, job_id, temp_dir)}", pytrace=False)
+    assert result.returncode == 0, (result.stdout[-3000:] + result.stderr[-3000:]
+                                    + _diagnosis(address, env, job_id, temp_dir))
     assert "succeeded" in result.stdout.lower()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_loss_last"] < summary["eval_loss_first"]
