@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import uuid
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_ray.cluster import free_port
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.system
@@ -19,22 +19,16 @@ RAY = str(Path(sys.executable).parent / "ray")
 SUBMIT_TIMEOUT_S = 420  # the job takes ~30 s on 2 cores
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    dashboard = _free_port()
+    dashboard = free_port()
     temp_dir = tmp_path_factory.mktemp("ray")
-    # every port the head listens on is a free one (the job agent's default, 52365, is fixed: another Ray on the
-    # machine, or one still shutting down, would leave this head's agent without its HTTP server)
-    start = [RAY, "start", "--head", f"--port={_free_port()}", "--dashboard-host=127.0.0.1",
-             f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={_free_port()}",
-             f"--metrics-export-port={_free_port()}", "--num-cpus=2", "--disable-usage-stats",
+    # the ports Ray fixes by default get free ones (the job agent's 52365: another Ray on the machine, or one still
+    # shutting down, would leave this head's agent without its HTTP server)
+    start = [RAY, "start", "--head", f"--port={free_port()}", "--dashboard-host=127.0.0.1",
+             f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={free_port()}",
+             f"--metrics-export-port={free_port()}", "--num-cpus=2", "--disable-usage-stats",
              f"--temp-dir={temp_dir}"]
     subprocess.run(start, env=env, check=True, timeout=180, capture_output=True)
     try:
@@ -56,8 +50,9 @@ def _diagnosis(address: str, env: dict, job_id: str, temp_dir: Path) -> str:
         except subprocess.TimeoutExpired:
             parts.append(f"$ ray job {' '.join(what)}: no answer in 60 s")
     for name in ("dashboard_agent.log", "runtime_env_agent.log", "raylet.out", "dashboard.log"):
-        for log in sorted((temp_dir / "session_latest" / "logs").glob(name)):
-            parts.append(f"--- {log.name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+        log = temp_dir / "session_latest" / "logs" / name
+        if log.is_file():
+            parts.append(f"--- {name} (tail)\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
     return "\n".join(parts)
 
 
