@@ -43,6 +43,34 @@ def test_missing_and_corrupt_gguf_files_are_named(tmp_path):
         check_gguf(tmp_path / "cut.gguf")
 
 
+def test_the_header_check_reads_what_gguf_reads_without_parsing_the_vocabulary(tmp_path, monkeypatch):
+    """check_gguf runs before every job and `validate`: it reads the header only (models/gguf_header.py), and agrees
+    with gguf's own reader on the shipped model and on tiny files of both vocabulary shapes; cut anywhere after the
+    header (inside the tensor data) the file is still refused."""
+    import gguf
+    from gguf import GGUFReader
+
+    files = [packaged_gguf("smollm2"), write_tiny_gguf(tmp_path / "llama.gguf", GGUFSpec(chat_template="{{x}}")),
+             write_tiny_gguf(tmp_path / "gemma3.gguf", GGUFSpec(arch="gemma3", eot=True))]
+    full = {}
+    for file in files:
+        reader = GGUFReader(str(file))
+        arch = reader.fields["general.architecture"]
+        full[file] = (bytes(arch.parts[arch.data[0]]).decode(), len(reader.tensors))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("check_gguf parsed every metadata value with GGUFReader (~5 s for SmolLM2)")
+
+    monkeypatch.setattr(gguf, "GGUFReader", refuse)
+    for file in files:
+        info = check_gguf(file)
+        assert (info["architecture"], info["tensors"]) == full[file]
+    data = files[0].read_bytes()
+    (tmp_path / "half.gguf").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelSourceError, match=f"half.gguf cannot be read .*tensors need {len(data)} bytes"):
+        check_gguf(tmp_path / "half.gguf")
+
+
 def test_smollm2_loads_with_its_conventions_and_template(smollm2, tmp_path):
     from rlhf_ray.config.data import DataSpec, DatasetSpec
     from rlhf_ray.data.build import build_phase_data

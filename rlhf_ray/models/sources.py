@@ -17,6 +17,7 @@ import logging
 import os
 from pathlib import Path
 
+from rlhf_ray.models.gguf_header import GGUFHeaderError, read_gguf_header
 from rlhf_ray.models.gguf_tokens import (apply_to_tokenizer, disagreements, generation_config,
                                          read_gguf_tokens, write_tokenizer_flags)
 from rlhf_ray.models.packaged import MODELS_DIR_ENV, PACKAGE_PREFIX, PackagedModelError, packaged_gguf
@@ -32,8 +33,8 @@ class ModelSourceError(ValueError):
 
 
 def check_gguf(path: str | Path) -> dict:
-    """Read a GGUF file's header and metadata (no tensors): its architecture and size. A missing file, another
-    format or a truncated file is a ModelSourceError naming it."""
+    """Read a GGUF file's header (models/gguf_header.py: no metadata values, no tensors): its architecture and size.
+    A missing file, another format or a truncated file is a ModelSourceError naming it."""
     file = Path(path)
     if not file.is_file():
         raise ModelSourceError(f"GGUF file {file} does not exist")
@@ -41,15 +42,10 @@ def check_gguf(path: str | Path) -> dict:
         if f.read(4) != GGUF_MAGIC:
             raise ModelSourceError(f"{file} is not a GGUF file (it does not start with the GGUF magic bytes)")
     try:
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(file))
-        arch_field = reader.fields["general.architecture"]
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-        tensors = len(reader.tensors)
-    except Exception as exc:  # noqa: BLE001 - any parse failure means a corrupt or truncated file
-        raise ModelSourceError(f"GGUF file {file} cannot be read ({type(exc).__name__}: {exc}); it is corrupt or "
-                               f"truncated") from exc
+        header = read_gguf_header(file)
+    except (GGUFHeaderError, OSError) as exc:
+        raise ModelSourceError(f"GGUF file {file} cannot be read ({exc}); it is corrupt or truncated") from exc
+    arch, tensors = header.architecture, header.tensors
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
