@@ -31,6 +31,7 @@ SCRIPTS = {
     "logprob_memory": "bench_logprob_memory.py",  # a policy step's peak at 512 + 512 tokens, log-prob paths
     "partial_rollouts": "bench_partial_rollouts.py",  # sync / async / partial rollouts on long-tailed answers
     "no_reference": "bench_no_reference.py",  # reference: null in runs without a KL term: the iteration time saved
+    "gguf_check": "bench_gguf_check.py",  # the header read of a GGUF source against gguf's full reader
 }
 
 
