@@ -45,13 +45,18 @@ def test_missing_and_corrupt_gguf_files_are_named(tmp_path):
 
 def test_the_header_check_reads_what_gguf_reads_without_parsing_the_vocabulary(tmp_path, monkeypatch):
     """check_gguf runs before every job and `validate`: it reads the header only (models/gguf_header.py), and agrees
-    with gguf's own reader on the shipped model and on tiny files of both vocabulary shapes; cut anywhere after the
-    header (inside the tensor data) the file is still refused."""
+    with gguf's own reader on the shipped model, on tiny files of both vocabulary shapes and on a big-endian file; cut after the
+    inside the tensor data, the file is still refused."""
     import gguf
+    import numpy as np
     from gguf import GGUFReader
 
+    big = gguf.GGUFWriter(str(tmp_path / "big-endian.gguf"), "qwen2", endianess=gguf.GGUFEndian.BIG)
+    big.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    big.add_tensor("w", np.ones((3, 4), dtype=np.float32))
+    big.write_header_to_file(), big.write_kv_data_to_file(), big.write_tensors_to_file(), big.close()
     files = [packaged_gguf("smollm2"), write_tiny_gguf(tmp_path / "llama.gguf", GGUFSpec(chat_template="{{x}}")),
-             write_tiny_gguf(tmp_path / "gemma3.gguf", GGUFSpec(arch="gemma3", eot=True))]
+             write_tiny_gguf(tmp_path / "gemma3.gguf", GGUFSpec(arch="gemma3", eot=True)), tmp_path / "big-endian.gguf"]
     full = {}
     for file in files:
         reader = GGUFReader(str(file))

@@ -3,7 +3,7 @@ tensor's data lies inside the file. gguf's GGUFReader turns every metadata value
 49k-entry vocabulary: ~5 s a file); a job checks its GGUF sources before anything starts, so this reads the same
 layout with struct over a memory map and skips what it does not need (~0.1 s).
 
-Layout (little-endian, GGUF v2/v3): magic, version u32, tensor count u64, metadata count u64; metadata entries
+Layout (GGUF v2/v3, little-endian, or big-endian where the version reads so): magic, version u32, tensor count u64, metadata count u64; metadata entries
 (key string, value type u32, value); tensor entries (name string, dims u32 + u64 each, type u32, offset u64); the
 data, aligned to `general.alignment` (default 32)."""
 
@@ -31,9 +31,10 @@ class GGUFHeader:
 
 class _Cursor:
     def __init__(self, data: mmap.mmap | bytes):
-        self.data, self.at = data, 0
+        self.data, self.at, self.order = data, 0, "<"
 
     def values(self, fmt: str) -> tuple:
+        fmt = self.order + fmt
         size = struct.calcsize(fmt)
         if self.at + size > len(self.data):
             raise GGUFHeaderError(f"ends at byte {len(self.data)}, inside the header (reading byte {self.at})")
@@ -45,7 +46,7 @@ class _Cursor:
         return self.values(fmt)[0]
 
     def string(self) -> str:
-        size = self.take("<Q")
+        size = self.take("Q")
         if self.at + size > len(self.data):
             raise GGUFHeaderError(f"a string of {size} bytes at byte {self.at} runs past the end")
         text = bytes(self.data[self.at:self.at + size]).decode("utf-8", errors="replace")
@@ -56,10 +57,10 @@ class _Cursor:
         if kind in _FIXED:
             self.at += _FIXED[kind]
         elif kind == _STRING:
-            size = self.take("<Q")  # read before the += below reads self.at
+            size = self.take("Q")  # read before the += below reads self.at
             self.at += size
         elif kind == _ARRAY:
-            item, count = self.values("<IQ")
+            item, count = self.values("IQ")
             if item in _FIXED:
                 self.at += _FIXED[item] * count
             else:
@@ -77,23 +78,26 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
 
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         cursor = _Cursor(data)
-        magic, version, n_tensors, n_values = cursor.values("<4sIQQ")
+        magic, version = cursor.values("4sI")
+        if magic == b"GGUF" and version not in (2, 3) and struct.unpack(">I", struct.pack("<I", version))[0] in (2, 3):
+            cursor.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]  # a big-endian file
         if magic != b"GGUF" or version not in (2, 3):
             raise GGUFHeaderError(f"magic {magic!r}, version {version}: not GGUF v2 or v3")
+        n_tensors, n_values = cursor.values("QQ")
         architecture, alignment = None, 32
         for _ in range(n_values):
-            key, kind = cursor.string(), cursor.take("<I")
+            key, kind = cursor.string(), cursor.take("I")
             if key == "general.architecture" and kind == _STRING:
                 architecture = cursor.string()
             elif key == "general.alignment" and kind == _UINT32:
-                alignment = cursor.take("<I")
+                alignment = cursor.take("I")
             else:
                 cursor.skip_value(kind)
         ends = 0
         for _ in range(n_tensors):
             name = cursor.string()
-            dims = cursor.values(f"<{cursor.take('<I')}Q")
-            kind, offset = cursor.values("<IQ")
+            dims = cursor.values(f"{cursor.take('I')}Q")
+            kind, offset = cursor.values("IQ")
             try:
                 block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
             except ValueError:
