@@ -45,8 +45,8 @@ def test_missing_and_corrupt_gguf_files_are_named(tmp_path):
 
 def test_the_header_check_reads_what_gguf_reads_without_parsing_the_vocabulary(tmp_path, monkeypatch):
     """check_gguf runs before every job and `validate`: it reads the header only (models/gguf_header.py), and agrees
-    with gguf's own reader on the shipped model, on tiny files of both vocabulary shapes and on a big-endian file; cut after the
-    inside the tensor data, the file is still refused."""
+    with gguf's own reader on the shipped model, on tiny files of both vocabulary shapes and on a big-endian file;
+    cut inside the tensor data, the file is still refused."""
     import gguf
     import numpy as np
     from gguf import GGUFReader
