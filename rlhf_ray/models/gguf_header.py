@@ -79,8 +79,9 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         cursor = _Cursor(data)
         magic, version = cursor.values("4sI")
-        if magic == b"GGUF" and version not in (2, 3) and struct.unpack(">I", struct.pack("<I", version))[0] in (2, 3):
-            cursor.order, version = ">", struct.unpack(">I", struct.pack("<I", version))[0]  # a big-endian file
+        swapped = struct.unpack(">I", struct.pack("<I", version))[0]
+        if magic == b"GGUF" and version not in (2, 3) and swapped in (2, 3):
+            cursor.order, version = ">", swapped  # a big-endian file
         if magic != b"GGUF" or version not in (2, 3):
             raise GGUFHeaderError(f"magic {magic!r}, version {version}: not GGUF v2 or v3")
         n_tensors, n_values = cursor.values("QQ")
@@ -91,6 +92,8 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
                 architecture = cursor.string()
             elif key == "general.alignment" and kind == _UINT32:
                 alignment = cursor.take("I")
+                if alignment == 0:
+                    raise GGUFHeaderError("general.alignment is 0")
             else:
                 cursor.skip_value(kind)
         ends = 0
