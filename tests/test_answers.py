@@ -178,3 +178,31 @@ def test_the_task_accuracy_rule_is_the_named_function_else_the_datasets_own():
         accuracy_rule(job("ppo.accuracy_function=rlhf_ray.data.answers:nope"), rows)
     with pytest.raises(ConfigError, match="accuracy_function"):
         job("ppo.accuracy_function=not a path")
+
+
+def test_step_credit_reads_the_problem_from_the_prompt_and_credits_right_steps_in_order():
+    """rlhf_ray.data.word_problems:step_credit_reward: a right final number scores 1 as the last-number rule does; a
+    wrong one earns STEP_CREDIT in proportion to the worked solution's intermediate results it writes after an `=`,
+    in order; the problem is read back from the prompt (plain or chat-rendered) for every generated problem."""
+    from rlhf_ray.data import word_problems as wp
+
+    train, held_out = wp.problems()
+    assert all(wp.question_ops(p.prompt) == (p.start, p.ops) for p in train + held_out)
+    three = next(p for p in train if [k for k, _, _ in p.ops] == ["buy", "packs", "give"])
+    results = wp.step_results(three.start, three.ops)
+    assert len(results) == 4 and results[-1] == three.value  # buy: 1 result, packs: product and sum, give: 1
+    chat = f"<|im_start|>user\n{three.prompt.removeprefix(' Human: ').removesuffix(' Assistant:')}<|im_end|>\n"
+    first, product, total = results[:3]
+    answers = [three.solution(),                                            # right: 1
+               three.solution(three.value + 1),                             # every step right, last number wrong
+               f"= {first}. = {product}, = {total + 1}. The answer is 0.",  # two of three intermediate results
+               f"= {total} and = {first}. The answer is 0.",                # out of order: only one counts
+               "I do not know."]
+    scores = wp.step_credit_reward([chat] * 5, answers, [str(three.value)] * 5)
+    assert scores == [1.0, wp.STEP_CREDIT, wp.STEP_CREDIT * 2 / 3, wp.STEP_CREDIT / 3, 0.0]
+    one = next(p for p in train if len(p.ops) == 1)  # nothing between the question and the answer: 1 or 0
+    assert wp.step_credit_reward([one.prompt] * 2, [one.solution(), one.solution(one.value + 1)],
+                                 [str(one.value)] * 2) == [1.0, 0.0]
+    assert wp.step_credit_reward(["no problem here"], ["= 3"], ["4"]) == [0.0]  # no problem read: the plain rule
+    with pytest.raises(ValueError, match="1 prompts, 2 answers and 1 ground-truth values"):
+        wp.step_credit_reward(["p"], ["a", "b"], ["1"])

@@ -12,6 +12,7 @@ import random
 import re
 from dataclasses import dataclass
 
+from rlhf_ray.data.answers import last_number_reward
 from rlhf_ray.data.calculator_tool import calculate, first_message, show
 from rlhf_ray.data.raw import RawDataset, RawSample
 
@@ -186,3 +187,56 @@ def load_steps(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_S
     key = f"{STEPS_NAME}:v{STEPS_VERSION}:seed{seed}:{n_train}+{n_eval}"
     return RawDataset(name=STEPS_NAME, train=samples(train), eval=samples(held_out),
                       fingerprint=hashlib.sha256(key.encode()).hexdigest())
+
+
+# ---- a reward with credit for right intermediate results -----------------------------------------------------------
+
+_HAS = re.compile(r"(\w+) has (\d+) (\w+)\.")
+_THEN = re.compile(r"Then \w+ (?:finds (\d+) more \w+|gives (\d+) \w+ to a friend|buys (\d+) packs of \w+ with (\d+) "
+                   r"\w+ in each pack)\.")
+_RESULT = re.compile(r"=\s*(-?\d+)")
+STEP_CREDIT = 0.5
+"""The most a wrong final answer earns for its right intermediate results (a right one earns 1)."""
+
+
+def question_ops(text: str) -> tuple[int, tuple[tuple[str, int, int], ...]] | None:
+    """(start, ops) of the problem whose question `text` holds (a prompt, chat-rendered or not), read back from the
+    sentences `make_problem` writes; None when the text holds no such problem."""
+    start = _HAS.search(text)
+    if start is None:
+        return None
+    ops = []
+    for find, give, packs, each in _THEN.findall(text[start.end():]):
+        ops.append(("buy", int(find), 0) if find else ("give", int(give), 0) if give else
+                   ("packs", int(packs), int(each)))
+    return int(start.group(2)), tuple(ops)
+
+
+def step_results(start: int, ops: tuple[tuple[str, int, int], ...]) -> list[int]:
+    """The numbers a worked solution writes after each `=`, in order (a packs step writes its product, then the sum);
+    the last is the answer."""
+    results = []
+    for line in worked_steps(start, ops)[0]:
+        results += [int(n) for n in _RESULT.findall(line)]
+    return results
+
+
+def step_credit_reward(prompts: list[str], answers: list[str], answer: list, **_) -> list[float]:
+    """1 when the answer's last number is the ground truth (as `answers.last_number_reward`); else up to
+    STEP_CREDIT for the solution's intermediate results the answer writes after an `=`, in the solution's order:
+    STEP_CREDIT x (results found) / (intermediate results). A denser signal than right/wrong for problems of two or
+    three steps (a one-step problem has no intermediate result: 1 or 0), read from the problem in the prompt, so
+    the dataset needs no extra column. Task accuracy stays the last-number rule."""
+    if not len(prompts) == len(answers) == len(answer):
+        raise ValueError(f"{len(prompts)} prompts, {len(answers)} answers and {len(answer)} ground-truth values")
+    scores = []
+    for prompt, text, right in zip(prompts, answers, last_number_reward(prompts, answers, answer)):
+        problem = question_ops(prompt)
+        if right or problem is None:
+            scores.append(right)
+            continue
+        wanted = step_results(*problem)[:-1]
+        written = iter(int(n) for n in _RESULT.findall(text))
+        found = sum(1 for value in wanted if any(value == w for w in written))  # in order: `written` is consumed
+        scores.append(STEP_CREDIT * found / len(wanted) if wanted else 0.0)
+    return scores
