@@ -74,6 +74,11 @@ def test_the_header_check_reads_what_gguf_reads_without_parsing_the_vocabulary(t
     (tmp_path / "half.gguf").write_bytes(data[:len(data) // 2])
     with pytest.raises(ModelSourceError, match=f"half.gguf cannot be read .*tensors need {len(data)} bytes"):
         check_gguf(tmp_path / "half.gguf")
+    zero = gguf.GGUFWriter(str(tmp_path / "zero.gguf"), "llama")  # tensors would sit at multiples of 0 bytes
+    zero.add_uint32("general.alignment", 0)
+    zero.write_header_to_file(), zero.write_kv_data_to_file(), zero.close()
+    with pytest.raises(ModelSourceError, match=r"zero.gguf cannot be read \(general.alignment is 0\)"):
+        check_gguf(tmp_path / "zero.gguf")
 
 
 def test_smollm2_loads_with_its_conventions_and_template(smollm2, tmp_path):

@@ -191,7 +191,7 @@ def load_steps(seed: int = SEED, n_train: int = TRAIN_SIZE, n_eval: int = EVAL_S
 
 # ---- a reward with credit for right intermediate results -----------------------------------------------------------
 
-_HAS = re.compile(r"(\w+) has (\d+) (\w+)\.")
+_HAS = re.compile(r"\w+ has (\d+) \w+\.")
 _THEN = re.compile(r"Then \w+ (?:finds (\d+) more \w+|gives (\d+) \w+ to a friend|buys (\d+) packs of \w+ with (\d+) "
                    r"\w+ in each pack)\.")
 _RESULT = re.compile(r"=\s*(-?\d+)")
@@ -209,7 +209,7 @@ def question_ops(text: str) -> tuple[int, tuple[tuple[str, int, int], ...]] | No
     for find, give, packs, each in _THEN.findall(text[start.end():]):
         ops.append(("buy", int(find), 0) if find else ("give", int(give), 0) if give else
                    ("packs", int(packs), int(each)))
-    return int(start.group(2)), tuple(ops)
+    return int(start.group(1)), tuple(ops)
 
 
 def step_results(start: int, ops: tuple[tuple[str, int, int], ...]) -> list[int]:
