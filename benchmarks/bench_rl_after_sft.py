@@ -105,9 +105,16 @@ def kept() -> dict:
     return found
 
 
-def stderr(p: float, n: int) -> float:
-    """One binomial standard error of an accuracy p over n answers."""
-    return math.sqrt(p * (1 - p) / n) if n else float("nan")
+def stderr(ppo: dict, key: str) -> float:
+    """One standard error of summary key `key` (e.g. `sampled_task_accuracy_after`) over the held-out problems: the
+    job's own (`..._se_after`, from the per-problem accuracies) where the run recorded it; for runs from before
+    it did, sqrt(p (1 - p) / (n - 1)) over the n problems, exact for greedy answers (one per problem) and an upper
+    bound for sampled ones (a problem's answers agreeing is the most their correlation can do)."""
+    recorded = ppo.get(key.replace("_before", "_se_before").replace("_after", "_se_after"))
+    if recorded is not None:
+        return recorded
+    p, n = ppo[key], ppo["eval_prompts"]
+    return math.sqrt(p * (1 - p) / (n - 1)) if n > 1 else float("nan")
 
 
 def rl_minutes(r: dict) -> float:
@@ -169,13 +176,14 @@ def report(results: dict) -> str:
     verdicts = []
     for (name, seed), r in sorted(results.items()):
         ppo = r["summary"]["ppo"]
-        n = ppo["eval_prompts"]
         g0, g1 = ppo["task_accuracy_before"], ppo["task_accuracy_after"]
         s0, s1 = ppo.get("sampled_task_accuracy_before"), ppo.get("sampled_task_accuracy_after")
-        samples = n * 2
-        rows.append(f"| {name} | {seed} | {STARTS_FROM[name]} | {g0:.3f} ± {stderr(g0, n):.3f} | "
-                    f"{g1:.3f} ± {stderr(g1, n):.3f} | {100 * (g1 - g0):+.1f} | {s0:.3f} ± {stderr(s0, samples):.3f} | "
-                    f"{s1:.3f} ± {stderr(s1, samples):.3f} | {ppo['iterations']} | {rl_minutes(r):.1f} | "
+        se = {key: stderr(ppo, key) for key in ("task_accuracy_before", "task_accuracy_after",
+                                                 "sampled_task_accuracy_before", "sampled_task_accuracy_after")}
+        rows.append(f"| {name} | {seed} | {STARTS_FROM[name]} | {g0:.3f} ± {se['task_accuracy_before']:.3f} | "
+                    f"{g1:.3f} ± {se['task_accuracy_after']:.3f} | {100 * (g1 - g0):+.1f} | "
+                    f"{s0:.3f} ± {se['sampled_task_accuracy_before']:.3f} | "
+                    f"{s1:.3f} ± {se['sampled_task_accuracy_after']:.3f} | {ppo['iterations']} | {rl_minutes(r):.1f} | "
                     f"{r['seconds'] / 60:.1f} | {r['peak_gib']:.1f} |")
         verdicts += verdict(name, seed, r, results)
     for name in RECIPES:
@@ -200,8 +208,11 @@ def report(results: dict) -> str:
         "per prompt and the same rule as reward; pipeline-steps: a reward model on step-error pairs "
         "(demo/word-problems-steps), then PPO from the SFT model with it; distill: the base model distilled from "
         "the SFT model (the teacher), on-policy. Held-out: "
-        f"{first['summary']['ppo']['eval_prompts']} problems never trained on, greedy and 2 sampled answers each at "
-        "the training temperature, scored by the correctness rule; ± is one standard error (binomial). `before` "
+        f"{first['summary']['ppo']['eval_prompts']} problems never trained on, greedy and sampled answers (2 per "
+        "problem, rounded up to a multiple of the answers per prompt: 8 for GRPO's) at the training temperature, "
+        "scored by the correctness rule; ± is one standard error over the problems (a problem's sampled answers "
+        "count as one: they are not independent), as the job records it (`*_se_*` in summary.json); for runs from "
+        "before it did, sqrt(p (1 - p) / (n - 1)), exact for greedy and an upper bound for sampled. `before` "
         "is the RL stage's evaluation before its first update (the SFT model, or the base student), so the gain is "
         "RL's alone. RL min: the RL iterations' wall time; total: the whole pipeline with model import, SFT, the "
         "reward model, actor start and both evaluations.",

@@ -93,6 +93,12 @@ def _report(summary: dict) -> None:
             if ppo.get(f"{key}_after") is not None:
                 line = (f"{stage.upper()}: held-out {label}, greedy {ppo[f'{key}_before']:.3f} -> "
                         f"{ppo[f'{key}_after']:.3f}")
+                if f"{key}_se_after" in ppo:
+                    line += f" ± {ppo[f'{key}_se_after']:.3f}"
                 if f"sampled_{key}_after" in ppo:
                     line += f", sampled {ppo[f'sampled_{key}_before']:.3f} -> {ppo[f'sampled_{key}_after']:.3f}"
+                    if f"sampled_{key}_se_after" in ppo:
+                        line += f" ± {ppo[f'sampled_{key}_se_after']:.3f}"
                 console.print(line)
+        if any(ppo.get(f"{key}_se_after") is not None for key, _ in keys):
+            console.print(f"  (±: one standard error over the {ppo['eval_prompts']} held-out prompts)")

@@ -64,6 +64,13 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     # the rule reward of a greedy answer is its task accuracy: the function ran on decoded prompts and answers
     assert summary["reward_before"] == summary["task_accuracy_before"]
     assert summary["sampled_reward_after"] == summary["sampled_task_accuracy_after"]  # each sample with its prompt
+    # standard errors over the held-out prompts: greedy, one answer each, the binomial one; sampled answers of a
+    # prompt form one cluster, so their error is at most that of one answer per prompt
+    n = summary["eval_prompts"]
+    for when in ("before", "after"):
+        p, sampled = summary[f"task_accuracy_{when}"], summary[f"sampled_task_accuracy_{when}"]
+        assert summary[f"task_accuracy_se_{when}"] == pytest.approx(math.sqrt(p * (1 - p) / (n - 1)))
+        assert summary[f"sampled_task_accuracy_se_{when}"] <= math.sqrt(sampled * (1 - sampled) / (n - 1)) + 1e-9
     rows = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "policy/kl" in r]
     assert len(steps) == 3 and all("compute/policy_seconds" not in r for r in steps)  # no old-log-prob forward

@@ -38,6 +38,14 @@ def test_the_quickstart_validates_every_config_and_reports_grpo_accuracy(tmp_pat
     # exact-answer rule would mark SmolLM2's explained answers ("23 + 48 = 71") wrong
     assert summary["task_accuracy_before"] == pytest.approx(summary["reward_before"])
     assert summary["task_accuracy_after"] == pytest.approx(summary["reward_after"])
+    # each accuracy with its standard error over the held-out prompts
+    words = " ".join(printed.split())  # the console wraps long lines
+    line = f"greedy {summary['task_accuracy_before']:.3f} -> {summary['task_accuracy_after']:.3f} ± " \
+           f"{summary['task_accuracy_se_after']:.3f}"
+    if "sampled_task_accuracy_after" in summary:
+        line += f", sampled {summary['sampled_task_accuracy_before']:.3f} -> " \
+                f"{summary['sampled_task_accuracy_after']:.3f} ± {summary['sampled_task_accuracy_se_after']:.3f}"
+    assert f"{line} (±: one standard error over the {summary['eval_prompts']} held-out prompts)" in words
     # every job ends with its report (the page itself is checked in a browser in test_report.py)
     page = (tmp_path / "grpo" / "report.html").read_text()
     assert "task_accuracy_after" in page and (tmp_path / "grpo" / "report" / "reward.png").is_file()

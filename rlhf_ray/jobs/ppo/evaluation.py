@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
+from collections.abc import Sequence
 
 import ray
 import torch
@@ -17,6 +19,24 @@ from rlhf_ray.functions import column_arguments
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
 
 
+def mean_and_error(values: Sequence[float], prompts: Sequence[int]) -> tuple[float, float]:
+    """The mean of answers' scores and its standard error with each prompt's answers as one cluster: answers to one
+    prompt are not independent draws (a problem the policy cannot solve fails all its samples), so a binomial error
+    over every answer would understate the uncertainty; an error over prompts does not. Equal answers per prompt:
+    the spread of the per-prompt means over sqrt(prompts). nan with fewer than two prompts."""
+    totals: dict[int, list[float]] = {}
+    for value, prompt in zip(values, prompts, strict=True):
+        total = totals.setdefault(prompt, [0.0, 0])
+        total[0] += value
+        total[1] += 1
+    mean = sum(values) / len(values)
+    n = len(totals)
+    if n < 2:
+        return mean, float("nan")
+    spread = sum((score - count * mean) ** 2 for score, count in totals.values()) * n / (n - 1)
+    return mean, math.sqrt(spread) / len(values)
+
+
 class Evaluator:
     def __init__(self, job: PPOJob, workers: RoleWorkers, tokenizer, tokens: TokenConventions, rows: list[dict],
                  rule=None):
@@ -25,7 +45,8 @@ class Evaluator:
 
     def evaluate(self) -> dict[str, float]:
         """Mean reward score and, with a rule, task accuracy of the greedy answers (`reward`, `task_accuracy`) and,
-        with `ppo.eval_samples`, of sampled ones (`sampled_reward`, ...). Multi-turn: the episodes' turns and tool
+        with `ppo.eval_samples`, of sampled ones (`sampled_reward`, ...), each with its standard error over the
+        held-out prompts (`reward_se`, `task_accuracy_se`, ...: `mean_and_error`). Multi-turn: the episodes' turns and tool
         calls too. No held-out prompts: nothing to report. (Small: the answers come to the driver, which decodes
         them for the rule.)"""
         if not self.rows:
@@ -57,12 +78,14 @@ class Evaluator:
 
     def _score(self, samples: list[dict]) -> dict[str, float]:
         rows = self.rows
+        index = [s["prompt_index"] % len(rows) for s in samples]
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
                               self.tokens.pad_id, [s.get("answer_mask") for s in samples])
         batch = dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
-                                    columns=[{**rows[s["prompt_index"] % len(rows)].get("columns", {}),
-                                              **s.get("episode", {})} for s in samples])
-        out = {"reward": self.workers.reward_scores(ray.put(batch), len(samples)).float().mean().item()}
+                                    columns=[{**rows[i].get("columns", {}), **s.get("episode", {})}
+                                             for i, s in zip(index, samples)])
+        scores = self.workers.reward_scores(ray.put(batch), len(samples)).float().tolist()
+        out = dict(zip(("reward", "reward_se"), mean_and_error(scores, index)))
         episodes = [s["episode"] for s in samples if "episode" in s]
         if episodes:  # multi-turn: how the episodes went (tool-call validity: nan when no tool was called)
             totals = {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS}
@@ -70,7 +93,8 @@ class Evaluator:
                         if k != "env/episode_reward"})
         if self.rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
-            prompts = [rows[s["prompt_index"] % len(rows)]["prompt"] for s in samples]
+            prompts = [rows[i]["prompt"] for i in index]
             columns = column_arguments(self.rule, batch.columns)
-            out["task_accuracy"] = sum(self.rule(prompts, answers, **columns)) / len(samples)
+            verdicts = [float(v) for v in self.rule(prompts, answers, **columns)]
+            out.update(zip(("task_accuracy", "task_accuracy_se"), mean_and_error(verdicts, index)))
         return out
