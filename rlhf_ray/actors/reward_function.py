@@ -12,14 +12,15 @@ from rlhf_ray.actors.http_reward import RemoteRewardError
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.algorithms.experience import unpack_rollouts
+from rlhf_ray.data.decoding import TextDecoder
 from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
 
 
 class RewardFunctionWorker:
     def __init__(self, *, rank: int, world_size: int, function: str | None, tokenizer: str, http: dict | None = None):
-        """`function`: an import path; or `http`: a HttpRewardSpec as a dict (a reward server, called alike)."""
-        from transformers import AutoTokenizer
-
+        """`function`: an import path; or `http`: a HttpRewardSpec as a dict (a reward server, called alike).
+        `tokenizer`: the policy's tokenizer folder, used only to decode (without importing transformers where
+        its tokenizer.json suffices: rlhf_ray/data/decoding.py)."""
         if http is not None:
             from rlhf_ray.actors.http_reward import HttpReward
             from rlhf_ray.config.ppo_job import HttpRewardSpec
@@ -27,7 +28,7 @@ class RewardFunctionWorker:
             self.name, self.function = http["url"], HttpReward(HttpRewardSpec.model_validate(http))
         else:
             self.name, self.function = function, load_function(function)
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer = TextDecoder(tokenizer)
 
     def texts(self, batch: RolloutBatch, lo: int, hi: int) -> tuple[list[str], list[str]]:
         rows = unpack_rollouts(batch, lo, hi)
