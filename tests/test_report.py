@@ -67,3 +67,27 @@ def test_several_runs_side_by_side_in_one_page_and_its_plots(tmp_path, capsys):
 def test_a_folder_without_metrics_is_refused_by_name(tmp_path, capsys):
     assert main(["report", str(tmp_path / "empty")]) != 0
     assert f"no metrics.jsonl in {tmp_path / 'empty'}" in " ".join(capsys.readouterr().err.split())
+
+
+def test_an_accuracy_logged_with_its_standard_error_is_drawn_with_error_bars(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from rlhf_ray.jobs.report import Run, draw
+
+    folder = fake_run(tmp_path / "run", [0.1, 0.3])
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    for row, error in zip((r for r in rows if "eval/task_accuracy" in r), (0.04, 0.05)):
+        row["eval/task_accuracy_se"] = error
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = Run.read(folder)
+    assert run.errors("eval/task_accuracy") == [0.04, 0.05] and run.errors("reward/mean") is None
+    fig, ax = plt.subplots()
+    draw(ax, run, "eval/task_accuracy", None)
+    draw(ax, run, "reward/mean", None)
+    (bars,) = ax.containers  # the accuracy with its error bars, the reward a plain line
+    (segments,) = bars.lines[2]
+    assert [tuple(s[:, 1]) for s in segments.get_segments()] == [pytest.approx((0.16, 0.24)), pytest.approx((0.30, 0.40))]
+    plt.close(fig)

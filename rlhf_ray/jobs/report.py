@@ -59,6 +59,12 @@ class Run:
         points = [(r["step"], r[key]) for r in self.rows if key in r and "step" in r]
         return [p[0] for p in points], [p[1] for p in points]
 
+    def errors(self, key: str) -> list[float] | None:
+        """The standard errors logged beside `key` (`KEY_se`, e.g. a held-out accuracy's), one per point, or None."""
+        steps, values = self.series(key)
+        error_steps, errors = self.series(f"{key}_se")
+        return errors if error_steps == steps and steps else None
+
 
 def summary_rows(runs: list[Run]) -> list[tuple[str, list[str]]]:
     """(key, one cell per run) for every number in the runs' summaries, in first-seen order."""
@@ -76,6 +82,17 @@ def _cell(value) -> str:
     return f"{value:.4g}"
 
 
+def draw(ax, run: Run, key: str, label: str | None) -> None:
+    """One metric of one run as a line, with error bars of one standard error where the run logged them."""
+    steps, values = run.series(key)
+    marker = "o" if len(steps) < 30 else None
+    errors = run.errors(key)
+    if errors is None:
+        ax.plot(steps, values, marker=marker, markersize=3, label=label)
+    else:
+        ax.errorbar(steps, values, yerr=errors, marker=marker, markersize=3, capsize=3, label=label)
+
+
 def plots(runs: list[Run]) -> list[tuple[str, bytes]]:
     """(title, PNG bytes) of each panel some run has data for."""
     import matplotlib
@@ -91,10 +108,9 @@ def plots(runs: list[Run]) -> list[tuple[str, bytes]]:
             continue
         fig, ax = plt.subplots(figsize=(6, 3.2))
         for run, key in lines:
-            steps, values = run.series(key)
             label = " ".join(part for part in (run.name if len(runs) > 1 else "", key if len(keys) > 1 else "")
                              if part)
-            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label or None)
+            draw(ax, run, key, label or None)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
