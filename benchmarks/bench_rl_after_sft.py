@@ -183,7 +183,8 @@ def report(results: dict) -> str:
         rows.append(f"| {name} | {seed} | {STARTS_FROM[name]} | {g0:.3f} ± {se['task_accuracy_before']:.3f} | "
                     f"{g1:.3f} ± {se['task_accuracy_after']:.3f} | {100 * (g1 - g0):+.1f} | "
                     f"{s0:.3f} ± {se['sampled_task_accuracy_before']:.3f} | "
-                    f"{s1:.3f} ± {se['sampled_task_accuracy_after']:.3f} | {ppo['iterations']} | {rl_minutes(r):.1f} | "
+                    f"{s1:.3f} ± {se['sampled_task_accuracy_after']:.3f} | {ppo['iterations']} | "
+                    f"{rl_minutes(r):.1f} | "
                     f"{r['seconds'] / 60:.1f} | {r['peak_gib']:.1f} |")
         verdicts += verdict(name, seed, r, results)
     for name in RECIPES:

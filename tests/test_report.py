@@ -89,5 +89,6 @@ def test_an_accuracy_logged_with_its_standard_error_is_drawn_with_error_bars(tmp
     draw(ax, run, "reward/mean", None)
     (bars,) = ax.containers  # the accuracy with its error bars, the reward a plain line
     (segments,) = bars.lines[2]
-    assert [tuple(s[:, 1]) for s in segments.get_segments()] == [pytest.approx((0.16, 0.24)), pytest.approx((0.30, 0.40))]
+    spans = [tuple(s[:, 1]) for s in segments.get_segments()]
+    assert spans == [pytest.approx((0.16, 0.24)), pytest.approx((0.30, 0.40))]
     plt.close(fig)

@@ -61,7 +61,7 @@ class Run:
 
     def errors(self, key: str) -> list[float] | None:
         """The standard errors logged beside `key` (`KEY_se`, e.g. a held-out accuracy's), one per point, or None."""
-        steps, values = self.series(key)
+        steps, _ = self.series(key)
         error_steps, errors = self.series(f"{key}_se")
         return errors if error_steps == steps and steps else None
 

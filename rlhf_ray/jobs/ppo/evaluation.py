@@ -46,8 +46,8 @@ class Evaluator:
     def evaluate(self) -> dict[str, float]:
         """Mean reward score and, with a rule, task accuracy of the greedy answers (`reward`, `task_accuracy`) and,
         with `ppo.eval_samples`, of sampled ones (`sampled_reward`, ...), each with its standard error over the
-        held-out prompts (`reward_se`, `task_accuracy_se`, ...: `mean_and_error`). Multi-turn: the episodes' turns and tool
-        calls too. No held-out prompts: nothing to report. (Small: the answers come to the driver, which decodes
+        held-out prompts (`reward_se`, `task_accuracy_se`, ...: `mean_and_error`). Multi-turn: the episodes' turns
+        and tool calls too. No held-out prompts: nothing to report. (Small: the answers come to the driver, which decodes
         them for the rule.)"""
         if not self.rows:
             return {}
