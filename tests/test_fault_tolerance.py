@@ -114,42 +114,31 @@ def test_killed_or_hung_engine_and_reward_actor_are_replaced_and_their_work_reis
                     pass
 
 
-def kill_after_first_checkpoint(out: Path, name: str, namespace: str) -> None:
+def kill_after_checkpoints(out: Path, name: str, namespace: str, count: int = 1) -> None:
     deadline = time.monotonic() + 300
-    while not complete_checkpoints(out) and time.monotonic() < deadline:
+    while len(complete_checkpoints(out)) < count and time.monotonic() < deadline:
         time.sleep(0.2)
     ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
 
 
-def test_killed_learner_rank_restarts_the_job_by_itself_from_its_checkpoint(tmp_path, sft_model, rm_model):
-    from rlhf_ray.jobs.ppo import run_ppo
-
-    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL)  # cluster.learner_restarts: 2 by default
-    out = Path(job.output_dir)
-    killer = threading.Thread(target=kill_after_first_checkpoint, args=(out, "critic-0", job.cluster.namespace),
-                              daemon=True)
-    killer.start()
-    summary = run_ppo(job)  # no user action: the job restarts every role from its last checkpoint
-    killer.join()
-    assert summary["iterations"] == 4
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in logged if "policy_version" in m]
-    assert [m["step"] for m in steps] == [1, 2, 3, 4]
-    assert steps[0]["actors/learner_restarts"] == 0 and steps[-1]["actors/learner_restarts"] == 1
-    assert_no_half_written_checkpoint(out)
-
-
-def test_killed_learner_rank_stops_the_job_naming_it_and_where_a_rerun_resumes(tmp_path, sft_model, rm_model):
+def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_rank_and_where_to_resume(
+        tmp_path, sft_model, rm_model):
+    """cluster.learner_restarts=1: the critic's rank killed after the first checkpoint, the job restarts every role
+    from it by itself (no user action); the policy's rank killed after a checkpoint of the restarted run, the budget
+    is spent and the job stops, naming the rank and the checkpoint a rerun resumes from
+    (test_killed_job_resubmitted_resumes_from_its_last_checkpoint). No checkpoint is left half-written."""
     from rlhf_ray.jobs.ppo import run_ppo
     from rlhf_ray.jobs.restarts import LearnerRankDied
 
-    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "cluster.learner_restarts=0")
-    out = Path(job.output_dir)
+    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "cluster.learner_restarts=1")
+    out, namespace = Path(job.output_dir), job.cluster.namespace
 
-    def kill_policy_after_first_checkpoint():
-        kill_after_first_checkpoint(out, "policy-0", job.cluster.namespace)
+    def kill_critic_then_policy():
+        kill_after_checkpoints(out, "critic-0", namespace)
+        # the critic's death stops step 2 before its checkpoint: a second one is the restarted run's
+        kill_after_checkpoints(out, "policy-0", namespace, count=2)
 
-    killer = threading.Thread(target=kill_policy_after_first_checkpoint, daemon=True)
+    killer = threading.Thread(target=kill_critic_then_policy, daemon=True)
     killer.start()
     with pytest.raises(LearnerRankDied) as info:
         run_ppo(job)
@@ -158,7 +147,11 @@ def test_killed_learner_rank_stops_the_job_naming_it_and_where_a_rerun_resumes(t
     assert "policy-0 died" in message and "resume from" in message and "step-" in message
     assert_no_half_written_checkpoint(out)
     done = int(Checkpoints.state(complete_checkpoints(out)[-1])["step"])
-    assert 1 <= done < 4  # a rerun resumes from it: test_killed_job_resubmitted_resumes_from_its_last_checkpoint
+    assert 2 <= done < 4
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "policy_version" in m]
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 2  # redone steps once
+    assert steps[0]["actors/learner_restarts"] == 0 and steps[-1]["actors/learner_restarts"] == 1
 
 
 def test_killed_job_resubmitted_resumes_from_its_last_checkpoint(tmp_path, sft_model, rm_model):

@@ -105,11 +105,19 @@ def test_lora_with_checkpointing_trains_only_adapters_and_exports_merged(tmp_pat
     assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), changed
 
 
-def test_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, tiny_model):
-    common = ["train.max_steps=8", "checkpoint.every_steps=0"]
-    straight = job("sft", tmp_path / "a", tiny_model, *common)
-    run_supervised(straight)
-    resumed = job("sft", tmp_path / "b", tiny_model, *common)
+RESUMABLE = ["train.max_steps=12"]  # the resume and restart tests' runs: the same steps, weights and data
+
+
+@pytest.fixture(scope="module")
+def undisturbed_sft(tmp_path_factory, tiny_model):
+    """The weights an SFT run of RESUMABLE exports when nothing stops it (checkpoints do not change them)."""
+    out = tmp_path_factory.mktemp("undisturbed")
+    run_supervised(job("sft", out, tiny_model, *RESUMABLE, "checkpoint.every_steps=0"))
+    return weights(out / "sft" / "model")
+
+
+def test_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, tiny_model, undisturbed_sft):
+    resumed = job("sft", tmp_path / "b", tiny_model, *RESUMABLE, "checkpoint.every_steps=0")
     partial = run_supervised(resumed, stop_after=4)
     assert partial["stopped_at_step"] == 4
     assert [p.name for p in (tmp_path / "b" / "sft" / "checkpoints").iterdir()] == ["step-00000004"]
@@ -119,26 +127,26 @@ def test_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, tiny_model):
     run_supervised(resumed)
     logged = [json.loads(line) for line in log.read_text().splitlines()]
     train_steps = [r["step"] for r in logged if "train/loss" in r]
-    assert train_steps == list(range(1, 9)), train_steps  # step 5 redone once, the stale line gone
+    assert train_steps == list(range(1, 13)), train_steps  # step 5 redone once, the stale line gone
     assert 99.0 not in [r["train/loss"] for r in logged if "train/loss" in r]
-    a, b = weights(tmp_path / "a" / "sft" / "model"), weights(tmp_path / "b" / "sft" / "model")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+    b = weights(tmp_path / "b" / "sft" / "model")
+    for key in undisturbed_sft:
+        torch.testing.assert_close(undisturbed_sft[key], b[key], rtol=0, atol=1e-6, msg=key)
 
 
-def test_killed_rank_restarts_the_job_by_itself_and_ends_as_an_undisturbed_run(tmp_path, tiny_model):
+def test_killed_rank_restarts_the_job_by_itself_and_ends_as_an_undisturbed_run(tmp_path, tiny_model,
+                                                                                undisturbed_sft):
     """cluster.learner_restarts for SFT: a rank killed after the first checkpoint ends the attempt; the job places
     its ranks again, resumes from the newest checkpoint, logs each step once, counts the restart, and exports the
     weights an undisturbed run exports."""
     import threading
 
-    from tests.test_fault_tolerance import kill_after_first_checkpoint
+    from tests.test_fault_tolerance import kill_after_checkpoints
 
-    common = ["train.max_steps=12", "checkpoint.every_steps=1", "checkpoint.keep_last=20"]
-    run_supervised(job("sft", tmp_path / "a", tiny_model, *common))
-    disturbed = job("sft", tmp_path / "b", tiny_model, *common)
+    disturbed = job("sft", tmp_path / "b", tiny_model, *RESUMABLE, "checkpoint.every_steps=1",
+                    "checkpoint.keep_last=20")
     out = tmp_path / "b" / "sft"
-    killer = threading.Thread(target=kill_after_first_checkpoint,
+    killer = threading.Thread(target=kill_after_checkpoints,
                               args=(out, "sft-learner-1", disturbed.cluster.namespace), daemon=True)
     killer.start()
     summary = run_supervised(disturbed)
@@ -148,6 +156,6 @@ def test_killed_rank_restarts_the_job_by_itself_and_ends_as_an_undisturbed_run(t
     steps = [r for r in logged if "train/loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))  # redone steps logged once
     assert steps[0]["actors/learner_restarts"] == 0 and steps[-1]["actors/learner_restarts"] == 1
-    a, b = weights(tmp_path / "a" / "sft" / "model"), weights(out / "model")
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], rtol=0, atol=1e-6, msg=key)
+    b = weights(out / "model")
+    for key in undisturbed_sft:
+        torch.testing.assert_close(undisturbed_sft[key], b[key], rtol=0, atol=1e-6, msg=key)
