@@ -204,10 +204,10 @@ def test_after_each_weight_sync_engines_decode_like_the_learner(tmp_path, stage_
 
 def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_models):
     """Stopped after iteration 2 and resumed by twice as many ranks (ZeRO-2: the checkpoint converted to the
-    universal format), PPO ends with the weights of an uninterrupted run. (A resume by the same ranks, exact to
-    1e-5: the LoRA test below and test_multinode.py's lost learner node.) The runs warm the critic up for one
-    iteration: that iteration trains the critic alone and leaves the policy, and the engines' weights, at
-    version 0."""
+    universal format), PPO ends with the weights of an uninterrupted run. (A resume by the same ranks: the LoRA
+    test below, weights to 1e-5, and test_multinode.py's lost learner node, losses and evaluations to 1e-4.) The
+    runs warm the critic up for one iteration: that iteration trains the critic alone and leaves the policy, and
+    the engines' weights, at version 0."""
     import torch
     from safetensors.torch import load_file
 
