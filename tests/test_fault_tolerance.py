@@ -115,28 +115,47 @@ def test_killed_or_hung_engine_and_reward_actor_are_replaced_and_their_work_reis
 
 
 def kill_after_checkpoints(out: Path, name: str, namespace: str, count: int = 1) -> None:
-    deadline = time.monotonic() + 300
-    while len(complete_checkpoints(out)) < count and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_for(lambda: len(complete_checkpoints(out)) >= count, f"{count} checkpoint(s) in {out}")
     ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+
+
+def wait_for(condition, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s"
+        time.sleep(0.1)
+
+
+def first_restarted_step(out: Path) -> int | None:
+    """The first step that the automatically restarted run logged (its metrics count one learner restart)."""
+    path = out / "metrics.jsonl"
+    whole = path.read_text().split("\n")[:-1] if path.is_file() else []  # a line still being written is left out
+    restarted = [m["step"] for m in map(json.loads, whole) if m.get("actors/learner_restarts") == 1]
+    return restarted[0] if restarted else None
 
 
 def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_rank_and_where_to_resume(
         tmp_path, sft_model, rm_model):
     """cluster.learner_restarts=1: the critic's rank killed after the first checkpoint, the job restarts every role
-    from it by itself (no user action); the policy's rank killed after a checkpoint of the restarted run, the budget
-    is spent and the job stops, naming the rank and the checkpoint a rerun resumes from
+    from its newest checkpoint by itself (no user action); the policy's rank killed after the restarted run's own
+    first checkpoint, the budget is spent and the job stops, naming the rank and the checkpoint a rerun resumes from
     (test_killed_job_resubmitted_resumes_from_its_last_checkpoint). No checkpoint is left half-written."""
     from rlhf_ray.jobs.ppo import run_ppo
     from rlhf_ray.jobs.restarts import LearnerRankDied
 
-    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "cluster.learner_restarts=1")
+    # steps take well under a second here: the first run may checkpoint a step or two more before the critic dies,
+    # so the job has iterations to spare after the restarted run's first checkpoint
+    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "ppo.iterations=6", "cluster.learner_restarts=1")
     out, namespace = Path(job.output_dir), job.cluster.namespace
+    restarted_step = []
 
     def kill_critic_then_policy():
         kill_after_checkpoints(out, "critic-0", namespace)
-        # the critic's death stops step 2 before its checkpoint: a second one is the restarted run's
-        kill_after_checkpoints(out, "policy-0", namespace, count=2)
+        wait_for(lambda: first_restarted_step(out) is not None, "step of the restarted run")
+        restarted_step.append(first_restarted_step(out))
+        wait_for(lambda: any(int(Checkpoints.state(p)["step"]) >= restarted_step[0] for p in complete_checkpoints(out)),
+                 f"checkpoint of step {restarted_step[0]}")
+        ray.kill(ray.get_actor("policy-0", namespace=namespace), no_restart=True)
 
     killer = threading.Thread(target=kill_critic_then_policy, daemon=True)
     killer.start()
@@ -147,7 +166,7 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
     assert "policy-0 died" in message and "resume from" in message and "step-" in message
     assert_no_half_written_checkpoint(out)
     done = int(Checkpoints.state(complete_checkpoints(out)[-1])["step"])
-    assert 2 <= done < 4
+    assert restarted_step and 2 <= restarted_step[0] <= done < 6
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "policy_version" in m]
     assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 2  # redone steps once
