@@ -10,8 +10,12 @@ accuracy of the student against the number of tokens the teacher scored or wrote
   tokens after step k = the answer tokens the teacher wrote for the samples of steps 1..k. Checkpoints every
   `--eval-every` steps are scored by the same evaluator as the teacher (vLLM greedy, the correctness rule, the same
   held-out problems: 300, never trained on by either side).
+- off-policy, then on-policy (`--warm-start STEP`): the distill recipe run from the off-policy student after STEP
+  steps (SFT on the teacher's samples as a warm-up, then the student's own samples scored by the teacher), kept as
+  the tagged experiment `warmSTEP`; its teacher tokens start at the warm-up's.
 
     .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W [--write docs/benchmarks.md]
+    .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W --warm-start 30
 
 W is bench_rl_after_sft's --workdir: W/distill-SEED holds the teacher (its SFT stage). The result is kept in
 benchmarks/results/distill_baseline/seed-SEED.json.
@@ -180,6 +184,37 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
     return result
 
 
+def run_warm_start(seed: int, work: Path, step: int) -> dict:
+    """The distill recipe from the off-policy student after `step` steps of this seed's baseline run (which must
+    have run, in this workdir, with a checkpoint at that step), kept as the experiment `warm{step}`; the record
+    says how many teacher tokens the warm-up took, where the on-policy curve starts."""
+    baseline = json.loads((RESULTS / f"seed-{seed}.json").read_text())
+    if step % baseline["every"] or not 0 < step <= baseline["steps"]:
+        raise SystemExit(f"--warm-start {step}: the baseline of seed {seed} kept checkpoints every "
+                         f"{baseline['every']} steps up to {baseline['steps']}")
+    model = work / f"baseline-{seed}" / f"hf-step{step}"
+    if not (model / "config.json").is_file():
+        raise SystemExit(f"no off-policy student at {model}: run this script with --seed {seed} --workdir {work} "
+                         f"--eval-every {baseline['every']} first")
+    tag = f"warm{step}"
+    run_watched([sys.executable, str(ROOT / "benchmarks" / "bench_rl_after_sft.py"), "--recipes", "distill",
+                 "--seeds", str(seed), "--workdir", str(work), "--tag", tag,
+                 "--set", "ppo.policy.model.gguf_file=null", "--set", f"ppo.policy.model.path={model}"],
+                work / f"warm-{seed}-{step}.log", timeout=4 * 3600)
+    record = {"seed": seed, "step": step, "answers": step * baseline["batch"],
+              "teacher_tokens": dict(zip(range(0, baseline["steps"] + 1, baseline["every"]),
+                                         (t for t, _ in baseline["curve"])))[step],
+              "experiment": f"distill-{seed}-{tag}.json", "date": today()}
+    (RESULTS / f"warm-{seed}-{step}.json").write_text(json.dumps(record) + "\n")
+    return record
+
+
+def warm_starts(seed: int) -> dict[str, dict]:
+    """The warm-start records of this seed, by the experiment file they name."""
+    records = (json.loads(f.read_text()) for f in sorted(RESULTS.glob(f"warm-{seed}-*.json")))
+    return {r["experiment"]: r for r in records}
+
+
 def on_policy_runs(seed: int) -> tuple[list[tuple[int, float]] | None, list[tuple[str, list, dict]]]:
     """The curve of the current distill recipe's run of this seed (None when none is kept), and the other kept runs
     of this seed as (label, curve, run): runs of an earlier version of the recipe (superseded/) and tagged
@@ -192,15 +227,24 @@ def on_policy_runs(seed: int) -> tuple[list[tuple[int, float]] | None, list[tupl
             recipe = curve
         else:
             others.append(("an earlier recipe", curve, run))
+    warm = warm_starts(seed)
     for folder, kind in (("superseded", "an earlier recipe"), ("experiments", "experiment")):
         for file in sorted((ON_POLICY / folder).glob(f"distill-{seed}-*.json")):
             curve, run = on_policy_curve(seed, file)
-            others.append((f"{kind} `{file.stem.split('-', 2)[2]}`", curve, run))
+            tag = file.stem.split('-', 2)[2]
+            label = f"{kind} `{tag}`"
+            if folder == "experiments" and file.name in warm:  # its teacher tokens start at the warm-up's
+                w = warm[file.name]
+                curve = [(w["teacher_tokens"] + t, a) for t, a in curve]
+                label = f"after {w['step']} off-policy steps ({w['answers']} teacher answers) `{tag}`"
+            others.append((label, curve, run))
     return recipe, others
 
 
 def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
-    return next((tokens for tokens, acc in curve if acc >= level), None)
+    # accuracies are counts over the same problems: 54/300 is 90% of 60/300, which 0.9 * 0.2 (0.18000000000000002)
+    # would put out of reach by float rounding alone
+    return next((tokens for tokens, acc in curve if acc >= level - 1e-9), None)
 
 
 def report(doc: Path | None) -> str:
@@ -258,11 +302,14 @@ def report(doc: Path | None) -> str:
             settings = ", ".join(f"`{o}`" for o in run["overrides"]) or "no overrides"
             reached = tokens_to_reach(curve, GOAL * teacher)
             text.append("")
+            off = tokens_to_reach(base["curve"], GOAL * teacher)
             text.append(f"On-policy, {label}, seed {base['seed']} ({run['date']}, recipe file {run['recipe']} with "
                         f"{settings}; not the current recipe, so not in the goal above): "
                         + ", ".join(f"{a:.3f} at {t:,}" for t, a in curve)
                         + f" teacher tokens; {GOAL:.0%} of the teacher "
-                        + (f"reached at {reached:,}." if reached else "not reached."))
+                        + (f"reached at {reached:,}" if reached else "not reached")
+                        + f" (off-policy alone: {f'reached at {off:,}' if off else 'not reached'} in "
+                          f"{base['answers']} teacher answers, {base['teacher_tokens']:,} tokens).")
     text.append("")
     plt = pyplot()
     if plt is not None and plots and doc is not None:
@@ -293,6 +340,9 @@ def main() -> int:
     parser.add_argument("--answers", type=int, default=480,
                         help="teacher answers to train on (480: the distill recipe's 15 iterations x 32 prompts)")
     parser.add_argument("--eval-every", type=int, default=15, help="SFT steps between scored checkpoints")
+    parser.add_argument("--warm-start", type=int, metavar="STEP",
+                        help="run the distill recipe from the off-policy student after STEP steps (the baseline's "
+                             "checkpoint), after the baseline")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--write", type=Path)
     parser.add_argument("--sample-child", nargs=6, help=argparse.SUPPRESS)
@@ -311,6 +361,8 @@ def main() -> int:
         if args.workdir is None:
             parser.error("--workdir is needed to run (it holds the teacher)")
         run_baseline(args.seed, args.workdir, args.answers, args.eval_every)
+        if args.warm_start:
+            run_warm_start(args.seed, args.workdir, args.warm_start)
     text = report(args.write)
     print(text)
     if args.write:
