@@ -319,13 +319,14 @@ def report(doc: Path | None) -> str:
             if on is not None:
                 ax.plot(*zip(*on), "o-", label="on-policy distillation (the recipe)")
             ax.plot(*zip(*base["curve"]), "s--", label="SFT on teacher samples")
-            for label, curve, _ in tried[base["seed"]]:
-                ax.plot(*zip(*curve), "^:", label=f"on-policy, {label.replace('`', '')}")
+            for label, curve, _ in tried[base["seed"]]:  # one colour per kind of run, the same in every panel
+                ax.plot(*zip(*curve), "^:", color="tab:red" if label.startswith("after") else "tab:green",
+                        label=f"on-policy, {label.replace('`', '')}")
             ax.axhline(teacher, color="gray", lw=0.8)
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
             ax.set_title(f"seed {base['seed']}: teacher {teacher:.3f} (gray), {GOAL:.0%} of it dotted", fontsize=9)
             ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)", fontsize=8)
-            ax.legend(fontsize=7)
+            ax.legend(fontsize=6, loc="lower right")
         axes[0][0].set_ylabel(f"held-out greedy accuracy ({EVAL} problems)")
         fig.suptitle("student accuracy against teacher calls", fontsize=10)
         text.append(save_figure(fig, doc, "distill_baseline.png"))
