@@ -202,8 +202,7 @@ def run_warm_start(seed: int, work: Path, step: int) -> dict:
                  "--set", "ppo.policy.model.gguf_file=null", "--set", f"ppo.policy.model.path={model}"],
                 work / f"warm-{seed}-{step}.log", timeout=4 * 3600)
     record = {"seed": seed, "step": step, "answers": step * baseline["batch"],
-              "teacher_tokens": dict(zip(range(0, baseline["steps"] + 1, baseline["every"]),
-                                         (t for t, _ in baseline["curve"])))[step],
+              "teacher_tokens": baseline["curve"][step // baseline["every"]][0],  # a point every `every` steps
               "experiment": f"distill-{seed}-{tag}.json", "date": today()}
     (RESULTS / f"warm-{seed}-{step}.json").write_text(json.dumps(record) + "\n")
     return record
@@ -361,6 +360,9 @@ def main() -> int:
     if not args.report_only:
         if args.workdir is None:
             parser.error("--workdir is needed to run (it holds the teacher)")
+        if args.warm_start is not None and (args.warm_start <= 0 or args.warm_start % args.eval_every):
+            parser.error(f"--warm-start {args.warm_start}: a checkpointed step, a positive multiple of --eval-every "
+                         f"({args.eval_every}); checked before the baseline runs")
         run_baseline(args.seed, args.workdir, args.answers, args.eval_every)
         if args.warm_start:
             run_warm_start(args.seed, args.workdir, args.warm_start)
