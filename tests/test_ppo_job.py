@@ -32,17 +32,37 @@ def test_ppo_raises_held_out_reward_and_accuracy(tmp_path, stage_models):
     SFT policy's most likely ones, keep about their score and accuracy (docs/jobs.md, "What to expect on the demo
     task"). Learning does not depend on the engine once the engine samples the learner's distribution, which is
     checked for vLLM on its own (mismatch ~0 after every sync in the LoRA tests below, log-probs equal the learner's
-    in test_engines.py), so the same run with vLLM is not repeated here."""
+    in test_engines.py), so the same run with vLLM is not repeated here. With one evaluation half-way and
+    `ppo.keep_best: sampled_reward`, best_model/ is the policy of the evaluation that scored highest (the first of
+    equals): the starting SFT model, the half-way policy or the last one, which best.json and summary.json name."""
+    import torch
+    from safetensors.torch import load_file
+
     from rlhf_ray.models.support import resolve_engine
 
     sft, rm = stage_models
-    job = ppo_job(tmp_path, sft, rm)
+    job = ppo_job(tmp_path, sft, rm, "ppo.eval_every=50", "ppo.keep_best=sampled_reward")
     assert resolve_engine(job.generation, job.policy.model)[0] == "hf"
     summary = run_ppo(job)
     assert summary["sampled_reward_after"] > summary["sampled_reward_before"] + 0.5, summary
     assert summary["sampled_task_accuracy_after"] > summary["sampled_task_accuracy_before"] + 0.03, summary
     assert summary["reward_after"] > summary["reward_before"] - 0.1, summary
     assert summary["task_accuracy_after"] >= summary["task_accuracy_before"] - 0.1, summary
+
+    out = tmp_path / "ppo"
+    scored = [(m["step"], m["eval/sampled_reward"]) for m in map(json.loads, (out / "metrics.jsonl").read_text()
+                                                                  .splitlines()) if "eval/sampled_reward" in m]
+    assert [step for step, _ in scored] == [0, 50, 100]
+    top = max(value for _, value in scored)
+    iteration = next(step for step, value in scored if value == top)
+    best = {"iteration": iteration, "metric": "sampled_reward", "value": top}
+    assert json.loads((out / "best.json").read_text()) == best and summary["best"] == best
+    kept = load_file(str(out / "best_model" / "model.safetensors"))
+    starting, last = load_file(str(sft / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert set(kept) == set(last)
+    same_as = {name for name, weights in (("start", starting), ("last", last))
+               if all(torch.equal(kept[k], weights[k]) for k in kept)}
+    assert same_as == {0: {"start"}, 50: set(), 100: {"last"}}[iteration], (iteration, same_as)
 
 
 def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_models):

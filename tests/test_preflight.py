@@ -185,3 +185,24 @@ def test_the_learner_loads_safetensors_only_unless_allowed(model_copy):
     with pytest.raises(OSError):
         load_causal_lm(ModelSpec(path=str(model_copy), dtype="fp32"))
     assert load_causal_lm(ModelSpec(path=str(model_copy), dtype="fp32", allow_pickle_weights=True)) is not None
+
+
+def test_keep_best_is_refused_where_its_score_is_never_computed(capsys):
+    """ppo.keep_best names a held-out score: refused, naming the field and the fix, when there are no held-out
+    prompts, no sampled answers for a sampled_* score, or no rule for task accuracy (a job, not only validate)."""
+    code, out = run_cli(capsys, "ppo", "--config", str(GRPO), "--set", "ppo.keep_best=task_accuracy",
+                        "--set", "ppo.eval_prompts=0")
+    assert code == EXIT_BAD_CONFIG and "ppo.keep_best: task_accuracy is scored on held-out prompts and " \
+                                      "eval_prompts is 0" in out
+    code, out = run_cli(capsys, "validate", "--quiet", str(GRPO), "--set", "ppo.keep_best=sampled_task_accuracy",
+                        "--set", "ppo.eval_samples=0")
+    assert code == EXIT_BAD_CONFIG and "eval_samples is 0: set ppo.eval_samples, or keep the best by greedy " \
+                                      "task_accuracy" in out
+    code, out = run_cli(capsys, "ppo", "--config", str(GRPO), "--set", "ppo.keep_best=task_accuracy",
+                        "--set", "ppo.accuracy_function=null", "--set", "data.datasets=[{name: Dahoas/rm-static}]")
+    assert code == EXIT_BAD_CONFIG
+    assert "--set ppo.keep_best=task_accuracy: ppo.keep_best: task_accuracy needs a rule that marks answers " \
+           "right, and the data (Dahoas/rm-static) has none of its own: set ppo.accuracy_function" in out
+    code, out = run_cli(capsys, "validate", "--quiet", str(GRPO), "--set", "ppo.keep_best=reward",
+                        "--set", "ppo.accuracy_function=null", "--set", "data.datasets=[{name: Dahoas/rm-static}]")
+    assert "keep_best" not in out  # the reward is scored without a rule

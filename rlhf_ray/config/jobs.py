@@ -21,6 +21,8 @@ FINAL_MODEL_DIR = "model"
 """Every job saves its final Hugging Face model to `<output_dir>/model`; the pipeline chains stages by it."""
 EMA_MODEL_DIR = "model_ema"
 """PPO with ppo.ema.enabled also saves the moving average of the policy to `<output_dir>/model_ema`."""
+BEST_MODEL_DIR = "best_model"
+"""PPO with ppo.keep_best also saves the policy of its best held-out evaluation to `<output_dir>/best_model`."""
 
 
 def check_global_batch(global_field: str, global_batch: int, micro_field: str, micro: int, accum_field: str,

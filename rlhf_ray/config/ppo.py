@@ -137,6 +137,19 @@ class PPOSpec(StrictModel):
         return math.ceil(self.rollout_batch_size * self.dynamic_sampling.oversample)
 
     @model_validator(mode="after")
+    def _best_needs_its_evaluation(self) -> "PPOSpec":
+        if self.keep_best is None:
+            return self
+        if self.eval_prompts == 0:
+            raise FieldProblem("keep_best", f"{self.keep_best} is scored on held-out prompts and eval_prompts is 0: "
+                                            "give ppo.eval_prompts some (and ppo.eval_every to score during training)")
+        if self.keep_best.startswith("sampled_") and self.eval_samples == 0:
+            raise FieldProblem("keep_best", f"{self.keep_best} is scored on sampled answers and eval_samples is 0: "
+                                            "set ppo.eval_samples, or keep the best by greedy "
+                                            f"{self.keep_best.removeprefix('sampled_')}")
+        return self
+
+    @model_validator(mode="after")
     def _options_the_estimator_reads(self) -> "PPOSpec":
         if self.dynamic_sampling.enabled and self.advantage_estimator not in ("grpo", "rloo"):
             raise FieldProblem("dynamic_sampling.enabled", f"dynamic sampling keeps groups of answers to one prompt "
@@ -176,3 +189,9 @@ class PPOSpec(StrictModel):
     the dataset's own rule where it has one (demo/sort and demo/arithmetic: the exact answer; demo/word-problems:
     the last number), else no task accuracy. E.g. `rlhf_ray.data.answers:last_number_reward` for an instruct
     model that explains before it answers."""
+    keep_best: Literal["reward", "task_accuracy", "sampled_reward", "sampled_task_accuracy"] | None = None
+    """Also keep the policy of the best held-out evaluation by this score (before training, every `eval_every`
+    iterations, after training; a later one must beat it, a tie keeps the earlier): exported to `best_model/` beside
+    `model/` (the last policy), with best.json saying the iteration and score (iteration 0: training never beat the
+    starting policy). Held-out curves of RL often peak before the end (docs/jobs.md). task_accuracy needs a rule
+    (`accuracy_function` or the dataset's own), sampled_* need `eval_samples`."""

@@ -17,7 +17,7 @@ import itertools
 import json
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -52,6 +52,11 @@ def task_rule(name: str) -> Callable[[list[str], list[str]], list[float]] | None
     """The rule that checks answers of a generated task (None for human-preference data, which has none):
     `rule(prompts, answers, **columns)` -> 1.0 / 0.0 per answer."""
     return _RULES.get(name)
+
+
+def data_rule(datasets: Sequence[DatasetSpec]) -> Callable[[list[str], list[str]], list[float]] | None:
+    """The data's own rule for task accuracy: its one dataset's `task_rule` (None for a blend: whose rule?)."""
+    return task_rule(datasets[0].name) if len(datasets) == 1 else None
 
 
 def registered_names() -> list[str]:

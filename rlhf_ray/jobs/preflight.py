@@ -37,7 +37,8 @@ def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
     produced = {_norm(Path(stage.output_dir) / FINAL_MODEL_DIR) for _, stage in stages(job)}
     problems: list[str] = []
     for prefix, stage in stages(job):
-        found = [*check_datasets(stage, files), *check_reward_function(stage), *check_environment(stage)]
+        found = [*check_datasets(stage, files), *check_reward_function(stage), *check_environment(stage),
+                 *check_keep_best(stage)]
         if files:
             found += [*check_output_dir(stage), *check_checkpoint(stage), *check_corpora(stage),
                       *check_model_folders(stage, produced)]
@@ -172,6 +173,21 @@ def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
                             "keyword arguments")
         except ValueError:
             pass  # a builtin without a signature: it will be called and judged then
+
+
+def check_keep_best(job: JobBase) -> Iterator[tuple[Loc, str]]:
+    """`ppo.keep_best` by task accuracy needs a rule to score it: `ppo.accuracy_function` or the dataset's own."""
+    from rlhf_ray.data.registry import data_rule
+
+    ppo = getattr(job, "ppo", None)
+    metric = getattr(ppo, "keep_best", None)
+    if metric is None or not metric.endswith("task_accuracy") or ppo.accuracy_function:
+        return
+    if data_rule(job.data.datasets) is None:
+        names = ", ".join(d.name for d in job.data.datasets)
+        yield ("ppo", "keep_best"), (f"{metric} needs a rule that marks answers right, and the data ({names}) "
+                                     f"has none of its own: set ppo.accuracy_function "
+                                     "(e.g. rlhf_ray.data.answers:last_number_reward), or keep the best by reward")
 
 
 def check_environment(job: JobBase) -> Iterator[tuple[Loc, str]]:

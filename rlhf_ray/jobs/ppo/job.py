@@ -11,7 +11,7 @@ from pathlib import Path
 from rlhf_ray.actors.http_reward import HttpReward
 from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import build_phase_data
-from rlhf_ray.data.registry import task_rule
+from rlhf_ray.data.registry import data_rule
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
@@ -88,4 +88,4 @@ def accuracy_rule(job: PPOJob, rows: list[dict]):
         except (ValueError, RewardFunctionError) as exc:
             raise ValueError(f"ppo.accuracy_function: {exc}") from None
         return rule
-    return task_rule(job.data.datasets[0].name) if len(job.data.datasets) == 1 else None
+    return data_rule(job.data.datasets)

@@ -16,6 +16,7 @@ from rlhf_ray.data.build import PhaseData
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.alerts import Diagnostics
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
+from rlhf_ray.jobs.ppo.best_model import BestModel
 from rlhf_ray.jobs.ppo.evaluation import Evaluator
 from rlhf_ray.jobs.ppo.iteration_metrics import iteration_metrics
 from rlhf_ray.jobs.ppo.rollouts import PromptSchedule, RolloutFeed, Taken
@@ -43,6 +44,8 @@ class PPOTrainer:
                                     keep_samples=job.logging.samples_per_iteration,
                                     sleep_engines=job.generation.vllm.sleep_when_idle and ppo.mode == "sync")
         self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)
+        self.best = BestModel(Path(job.output_dir), ppo.keep_best,
+                              lambda folder: workers.policy.call("export_hf", folder))
         self.before: dict[str, float] = {}
         self.watch = Diagnostics({}, ppo.entropy_warning_ratio)
 
@@ -79,8 +82,10 @@ class PPOTrainer:
         latest = self.checkpoints.resumable(self.job.checkpoint.resume)
         if latest is None:
             self.metrics.rewind(-1)  # a fresh start: lines a previous run left in this output_dir are not this run's
+            self.best.start_fresh()  # and so is a best model
             self.before = self.evaluator.evaluate()
             self.metrics.log(0, {f"eval/{k}": v for k, v in self.before.items()})
+            self.best.consider(0, self.before)
             first = 0
         else:
             state = Checkpoints.state(latest)
@@ -89,6 +94,7 @@ class PPOTrainer:
             self.weights.sync(bump=False)
             self.before, first = state["eval_before"], state["step"]
             self.rollouts.resume_at(state.get("rollout", first))  # rollouts after the last trained on: generated again
+            self.best.resume(state.get("best"))
             log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, first, self.weights.version)
             self.metrics.rewind(first)  # the iterations after the checkpoint are redone: their old lines go
         self.watch = Diagnostics(self.before, self.job.ppo.entropy_warning_ratio)
@@ -106,6 +112,7 @@ class PPOTrainer:
             now = self.evaluator.evaluate()
             self.metrics.log(step, {f"eval/{k}": v for k, v in now.items()} | self.watch.evaluation(step, now))
             progress.evaluated(step, now)
+            self.best.consider(step, now)
 
     def maybe_checkpoint(self, step: int) -> None:
         every = self.job.checkpoint.every_steps
@@ -114,7 +121,8 @@ class PPOTrainer:
             self.workers.save(staging, step)
             self.checkpoints.commit(staging, step, {"policy_version": self.weights.version,
                                                     "eval_before": self.before,
-                                                    "rollout": self.rollouts.next_after_taken})
+                                                    "rollout": self.rollouts.next_after_taken,
+                                                    "best": self.best.state()})
 
     def finish(self) -> dict:
         """Evaluate the trained policy, export it, write summary.json (a run stopped early: only where it stopped)."""
@@ -124,6 +132,7 @@ class PPOTrainer:
         after = self.evaluator.evaluate()
         self.metrics.log(iterations, {f"eval/{k}": v for k, v in after.items()} | self.watch.evaluation(iterations,
                                                                                                         after))
+        self.best.consider(iterations, after)
         out = Path(self.job.output_dir)
         self.workers.policy.call("export_hf", str(out / FINAL_MODEL_DIR))
         if self.job.ppo.ema.enabled:
@@ -132,6 +141,8 @@ class PPOTrainer:
                    "reward_before": self.before.get("reward"), "reward_after": after.get("reward"),
                    "eval_prompts": len(self.evaluator.rows), "weight_sync": self.weights.transport,
                    "peak_memory_gib": {role: round(n / 2**30, 4) for role, n in self.workers.peak_memory().items()}}
+        if self.best.metric is not None:
+            summary["best"] = self.best.state()
         for key in sorted(self.before.keys() - {"reward"}):  # task accuracy, sampled_*, episodes' turns and tool calls
             summary.update({f"{key}_before": self.before[key], f"{key}_after": after[key]})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
