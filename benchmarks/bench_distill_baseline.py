@@ -40,6 +40,7 @@ RECIPE = ROOT / "configs/recipes/smollm2-distill.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "distill_baseline"
 ON_POLICY = ROOT / "benchmarks" / "results" / "rl_after_sft"
 EVAL, GOAL = 300, 0.9
+EXTRA_COLOURS = ("tab:red", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive")  # the runs beside both
 
 
 def sample_child(teacher: str, rows_file: str, n: int, new_tokens: int, seed: int, out: str) -> None:
@@ -184,10 +185,11 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
     return result
 
 
-def run_warm_start(seed: int, work: Path, step: int) -> dict:
+def run_warm_start(seed: int, work: Path, step: int, overrides: list[str], name: str | None) -> dict:
     """The distill recipe from the off-policy student after `step` steps of this seed's baseline run (which must
-    have run, in this workdir, with a checkpoint at that step), kept as the experiment `warm{step}`; the record
-    says how many teacher tokens the warm-up took, where the on-policy curve starts."""
+    have run, in this workdir, with a checkpoint at that step), kept as the experiment `warm{step}` (with `overrides`
+    of the recipe's settings, `warm{step}-{name}`); the record says how many teacher tokens the warm-up took, where
+    the on-policy curve starts."""
     baseline = json.loads((RESULTS / f"seed-{seed}.json").read_text())
     if step % baseline["every"] or not 0 < step <= baseline["steps"]:
         raise SystemExit(f"--warm-start {step}: the baseline of seed {seed} kept checkpoints every "
@@ -196,15 +198,16 @@ def run_warm_start(seed: int, work: Path, step: int) -> dict:
     if not (model / "config.json").is_file():
         raise SystemExit(f"no off-policy student at {model}: run this script with --seed {seed} --workdir {work} "
                          f"--eval-every {baseline['every']} first")
-    tag = f"warm{step}"
+    tag = f"warm{step}" if name is None else f"warm{step}-{name}"
+    settings = [a for o in ["ppo.policy.model.gguf_file=null", f"ppo.policy.model.path={model}", *overrides]
+                for a in ("--set", o)]
     run_watched([sys.executable, str(ROOT / "benchmarks" / "bench_rl_after_sft.py"), "--recipes", "distill",
-                 "--seeds", str(seed), "--workdir", str(work), "--tag", tag,
-                 "--set", "ppo.policy.model.gguf_file=null", "--set", f"ppo.policy.model.path={model}"],
-                work / f"warm-{seed}-{step}.log", timeout=4 * 3600)
+                 "--seeds", str(seed), "--workdir", str(work), "--tag", tag, *settings],
+                work / f"{tag}-{seed}.log", timeout=4 * 3600)
     record = {"seed": seed, "step": step, "answers": step * baseline["batch"],
               "teacher_tokens": baseline["curve"][step // baseline["every"]][0],  # a point every `every` steps
               "experiment": f"distill-{seed}-{tag}.json", "date": today()}
-    (RESULTS / f"warm-{seed}-{step}.json").write_text(json.dumps(record) + "\n")
+    (RESULTS / f"warm-{seed}-{tag.removeprefix('warm')}.json").write_text(json.dumps(record) + "\n")
     return record
 
 
@@ -314,12 +317,13 @@ def report(doc: Path | None) -> str:
     if plt is not None and plots and doc is not None:
         # one panel per seed: each seed has its own teacher, so its own teacher and goal lines
         fig, axes = plt.subplots(1, len(plots), figsize=(4.5 * len(plots) + 1, 4), sharey=True, squeeze=False)
+        colours: dict[str, str] = {}
         for ax, (base, on, teacher) in zip(axes[0], plots):
             if on is not None:
                 ax.plot(*zip(*on), "o-", label="on-policy distillation (the recipe)")
             ax.plot(*zip(*base["curve"]), "s--", label="SFT on teacher samples")
             for label, curve, _ in tried[base["seed"]]:  # one colour per kind of run, the same in every panel
-                ax.plot(*zip(*curve), "^:", color="tab:red" if label.startswith("after") else "tab:green",
+                ax.plot(*zip(*curve), "^:", color=colours.setdefault(label, EXTRA_COLOURS[len(colours) % 6]),
                         label=f"on-policy, {label.replace('`', '')}")
             ax.axhline(teacher, color="gray", lw=0.8)
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
@@ -343,6 +347,10 @@ def main() -> int:
     parser.add_argument("--warm-start", type=int, metavar="STEP",
                         help="run the distill recipe from the off-policy student after STEP steps (the baseline's "
                              "checkpoint), after the baseline")
+    parser.add_argument("--warm-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="with --warm-start: a setting of the distill recipe changed for the on-policy part "
+                             "(repeatable; needs --warm-name)")
+    parser.add_argument("--warm-name", help="with --warm-set: names the experiment (kept as warmSTEP-NAME)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--write", type=Path)
     parser.add_argument("--sample-child", nargs=6, help=argparse.SUPPRESS)
@@ -363,9 +371,11 @@ def main() -> int:
         if args.warm_start is not None and (args.warm_start <= 0 or args.warm_start % args.eval_every):
             parser.error(f"--warm-start {args.warm_start}: a checkpointed step, a positive multiple of --eval-every "
                          f"({args.eval_every}); checked before the baseline runs")
+        if bool(args.warm_set) != bool(args.warm_name) or (args.warm_set and args.warm_start is None):
+            parser.error("--warm-set and --warm-name go together, with --warm-start")
         run_baseline(args.seed, args.workdir, args.answers, args.eval_every)
         if args.warm_start:
-            run_warm_start(args.seed, args.workdir, args.warm_start)
+            run_warm_start(args.seed, args.workdir, args.warm_start, args.warm_set, args.warm_name)
     text = report(args.write)
     print(text)
     if args.write:
