@@ -102,6 +102,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="render each prompt with the model's chat template (as a job with chat_template: true)")
     cmp.add_argument("--json", dest="json_out", help="also write the result as JSON to this file")
 
+    sample = sub.add_parser("sample", help="a model's answers to a PPO config's training prompts, written as a "
+                                           "dataset an SFT job reads (SFT on a teacher's answers)")
+    _add_config_args(sample, positional=True)
+    sample.add_argument("--out", required=True, help="the JSON-lines file to write")
+    sample.add_argument("--model", help="the model that answers (HF folder); default: the config's teacher")
+    sample.add_argument("--prompts", type=int, help="how many training prompts (default: all), a seeded sample")
+    sample.add_argument("--keep-unfinished", action="store_true",
+                        help="keep answers cut at generation.sampling.max_new_tokens (dropped by default)")
+
     from rlhf_ray.data.preprocess import add_preprocess_arguments
 
     add_preprocess_arguments(sub.add_parser(
@@ -245,6 +254,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from rlhf_ray.sample import SFT_FORMAT, job_and_model, sample_answers
+
+    if args.prompts is not None and args.prompts < 1:
+        raise ValueError(f"--prompts {args.prompts}: give at least 1")
+    job, model = job_and_model(validate_job(ConfigSource.from_file(args.config).override(args.overrides)),
+                               args.model)
+    written = sample_answers(job, model, Path(args.out), args.prompts, args.keep_unfinished)
+    out.print(f"{written.kept} answers ({written.tokens:,} tokens) of {model.path} to {written.prompts} prompts "
+              f"written to {written.path} by the {written.engine} engine; {written.unfinished} cut at "
+              f"max_new_tokens {'kept' if args.keep_unfinished else 'dropped'}", markup=False, highlight=False)
+    dataset = {"name": "custom", "path": str(written.path), "format": SFT_FORMAT}
+    out.print(f"SFT on them: data.datasets: [{json.dumps(dataset)}]", markup=False, highlight=False)
+    return EXIT_OK
+
+
 def cmd_preprocess(args: argparse.Namespace) -> int:
     from rlhf_ray.data.preprocess import run_preprocess
 
@@ -256,7 +281,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "pipeline": cmd_job, "rehearse": cmd_rehearse, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf,
     "quickstart": cmd_quickstart, "report": cmd_report,
     "preprocess": cmd_preprocess,
-    "compare": cmd_compare,
+    "compare": cmd_compare, "sample": cmd_sample,
 }
 
 

@@ -1,0 +1,95 @@
+"""`rlhf-ray sample` (rlhf_ray/sample.py) on the tiny model with the hf engine, in the test's process (no Ray): a
+PPO config's training prompts answered by a model and written as a dataset an SFT job reads back with the same
+prompt ids the PPO job samples from."""
+
+from __future__ import annotations
+
+import json
+
+from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_OK, main
+from rlhf_ray.config import load_job
+from rlhf_ray.config.data import DataSpec
+from rlhf_ray.data.build import build_phase_data
+from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.models.loading import load_tokenizer
+from rlhf_ray.sample import SFT_FORMAT, job_and_model, sample_answers
+from tests.conftest import ROOT
+
+GRPO = ROOT / "configs/quickstart/grpo.yaml"
+
+
+def grpo_on(model, tmp_path, *more):
+    return ["--set", "policy.model.gguf_file=null", "--set", f"policy.model.path={model}",
+            "--set", "generation.engine=hf", "--set", f"output_dir={tmp_path / 'grpo'}", *more]
+
+
+def printed(capsys) -> str:
+    captured = capsys.readouterr()
+    return " ".join((captured.out + captured.err).split())  # rich wraps long lines
+
+
+def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model, tmp_path, capsys):
+    out = tmp_path / "answers.jsonl"
+    code = main(["sample", str(GRPO), *grpo_on(tiny_model, tmp_path), "--model", str(tiny_model), "--out", str(out),
+                 "--prompts", "6", "--keep-unfinished"])
+    said = printed(capsys)
+    assert code == EXIT_OK
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 * 4  # generation.sampling.n_samples_per_prompt answers per prompt
+    assert f"24 answers ({sum(r['tokens'] for r in rows):,} tokens) of {tiny_model} to 6 prompts" in said
+    assert '"format": {"prompt_field": "prompt", "chosen_field": "answer", "template": "raw"}' in said
+
+    job = load_job(GRPO, [a for a in grpo_on(tiny_model, tmp_path) if a != "--set"])
+    tokenizer = load_tokenizer(job.policy.model)
+    tokens = TokenConventions.from_tokenizer(tokenizer, str(tiny_model))
+    ppo = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache", tokens=tokens)
+    by_prompt = {r["prompt"]: r for r in ppo.train}
+    assert len({r["prompt"] for r in rows}) == 6 and all(r["prompt"] in by_prompt for r in rows)
+    for r in rows:  # each answer carries its prompt's ground truth
+        assert r["columns"] == by_prompt[r["prompt"]]["columns"] and set(r["columns"]) == {"answer"}
+
+    spec = DataSpec(datasets=[{"name": "custom", "path": str(out), "format": SFT_FORMAT}], split="1,0,0",
+                    max_seq_len=512)
+    sft = build_phase_data(spec, tokenizer, "sft", job.seed, tmp_path / "cache")
+    assert len(sft.train) + len(sft.eval) == len(rows)  # (the split step holds one back for evaluation)
+    for row in sft.train + sft.eval:  # SFT reads back the very prompt ids PPO samples from, and trains on the answer alone
+        answer_start = next(i for i, label in enumerate(row["labels"]) if label != -100)
+        prompt_ids = row["input_ids"][:answer_start]
+        (source,) = [r for r in ppo.train if r["prompt_ids"] == prompt_ids]
+        written = [r for r in rows if r["prompt"] == source["prompt"]]
+        assert tokenizer.decode(row["input_ids"][answer_start:]) in {
+            r["answer"] if r["finished"] else r["answer"] + tokenizer.eos_token for r in written}
+
+
+def test_unfinished_answers_are_dropped_unless_kept(tiny_model, tmp_path):
+    job, model = job_and_model(load_job(GRPO, [a for a in grpo_on(tiny_model, tmp_path) if a != "--set"]),
+                               str(tiny_model))
+    kept = sample_answers(job, model, tmp_path / "all.jsonl", prompts=4, keep_unfinished=True)
+    dropped = sample_answers(job, model, tmp_path / "finished.jsonl", prompts=4)
+    everything = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    finished = [json.loads(line) for line in (tmp_path / "finished.jsonl").read_text().splitlines()]
+    assert kept.kept == 16 and kept.unfinished == 0  # kept: counted as written, none dropped
+    assert dropped.unfinished == sum(not r["finished"] for r in everything) > 0  # the random model rambles on
+    assert finished == [r for r in everything if r["finished"]]  # the same seed: the same answers, minus the cut
+
+
+def test_sampling_needs_a_model_of_the_policys_tokenizer(tiny_model, tmp_path, capsys):
+    code = main(["sample", str(GRPO), *grpo_on(tiny_model, tmp_path), "--out", str(tmp_path / "a.jsonl")])
+    assert code == EXIT_BAD_CONFIG and "which model answers? give --model PATH" in printed(capsys)
+    code = main(["sample", str(GRPO), *grpo_on(tiny_model, tmp_path), "--model", str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "a.jsonl")])
+    assert code == EXIT_BAD_CONFIG and f"no model folder at {tmp_path / 'nothing'}" in printed(capsys)
+    code = main(["sample", str(ROOT / "configs/quickstart/sft.yaml"), "--model", str(tiny_model),
+                 "--out", str(tmp_path / "a.jsonl")])
+    assert code == EXIT_BAD_CONFIG and "this is a sft config" in printed(capsys)
+    assert not (tmp_path / "a.jsonl").exists()
+
+
+def test_a_model_of_another_tokenizer_is_refused_naming_both(tiny_model, tmp_path, capsys):
+    from rlhf_ray.models.families import build_family_model
+
+    other = build_family_model("qwen2", tmp_path / "qwen2")
+    code = main(["sample", str(GRPO), *grpo_on(tiny_model, tmp_path), "--model", str(other),
+                 "--out", str(tmp_path / "a.jsonl")])
+    assert code == EXIT_BAD_CONFIG
+    assert f"the model at {other} and the policy at {tiny_model} have different tokenizers" in printed(capsys)
