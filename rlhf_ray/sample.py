@@ -19,12 +19,15 @@ from rlhf_ray.config import JobBase
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import build_phase_data, same_tokenizer
+from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
 from rlhf_ray.models.support import resolve_engine
 
 log = logging.getLogger(__name__)
+CHUNK = 64
+"""Prompts per engine call."""
 
 SFT_FORMAT = {"prompt_field": "prompt", "chosen_field": "answer", "template": "raw"}
 """How an SFT job reads the written file (`data.datasets: [{name: custom, path: FILE, format: SFT_FORMAT}]`): the
@@ -91,7 +94,12 @@ def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None
     os.environ.update({k: v for k, v in engine_env(engine_name, spec, os.cpu_count() or 1).items()
                        if k != "LD_PRELOAD"})
     engine = build_engine(model, spec, tokens, engine_name)
-    samples = engine.generate([r["prompt_ids"] for r in rows], job.generation.sampling, seed=job.seed)
+    samples = []
+    for start in range(0, len(rows), CHUNK):  # a progress line per chunk: a large sample takes a while
+        chunk = [r["prompt_ids"] for r in rows[start: start + CHUNK]]
+        got = engine.generate(chunk, job.generation.sampling, seed=stable_seed(job.seed, "sample", start))
+        samples += [{**sample, "prompt_index": sample["prompt_index"] + start} for sample in got]
+        log.info("sampled %d/%d prompts", start + len(chunk), len(rows))
     lines, unfinished, count = [], 0, 0
     for sample in samples:
         if not sample["finished"] and not keep_unfinished:

@@ -28,8 +28,10 @@ def printed(capsys) -> str:
     return " ".join((captured.out + captured.err).split())  # rich wraps long lines
 
 
-def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model, tmp_path, capsys):
+def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model, tmp_path, capsys,
+                                                                       monkeypatch):
     out = tmp_path / "answers.jsonl"
+    monkeypatch.setattr("rlhf_ray.sample.CHUNK", 4)  # two engine calls: the second's answers keep their prompts
     code = main(["sample", str(GRPO), *grpo_on(tiny_model, tmp_path), "--model", str(tiny_model), "--out", str(out),
                  "--prompts", "6", "--keep-unfinished"])
     said = printed(capsys)
