@@ -1,7 +1,7 @@
 """`rlhf-ray sample`: a model's answers to a PPO job's training prompts, written as a dataset an SFT job reads. The
 off-policy half of distillation (SFT of a student on a teacher's answers; docs/jobs.md, "On-policy distillation"):
 the prompts are rendered and tokenised as the PPO job renders them, the answers sampled with its generation
-settings by one of its engines (in this process), so SFT on the file trains on exactly the token ids the job's
+settings by one of its engines (in this process), so SFT on the file reads back the very prompt ids the job's
 policy will later sample from."""
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def job_and_model(job: JobBase, model_path: str | None) -> tuple[PPOJob, ModelSp
 
 @dataclass(frozen=True)
 class Written:
-    """What `sample_answers` wrote: answers kept, answers dropped for running out of tokens, their token count."""
+    """What `sample_answers` wrote: the answers kept (and their tokens), of which `unfinished` ran out of tokens
+    (dropped unless kept: then counted in `kept` too)."""
 
     path: Path
     engine: str
@@ -102,8 +103,8 @@ def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None
         log.info("sampled %d/%d prompts", start + len(chunk), len(rows))
     lines, unfinished, count = [], 0, 0
     for sample in samples:
+        unfinished += not sample["finished"]
         if not sample["finished"] and not keep_unfinished:
-            unfinished += 1
             continue
         row = rows[sample["prompt_index"]]
         count += len(sample["answer_ids"])
