@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="render each prompt with the model's chat template (as a job with chat_template: true)")
     cmp.add_argument("--json", dest="json_out", help="also write the result as JSON to this file")
 
-    sample = sub.add_parser("sample", help="a model's answers to a PPO config's training prompts, written as a "
-                                           "dataset an SFT job reads (SFT on a teacher's answers)")
+    sample = sub.add_parser("sample", help="a model's answers to a PPO config's training prompts, sampled by its "
+                                           "generation engines on its cluster and written as a dataset an SFT job "
+                                           "reads (SFT on a teacher's answers)")
     _add_config_args(sample, positional=True)
     sample.add_argument("--out", required=True, help="the JSON-lines file to write")
     sample.add_argument("--model", help="the model that answers (HF folder); default: the config's teacher")
@@ -255,7 +256,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    from rlhf_ray.sample import SFT_FORMAT, job_and_model, sample_answers
+    from rlhf_ray.config.pipeline_job import ANSWERS_FORMAT
+    from rlhf_ray.jobs.teacher_answers import job_and_model, sample_answers
 
     if args.prompts is not None and args.prompts < 1:
         raise ValueError(f"--prompts {args.prompts}: give at least 1")
@@ -265,7 +267,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     out.print(f"{written.kept} answers ({written.tokens:,} tokens) of {model.path} to {written.prompts} prompts "
               f"written to {written.path} by the {written.engine} engine; {written.unfinished} cut at "
               f"max_new_tokens {'kept' if args.keep_unfinished else 'dropped'}", markup=False, highlight=False)
-    dataset = {"name": "custom", "path": str(written.path), "format": SFT_FORMAT}
+    dataset = {"name": "custom", "path": str(written.path), "format": ANSWERS_FORMAT}
     out.print(f"SFT on them: data.datasets: [{json.dumps(dataset)}]", markup=False, highlight=False)
     return EXIT_OK
 

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_OK, EXIT_PLAN_DOES_NOT_FIT, main
+from rlhf_ray.config.pipeline_job import ANSWERS_FILE, ANSWERS_FORMAT
 from rlhf_ray.config import (ConfigError, DeepSpeedSpec, FINAL_MODEL_DIR, PipelineJob, PPOJob, SFTJob, load_job,
                              job_schema)
 from tests.conftest import ROOT
@@ -433,6 +434,28 @@ def test_a_pipeline_goes_from_sft_to_ppo_without_an_rm_stage_when_the_reward_is_
     # a reward model with no rm stage to train it (and no path) is refused, naming the field
     (problem,) = problems_of(write_yaml("kind: pipeline\nsft: {model: {path: m}}\nppo: {}\n"))
     assert "ppo.reward.model.path" in problem and "no reward" in problem
+
+
+def test_a_warmup_stage_trains_the_student_on_the_teachers_answers_and_ppo_starts_from_it(write_yaml):
+    job = load_job(ROOT / "configs/recipes/smollm2-distill-warmup.yaml")
+    assert list(job.named_stages()) == ["sft", "warmup", "ppo"] and job.warmup.kind == "sft"
+    warmup = f"{job.output_dir}/warmup"
+    assert job.warmup.output_dir == warmup and job.warmup.prompts == 240 and not job.warmup.keep_unfinished
+    assert job.warmup.model.gguf_file == "package:smollm2"  # the student: ppo's policy model as written
+    (answers,) = job.warmup.data.datasets
+    assert answers.path == f"{warmup}/{ANSWERS_FILE}" and answers.format.model_dump(include=set(ANSWERS_FORMAT)) \
+        == ANSWERS_FORMAT and job.warmup.data.split == "1,0,0" and job.warmup.data.max_seq_len == 256
+    assert job.ppo.policy.model.path == f"{warmup}/{FINAL_MODEL_DIR}" and job.ppo.policy.model.gguf_file is None
+    assert job.ppo.policy.model.dtype == "fp32" and job.ppo.teacher.model.path == f"{job.sft.output_dir}/model"
+    # a warm-up needs a teacher to answer: refused at its line without one
+    ppo = "ppo: {reward: {function: a.b:c}, policy: {model: {path: base}}, "
+    (problem,) = problems_of(write_yaml(f"kind: pipeline\nsft: {{model: {{path: m}}}}\nwarmup: {{}}\n"
+                                        f"{ppo}critic: {{model: {{path: c}}}}}}\n"))
+    assert ":3: warmup:" in problem and "needs a ppo stage with a teacher section" in problem
+    # a student named in the warm-up is the one it trains; ppo's policy still starts from the warm-up's model
+    job = load_job(write_yaml(f"kind: pipeline\nsft: {{model: {{path: m}}}}\nwarmup: {{model: {{path: small}}}}\n"
+                              f"{ppo}critic: null, teacher: {{}}, ppo: {{advantage_estimator: distill}}}}\n"))
+    assert job.warmup.model.path == "small" and job.ppo.policy.model.path == "outputs/run/warmup/model"
 
 
 def test_lora_adapter_sync_is_refused_where_it_cannot_work_naming_the_field():

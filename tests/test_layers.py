@@ -21,7 +21,7 @@ LAYERS: list[set[str]] = [
     {"learners"},                                             # DeepSpeed learner ranks
     {"cluster"},                                              # connecting to Ray, placement groups
     {"jobs"},                                                 # the drivers, preflight, checkpoints
-    {"compare", "reward_server", "quickstart", "sample"},     # commands
+    {"compare", "reward_server", "quickstart"},               # commands
     {"cli"},
 ]
 LAYER = {unit: i for i, units in enumerate(LAYERS) for unit in units}

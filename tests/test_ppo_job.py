@@ -466,6 +466,49 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
             assert pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()
 
 
+def test_a_warmed_up_student_distils_from_the_teacher(tmp_path, stage_models, tiny_model):
+    """A distillation pipeline with a warm-up stage: the teacher is the SFT model (the sft stage, found complete in
+    its folder and reused), the student the untrained tiny model. The teacher answers 12 training prompts on the
+    cluster (the ppo stage's generation engine and sampling settings), the student is fine-tuned on those answers
+    (warmup: its held-out loss on them falls), then `advantage_estimator: distill` starts from the warmed-up student:
+    the teacher (its own actor group) scores every sampled token, each token's advantage is their log-prob
+    difference (one iteration here: that it learns is the test above)."""
+    import yaml
+
+    from rlhf_ray.jobs.pipeline import run_pipeline
+
+    sft, rm = stage_models
+    quick = {kind: yaml.safe_load((ROOT / f"configs/quickstart/{kind}.yaml").read_text()) for kind in ("sft", "ppo")}
+    for section in quick.values():
+        del section["cluster"]  # the pipeline's, below
+    config = {"kind": "pipeline", "output_dir": str(tmp_path), "seed": 1234, "cluster": {"num_cpus": 2},
+              "sft": {**quick["sft"], "output_dir": str(sft.parent)},  # complete: reused, not run
+              "warmup": {"prompts": 32, "data": {"max_seq_len": 64}, "train": {"max_steps": 16, "micro_batch_size": 4,
+                         "global_batch_size": 4}, "optim": {"lr": 3e-3, "warmup_steps": 0},
+                         "deepspeed": {"zero_stage": 0}, "placement": {"replicas": 1, "num_cpus": 1}},
+              "ppo": {**quick["ppo"], "output_dir": str(tmp_path / "ppo"), "critic": None,
+                      "policy": {**quick["ppo"]["policy"], "model": {"path": str(tiny_model), "dtype": "fp32"}},
+                      "teacher": {"model": {"dtype": "fp32"}, "placement": {"num_cpus": 0.25, "colocate_with": "policy"}},
+                      "reward": {"function": "rlhf_ray.data.demo_sort:score",
+                                 "placement": {"num_cpus": 0.25, "colocate_with": "policy"}}}}
+    (tmp_path / "distill.yaml").write_text(yaml.safe_dump(config))
+    job = load_job(tmp_path / "distill.yaml",
+                   ["cluster.dashboard=false", "logging.progress=false", "ppo.ppo.advantage_estimator=distill",
+                    "ppo.ppo.kl_coef=0", "ppo.ppo.iterations=1", "ppo.ppo.eval_prompts=8", "ppo.reference=null"])
+    assert job.ppo.teacher.model.path == str(sft) and job.warmup.model.path == str(tiny_model)
+    assert job.ppo.policy.model.path == str(tmp_path / "warmup" / "model")  # PPO starts from the warm-up's model
+    summary = run_pipeline(job)
+
+    assert summary["sft"]["reused"] and list(summary) == ["sft", "warmup", "ppo"]
+    answers = [json.loads(line) for line in (tmp_path / "warmup" / "teacher_answers.jsonl").read_text().splitlines()]
+    sampled = summary["warmup"]["teacher_answers"]
+    assert sampled["prompts"] == 32 and sampled["answers"] == len(answers) == 32 - sampled["unfinished"] > 0
+    assert all(a["finished"] and a["columns"]["answer"] for a in answers)  # each with its prompt's ground truth
+    # the teacher's answers became likelier under the student: 6.8 -> 2.6 nats per token here
+    assert summary["warmup"]["eval_loss_last"] < summary["warmup"]["eval_loss_first"] - 1.0, summary["warmup"]
+    assert summary["ppo"]["iterations"] == 1 and "teacher" in summary["ppo"]["peak_memory_gib"]
+
+
 def test_on_policy_distillation_moves_the_student_towards_the_teacher(tmp_path, stage_models, tiny_model):
     """`advantage_estimator: distill`: the untrained tiny model (student) samples, the SFT model (teacher, its own
     actor group) scores every sampled token, and each token's advantage is their log-prob difference: the

@@ -206,3 +206,13 @@ def test_keep_best_is_refused_where_its_score_is_never_computed(capsys):
     code, out = run_cli(capsys, "validate", "--quiet", str(GRPO), "--set", "ppo.keep_best=reward",
                         "--set", "ppo.accuracy_function=null", "--set", "data.datasets=[{name: Dahoas/rm-static}]")
     assert "keep_best" not in out  # the reward is scored without a rule
+
+
+def test_the_answers_a_warmup_stage_samples_are_not_asked_for_before_the_pipeline_writes_them(capsys, tmp_path):
+    recipe = str(ROOT / "configs/recipes/smollm2-distill-warmup.yaml")
+    code, out = run_cli(capsys, "validate", "--quiet", recipe, "--set", f"output_dir={tmp_path}")
+    assert code == EXIT_OK, out
+    named = f"[{{name: custom, path: {tmp_path / 'mine.jsonl'}, format: {{prompt_field: p, chosen_field: a}}}}]"
+    code, out = run_cli(capsys, "validate", "--quiet", recipe, "--set", f"output_dir={tmp_path}",
+                        "--set", f"warmup.data.datasets={named}")  # a file of the user's own must be there
+    assert code == EXIT_BAD_CONFIG and f"warmup.data.datasets.0.path: no such file or folder '{tmp_path / 'mine.jsonl'}'" in out

@@ -1,18 +1,22 @@
-"""`rlhf-ray sample` (rlhf_ray/sample.py) on the tiny model with the hf engine, in the test's process (no Ray): a
-PPO config's training prompts answered by a model and written as a dataset an SFT job reads back with the same
-prompt ids the PPO job samples from."""
+"""`rlhf-ray sample` (rlhf_ray/jobs/teacher_answers.py) on the tiny model with the hf engine: a PPO config's
+training prompts answered by a model, on the config's cluster (here the session's shared embedded Ray), and
+written as a dataset an SFT job reads back with the same prompt ids the PPO job samples from. The refusals start
+nothing."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from rlhf_ray.cli import EXIT_BAD_CONFIG, EXIT_OK, main
 from rlhf_ray.config import load_job
 from rlhf_ray.config.data import DataSpec
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.tokens import TokenConventions
+from rlhf_ray.config.pipeline_job import ANSWERS_FORMAT
+from rlhf_ray.jobs.teacher_answers import job_and_model, sample_answers
 from rlhf_ray.models.loading import load_tokenizer
-from rlhf_ray.sample import SFT_FORMAT, job_and_model, sample_answers
 from tests.conftest import ROOT
 
 GRPO = ROOT / "configs/quickstart/grpo.yaml"
@@ -20,7 +24,8 @@ GRPO = ROOT / "configs/quickstart/grpo.yaml"
 
 def grpo_on(model, tmp_path, *more):
     return ["--set", "policy.model.gguf_file=null", "--set", f"policy.model.path={model}",
-            "--set", "generation.engine=hf", "--set", f"output_dir={tmp_path / 'grpo'}", *more]
+            "--set", "generation.engine=hf", "--set", f"output_dir={tmp_path / 'grpo'}",
+            "--set", "cluster.dashboard=false", *more]
 
 
 def printed(capsys) -> str:
@@ -28,10 +33,11 @@ def printed(capsys) -> str:
     return " ".join((captured.out + captured.err).split())  # rich wraps long lines
 
 
-def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model, tmp_path, capsys,
-                                                                       monkeypatch):
+@pytest.mark.system
+def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model, tmp_path, capsys, monkeypatch,
+                                                                       shared_ray):
     out = tmp_path / "answers.jsonl"
-    monkeypatch.setattr("rlhf_ray.sample.CHUNK", 4)  # two engine calls: the second's answers keep their prompts
+    monkeypatch.setattr("rlhf_ray.jobs.teacher_answers.CHUNK", 4)  # two engine calls: the second's answers keep their prompts
     code = main(["sample", str(GRPO), *grpo_on(tiny_model, tmp_path), "--model", str(tiny_model), "--out", str(out),
                  "--prompts", "6", "--keep-unfinished"])
     said = printed(capsys)
@@ -50,7 +56,7 @@ def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model
     for r in rows:  # each answer carries its prompt's ground truth
         assert r["columns"] == by_prompt[r["prompt"]]["columns"] and set(r["columns"]) == {"answer"}
 
-    spec = DataSpec(datasets=[{"name": "custom", "path": str(out), "format": SFT_FORMAT}], split="1,0,0",
+    spec = DataSpec(datasets=[{"name": "custom", "path": str(out), "format": ANSWERS_FORMAT}], split="1,0,0",
                     max_seq_len=512)
     sft = build_phase_data(spec, tokenizer, "sft", job.seed, tmp_path / "cache")
     assert len(sft.train) + len(sft.eval) == len(rows)  # (the split step holds one back for evaluation)
@@ -63,7 +69,8 @@ def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model
             r["answer"] if r["finished"] else r["answer"] + tokenizer.eos_token for r in written}
 
 
-def test_unfinished_answers_are_dropped_unless_kept(tiny_model, tmp_path):
+@pytest.mark.system
+def test_unfinished_answers_are_dropped_unless_kept(tiny_model, tmp_path, shared_ray):
     job, model = job_and_model(load_job(GRPO, [a for a in grpo_on(tiny_model, tmp_path) if a != "--set"]),
                                str(tiny_model))
     kept = sample_answers(job, model, tmp_path / "all.jsonl", prompts=4, keep_unfinished=True)

@@ -68,9 +68,14 @@ class JobBase(StrictModel):
         """Role name -> placement, for the resource plan."""
         raise NotImplementedError
 
+    def named_stages(self) -> dict[str, JobBase]:
+        """The jobs this one runs, in order, by the config section each is written in: itself, under "" (a
+        pipeline: its stages, under sft, rm, ...)."""
+        return {"": self}
+
     def stages(self) -> list[JobBase]:
-        """The jobs this one runs, in order: itself (a pipeline: its stages)."""
-        return [self]
+        """The jobs this one runs, in order."""
+        return list(self.named_stages().values())
 
     @model_validator(mode="after")
     def _placement_is_consistent(self) -> "JobBase":

@@ -4,12 +4,35 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from rlhf_ray.config.base import FieldProblem
 from rlhf_ray.config.placement import PlacementSpec
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, DPOJob, JobBase, PretrainJob, RMJob, SFTJob
 from rlhf_ray.config.ppo_job import PPOJob
+
+ANSWERS_FILE = "teacher_answers.jsonl"
+"""The teacher's answers a warm-up stage trains on, in its output_dir (`rlhf-ray sample` writes the same rows)."""
+ANSWERS_FORMAT = {"prompt_field": "prompt", "chosen_field": "answer", "template": "raw"}
+"""How an SFT job reads such a file (`data.datasets: [{name: custom, path: FILE, format: ANSWERS_FORMAT}]`): the
+prompt as the PPO job rendered it, the answer as the model wrote it (its stop token included), neither re-rendered,
+so SFT trains on the very prompt ids the PPO job samples from."""
+
+
+class WarmupJob(SFTJob):
+    """Before on-policy distillation: the student's SFT on the teacher's own answers to a sample of the PPO stage's
+    training prompts (the off-policy start the peers' distillation recipes use; docs/jobs.md). The pipeline samples
+    them on the cluster with the PPO stage's generation settings and engine placement, writes them to
+    `<output_dir>/teacher_answers.jsonl`, and then runs this SFT job on them. Defaults: the model is the PPO
+    stage's policy model (the student), the data that file with `split: "1,0,0"`; the PPO stage's policy then starts
+    from this stage's model."""
+
+    prompts: int = Field(240, ge=1)
+    """How many of the PPO stage's training prompts the teacher answers (a sample seeded by the PPO stage's seed),
+    `generation.sampling.n_samples_per_prompt` answers each."""
+    keep_unfinished: bool = False
+    """Keep answers cut at `generation.sampling.max_new_tokens` (dropped by default: SFT on them would teach the
+    student to stop mid-answer)."""
 
 
 def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) -> None:
@@ -28,6 +51,23 @@ def _names_a_model(section: dict[str, Any], role: str) -> bool:
     return isinstance(model, dict) and bool(model.get("path") or model.get("gguf_file"))
 
 
+def _wire_warmup(warmup: dict[str, Any], ppo: dict[str, Any]) -> None:
+    """The warm-up starts from the student (ppo's policy model) and reads the teacher's answers it writes; ppo's
+    policy starts from the warm-up's model (raw YAML dicts, before validation)."""
+    policy = ppo.get("policy")
+    student = policy.get("model") if isinstance(policy, dict) else None
+    if not isinstance(student, dict):
+        return  # no student named: warmup.model is then required, and validation says so there
+    warmup.setdefault("model", dict(student))
+    data = warmup.setdefault("data", {})
+    if isinstance(data, dict):
+        data.setdefault("datasets", [{"name": "custom", "path": f"{warmup['output_dir']}/{ANSWERS_FILE}",
+                                      "format": dict(ANSWERS_FORMAT)}])
+        data.setdefault("split", "1,0,0")
+    ppo["policy"] = {**policy, "model": {**student, "path": f"{warmup['output_dir']}/{FINAL_MODEL_DIR}",
+                                         "gguf_file": None}}
+
+
 class PipelineJob(JobBase):
     """SFT -> RM -> PPO, SFT -> PPO with a reward function or server (no reward model to train), or SFT -> DPO,
     optionally after continued pretraining. Stage outputs default to
@@ -36,7 +76,8 @@ class PipelineJob(JobBase):
     and reward model from the RM, unless a path is given (without an RM stage the critic starts from the SFT model,
     its value head new); DPO starts from the SFT model. A PPO stage with a teacher
     (on-policy distillation) distils the SFT model by default: the teacher's path defaults to it, the policy to the
-    SFT model only where no model is named."""
+    SFT model only where no model is named; a warm-up stage then trains that student on the teacher's own answers
+    first, and PPO's policy starts from the warm-up's model."""
 
     summary: ClassVar[str] = "(pretrain ->) SFT -> RM -> PPO, or SFT -> DPO"
     runner: ClassVar[str] = "rlhf_ray.jobs.pipeline:run_pipeline"
@@ -53,6 +94,10 @@ class PipelineJob(JobBase):
     """Stage 3, as in a ppo config; model paths left unset take the SFT / RM outputs."""
     dpo: DPOJob | None = None
     """Instead of rm and ppo: DPO after SFT, as in a dpo config; `model.path` left unset takes the SFT output."""
+    warmup: WarmupJob | None = None
+    """Between sft and ppo, with a ppo stage that has a teacher (on-policy distillation): the teacher answers
+    `warmup.prompts` training prompts, and the student (ppo's policy model) is fine-tuned on those answers, as in an
+    sft config; the PPO stage's policy starts from its model."""
 
     @model_validator(mode="after")
     def _one_route(self) -> "PipelineJob":
@@ -61,6 +106,9 @@ class PipelineJob(JobBase):
         if self.dpo is None and self.ppo is None:
             raise FieldProblem("ppo", "no stage after sft: give a ppo section (with an rm section when its reward is "
                                       "a reward model), or a dpo one")
+        if self.warmup is not None and (self.ppo is None or self.ppo.teacher is None):
+            raise FieldProblem("warmup", "a warm-up fine-tunes the student on the teacher's answers before on-policy "
+                                         "distillation: it needs a ppo stage with a teacher section; remove warmup")
         return self
 
     @model_validator(mode="before")
@@ -71,14 +119,14 @@ class PipelineJob(JobBase):
         root = data.get("output_dir", cls.model_fields["output_dir"].default)
         shared = {k: data[k] for k in ("seed", "cluster", "logging") if k in data}
         stages = {}
-        for stage in ("pretrain", "sft", "rm", "ppo", "dpo"):
+        for stage in ("pretrain", "sft", "warmup", "rm", "ppo", "dpo"):
             section = data.get(stage)
             if section is None and stage != "sft":
                 continue
             if not isinstance(section, dict):
                 return data
             section = {**shared, **section}
-            section.setdefault("kind", stage)
+            section.setdefault("kind", "sft" if stage == "warmup" else stage)
             section.setdefault("output_dir", f"{root}/{stage}")
             stages[stage] = section
         if "pretrain" in stages:
@@ -87,6 +135,8 @@ class PipelineJob(JobBase):
         for stage in ("rm", "dpo"):
             if stage in stages:
                 _with_default(stages[stage], ("model", "path"), sft_model)
+        if "warmup" in stages and "ppo" in stages:
+            _wire_warmup(stages["warmup"], stages["ppo"])
         if "ppo" in stages:
             if not _names_a_model(stages["ppo"], "policy"):
                 _with_default(stages["ppo"], ("policy", "model", "path"), sft_model)
@@ -108,7 +158,7 @@ class PipelineJob(JobBase):
         """Stages run one after another, so the plan that must fit is the largest stage's."""
         return (self.dpo or self.ppo or self.sft).placement_roles()  # sft alone: the route check then says why
 
-    def stages(self) -> list[JobBase]:
-        first = [self.pretrain] if self.pretrain is not None else []
-        later = [self.dpo] if self.dpo is not None else [self.rm, self.ppo]
-        return first + [self.sft] + [stage for stage in later if stage is not None]
+    def named_stages(self) -> dict[str, JobBase]:
+        """The stages in the order they run, by their section's name."""
+        order = ("pretrain", "sft", "warmup", "rm", "ppo", "dpo")
+        return {name: getattr(self, name) for name in order if getattr(self, name) is not None}

@@ -1,6 +1,6 @@
-"""(pretrain ->) SFT -> RM -> PPO (or SFT -> DPO), each stage's model feeding the next. A stage whose output is
-complete (its model and summary.json exist) is not run again, so a pipeline interrupted in stage k resumes at
-stage k."""
+"""(pretrain ->) SFT (-> warm-up) -> RM -> PPO (or SFT -> DPO), each stage's model feeding the next. A stage whose
+output is complete (its model and summary.json exist) is not run again, so a pipeline interrupted in stage k
+resumes at stage k."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import logging
 from pathlib import Path
 
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, JobBase
-from rlhf_ray.config.pipeline_job import PipelineJob
+from rlhf_ray.config.pipeline_job import ANSWERS_FILE, PipelineJob
 from rlhf_ray.jobs.kinds import run_job
+from rlhf_ray.jobs.teacher_answers import check_same_tokenizer, sample_answers
+from rlhf_ray.models.sources import resolve_model_sources
 
 log = logging.getLogger(__name__)
 
@@ -22,16 +24,36 @@ def completed_summary(stage: JobBase) -> dict | None:
     return None
 
 
+def teacher_answers(job: PipelineJob) -> dict:
+    """The warm-up's data: the teacher's answers to `warmup.prompts` of the PPO stage's training prompts, sampled on
+    the cluster; a file a stopped run wrote whole is kept (it is written whole or not at all)."""
+    warmup, ppo = job.warmup, resolve_model_sources(job.ppo)
+    path = Path(warmup.output_dir) / ANSWERS_FILE
+    if path.is_file():
+        log.info("warmup: the teacher's answers in %s are there, reusing them (delete the file to sample again)", path)
+        return {"answers": sum(1 for _ in path.open()), "reused": True}
+    check_same_tokenizer(ppo.teacher.model, resolve_model_sources(warmup).model, "the student (warmup.model)")
+    written = sample_answers(ppo, ppo.teacher.model, path, warmup.prompts, warmup.keep_unfinished)
+    log.info("warmup: %d teacher answers (%d tokens) to %d prompts in %s; %d cut at max_new_tokens %s",
+             written.kept, written.tokens, written.prompts, path, written.unfinished,
+             "kept" if warmup.keep_unfinished else "dropped")
+    return {"answers": written.kept, "tokens": written.tokens, "prompts": written.prompts,
+            "unfinished": written.unfinished, "engine": written.engine}
+
+
 def run_pipeline(job: PipelineJob) -> dict:
     summary: dict[str, dict] = {}
-    for stage in job.stages():
+    for name, stage in job.named_stages().items():
         done = completed_summary(stage)
         if done is not None:
             log.info("%s: already complete in %s, reusing it (delete the folder to run it again)",
-                     stage.kind, stage.output_dir)
-            summary[stage.kind] = {**done, "reused": True}
-        else:
-            summary[stage.kind] = run_job(stage)
+                     name, stage.output_dir)
+            summary[name] = {**done, "reused": True}
+            continue
+        sampled = teacher_answers(job) if name == "warmup" else None
+        summary[name] = run_job(stage)
+        if sampled is not None:
+            summary[name]["teacher_answers"] = sampled
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -17,6 +17,7 @@ from rich.console import Console
 
 from rlhf_ray.config import ConfigError, ConfigSource, JobBase
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR
+from rlhf_ray.config.pipeline_job import ANSWERS_FILE
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.memory.budget import check_memory, written_shapes
 from rlhf_ray.plan import ResourcePlan, describe_nodes, nodes_from_shape
@@ -26,8 +27,8 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?
 
 
 def stages(job: JobBase) -> list[tuple[Loc, JobBase]]:
-    """(field prefix, job) for each stage: one for a plain job, sft / rm / ppo for a pipeline."""
-    return [((stage.kind,) if stage is not job else (), stage) for stage in job.stages()]
+    """(field prefix, job) for each stage: one for a plain job, sft / warmup / rm / ppo ... for a pipeline."""
+    return [((name,) if name else (), stage) for name, stage in job.named_stages().items()]
 
 
 def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
@@ -35,9 +36,11 @@ def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
     checks what the config names (datasets, reward functions, engines) but not the files it reads, for a config
     whose inputs do not exist yet (a PPO config before its SFT stage has run)."""
     produced = {_norm(Path(stage.output_dir) / FINAL_MODEL_DIR) for _, stage in stages(job)}
+    if (warmup := getattr(job, "warmup", None)) is not None:
+        produced.add(_norm(Path(warmup.output_dir) / ANSWERS_FILE))  # the pipeline samples it before the warm-up
     problems: list[str] = []
     for prefix, stage in stages(job):
-        found = [*check_datasets(stage, files), *check_reward_function(stage), *check_environment(stage),
+        found = [*check_datasets(stage, files, produced), *check_reward_function(stage), *check_environment(stage),
                  *check_keep_best(stage)]
         if files:
             found += [*check_output_dir(stage), *check_checkpoint(stage), *check_corpora(stage),
@@ -85,8 +88,10 @@ def check_checkpoint(job: JobBase) -> Iterator[tuple[Loc, str]]:
 # --- data ------------------------------------------------------------------------------------------------------
 
 
-def check_datasets(job: JobBase, files: bool = True) -> Iterator[tuple[Loc, str]]:
-    """Dataset names and formats (cheap), and local dataset files read through once (the first bad line)."""
+def check_datasets(job: JobBase, files: bool = True, produced: set[str] = frozenset()
+                   ) -> Iterator[tuple[Loc, str]]:
+    """Dataset names and formats (cheap), and local dataset files read through once (the first bad line); files
+    an earlier pipeline stage writes (`produced`) are not read."""
     from rlhf_ray.data.errors import DataError
     from rlhf_ray.data.registry import load_raw, resolve_adapter
 
@@ -95,7 +100,7 @@ def check_datasets(job: JobBase, files: bool = True) -> Iterator[tuple[Loc, str]
         loc: Loc = ("data", "datasets", str(i))
         try:
             resolve_adapter(dataset)
-            if files and dataset.path is not None:
+            if files and dataset.path is not None and _norm(Path(dataset.path)) not in produced:
                 if not Path(dataset.path).exists():
                     yield loc + ("path",), f"no such file or folder {dataset.path!r}; fix the path"
                     continue
@@ -392,13 +397,13 @@ def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]
     nodes, which = _cluster_nodes(job, live)
     problems: list[str] = []
     derived: dict = {}  # shapes of the models earlier stages write
-    for stage_job in job.stages():
-        stage = stage_job.kind
+    for name, stage_job in job.named_stages().items():
+        stage = name or stage_job.kind
         plan = ResourcePlan.from_roles(stage_job.placement_roles())
         if show:
             out.print(plan.render(title=f"{stage}: resource plan"))
         problems += [f"{stage}: {p}" for p in plan.check_fits(nodes)]
-        memory, too_big = check_memory(stage_job, plan, nodes, derived)
+        memory, too_big = check_memory(stage_job, plan, nodes, derived, stage)
         derived.update(written_shapes(stage_job, derived))
         if show:
             out.print(memory)

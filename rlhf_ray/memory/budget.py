@@ -215,15 +215,15 @@ def placement_memory(roles: dict[str, RoleMemory], plan, gpu_bytes: int | None) 
 MEMORY_COLUMNS = ("role", "weights", "grads", "optim", "activ", "logits", "KV", "device", "host")
 
 
-def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None
-                 ) -> tuple[Group, list[str]]:
-    """The memory table of one job's plan (short columns, each role's assumptions below it: it reads at 80 columns,
-    in a terminal or a log), and what does not fit (naming the placement group, its roles, the bytes over and the
-    fields to change)."""
+def check_memory(job, plan, nodes: list[dict[str, float]], derived: dict[str, ModelShape] | None = None,
+                 name: str | None = None) -> tuple[Group, list[str]]:
+    """The memory table of one job's plan, titled `name` (default: the job's kind; short columns, each role's
+    assumptions below it: it reads at 80 columns, in a terminal or a log), and what does not fit (naming the
+    placement group, its roles, the bytes over and the fields to change)."""
     gpu_bytes = max((int(n.get(GPU_MEMORY, 0)) for n in nodes), default=0) or None
     host_bytes = max((int(n.get(HOST_MEMORY, 0)) for n in nodes), default=0) or None
     roles = role_memory(job, gpu_bytes, derived)
-    table = Table(title=f"{job.kind}: memory per replica (GiB)", title_justify="left", box=box.SIMPLE_HEAD,
+    table = Table(title=f"{name or job.kind}: memory per replica (GiB)", title_justify="left", box=box.SIMPLE_HEAD,
                   pad_edge=False, show_edge=False)
     for column in MEMORY_COLUMNS:
         table.add_column(column, justify="left" if column == "role" else "right", no_wrap=True)

@@ -1,20 +1,19 @@
-"""`rlhf-ray sample`: a model's answers to a PPO job's training prompts, written as a dataset an SFT job reads. The
-off-policy half of distillation (SFT of a student on a teacher's answers; docs/jobs.md, "On-policy distillation"):
-the prompts are rendered and tokenised as the PPO job renders them, the answers sampled with its generation
-settings by one of its engines (in this process), so SFT on the file reads back the very prompt ids the job's
-policy will later sample from."""
+"""A model's answers to a PPO job's training prompts, written as a dataset an SFT job reads: the off-policy half of
+distillation (a pipeline's warm-up stage, and `rlhf-ray sample`; docs/jobs.md, "On-policy distillation"). The
+prompts are rendered and tokenised as the PPO job renders them and answered by the job's generation engines on
+the cluster (its generation placement), with its sampling settings, so SFT on the file reads back the very prompt
+ids the job's policy will later sample from."""
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf_ray.actors.engine import build_engine, engine_env
-from rlhf_ray.actors.pool import with_model_len
+from rlhf_ray import cluster
+from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.config import JobBase
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.ppo_job import PPOJob
@@ -23,15 +22,11 @@ from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.models.sources import resolve_model_sources
-from rlhf_ray.models.support import resolve_engine
+from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
 CHUNK = 64
-"""Prompts per engine call."""
-
-SFT_FORMAT = {"prompt_field": "prompt", "chosen_field": "answer", "template": "raw"}
-"""How an SFT job reads the written file (`data.datasets: [{name: custom, path: FILE, format: SFT_FORMAT}]`): the
-prompt as the PPO job rendered it, the answer as the model wrote it (its stop token included), neither re-rendered."""
+"""Prompts per call to the engines (a progress line after each)."""
 
 
 def job_and_model(job: JobBase, model_path: str | None) -> tuple[PPOJob, ModelSpec]:
@@ -53,11 +48,16 @@ def job_and_model(job: JobBase, model_path: str | None) -> tuple[PPOJob, ModelSp
     if model.path is None or not Path(model.path).is_dir():
         raise ValueError(f"no model folder at {model.path}: give --model PATH, or run the stage that writes it first "
                          "(a pipeline's teacher is its sft stage's output)")
-    if not same_tokenizer(load_tokenizer(ppo.policy.model), load_tokenizer(model)):
-        raise ValueError(f"the model at {model.path} and the policy at {ppo.policy.model.path} have different "
-                         "tokenizers: the answers would be token ids the policy does not read the same way; sample "
-                         "with a model of the policy's tokenizer")
+    check_same_tokenizer(model, ppo.policy.model, "the policy")
     return ppo, model
+
+
+def check_same_tokenizer(model: ModelSpec, student: ModelSpec, role: str) -> None:
+    """The answering model and the student (`role`, as the message names it) read text as the same token ids."""
+    if not same_tokenizer(load_tokenizer(student), load_tokenizer(model)):
+        raise ValueError(f"the model at {model.path} and {role} at {student.path} have different tokenizers: the "
+                         "answers would be token ids the student does not read the same way; answer with a model "
+                         "of the student's tokenizer")
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,11 @@ class Written:
 def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None = None,
                    keep_unfinished: bool = False) -> Written:
     """`model`'s answers to `prompts` of `job`'s training prompts (all when None; shuffled by the job's seed, so
-    any number is a sample of the whole set), `generation.sampling.n_samples_per_prompt` each, sampled with the
-    job's sampling settings and seed. Answers cut at max_new_tokens are dropped unless `keep_unfinished` (SFT
-    would teach the student to stop mid-answer). One JSON line per answer: prompt, answer, finished, tokens and
-    columns (the dataset's columns of the prompt: a task's ground truth)."""
+    any number is a sample of the whole set), `generation.sampling.n_samples_per_prompt` each, sampled on the job's
+    cluster by its generation engines (`generation.placement`, without colocation) with its sampling settings and
+    seed. Answers cut at max_new_tokens are dropped unless `keep_unfinished` (SFT would teach the student to stop
+    mid-answer). One JSON line per answer: prompt, answer, finished, tokens and columns (the dataset's columns of
+    the prompt: a task's ground truth). Written whole or not at all."""
     tokenizer = load_tokenizer(model)
     tokens = TokenConventions.from_tokenizer(tokenizer, model.path)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, job.data.cache_dir or Path(out).parent / "data_cache",
@@ -87,20 +88,29 @@ def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None
     rows = list(data.train)
     random.Random(job.seed).shuffle(rows)
     rows = rows[:prompts]
-    engine_name, reason = resolve_engine(job.generation, model)
-    log.info("sampling %d prompts x %d with the %s engine (%s)", len(rows),
-             job.generation.sampling.n_samples_per_prompt, engine_name, reason)
-    spec = with_model_len(job)
-    # the engine lives in this process, as in an engine actor's (LD_PRELOAD only counts before a process starts)
-    os.environ.update({k: v for k, v in engine_env(engine_name, spec, os.cpu_count() or 1).items()
-                       if k != "LD_PRELOAD"})
-    engine = build_engine(model, spec, tokens, engine_name)
+    generation = job.generation.model_copy(
+        update={"placement": job.generation.placement.model_copy(update={"colocate_with": None})})
+    answering = job.model_copy(update={"generation": generation,
+                                       "policy": job.policy.model_copy(update={"model": model})})
+    plan = ResourcePlan.from_roles({"generation": generation.placement})
     samples = []
-    for start in range(0, len(rows), CHUNK):  # a progress line per chunk: a large sample takes a while
-        chunk = [r["prompt_ids"] for r in rows[start: start + CHUNK]]
-        got = engine.generate(chunk, job.generation.sampling, seed=stable_seed(job.seed, "sample", start))
-        samples += [{**sample, "prompt_index": sample["prompt_index"] + start} for sample in got]
-        log.info("sampled %d/%d prompts", start + len(chunk), len(rows))
+    with cluster.connect(job.cluster) as handle:
+        placements = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+        pool = None
+        try:
+            name, bundles = plan.role_slots("generation")
+            pool = GenerationPool.start(answering, placements[name], bundles, tokens)
+            log.info("sampling %d prompts x %d with %d %s engine(s)", len(rows),
+                     generation.sampling.n_samples_per_prompt, len(pool.group), pool.engine)
+            for start in range(0, len(rows), CHUNK):
+                chunk = [r["prompt_ids"] for r in rows[start: start + CHUNK]]
+                got = pool.generate(chunk, seed=stable_seed(job.seed, "sample", start))
+                samples += [{**sample, "prompt_index": sample["prompt_index"] + start} for sample in got]
+                log.info("sampled %d/%d prompts", start + len(chunk), len(rows))
+        finally:
+            if pool is not None:
+                pool.group.kill()
+            cluster.remove(placements)
     lines, unfinished, count = [], 0, 0
     for sample in samples:
         unfinished += not sample["finished"]
@@ -116,4 +126,4 @@ def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text("".join(line + "\n" for line in lines))
     tmp.replace(out)
-    return Written(out, engine_name, len(rows), len(lines), unfinished, count)
+    return Written(out, pool.engine, len(rows), len(lines), unfinished, count)
