@@ -13,6 +13,9 @@ accuracy of the student against the number of tokens the teacher scored or wrote
 - off-policy, then on-policy (`--warm-start STEP`): the distill recipe run from the off-policy student after STEP
   steps (SFT on the teacher's samples as a warm-up, then the student's own samples scored by the teacher), kept as
   the tagged experiment `warmSTEP`; its teacher tokens start at the warm-up's.
+- the warm-up recipe (configs/recipes/smollm2-distill-warmup.yaml, its run kept by `bench_rl_after_sft.py
+  --recipes distill-warmup`): the same in one pipeline (its warmup stage samples and fine-tunes); its teacher
+  tokens start at the answers its warm-up trained on.
 
     .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W [--write docs/benchmarks.md]
     .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W --warm-start 30
@@ -37,6 +40,7 @@ from common import (ROOT, greedy_accuracy, machine, pyplot, run_watched, save_fi
 
 HEADING = "## On-policy distillation against SFT on the teacher's samples"
 RECIPE = ROOT / "configs/recipes/smollm2-distill.yaml"
+WARMUP_RECIPE = ROOT / "configs/recipes/smollm2-distill-warmup.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "distill_baseline"
 ON_POLICY = ROOT / "benchmarks" / "results" / "rl_after_sft"
 EVAL, GOAL = 300, 0.9
@@ -243,6 +247,20 @@ def on_policy_runs(seed: int) -> tuple[list[tuple[int, float]] | None, list[tupl
     return recipe, others
 
 
+def warmup_recipe_curve(seed: int) -> list[tuple[int, float]] | None:
+    """(teacher tokens, greedy accuracy) of the warm-up recipe's kept run of this seed, its tokens starting at the
+    warm-up's teacher answers; None when no run of the recipe as it is now is kept."""
+    file = ON_POLICY / f"distill-warmup-{seed}.json"
+    if not file.is_file():
+        return None
+    curve, run = on_policy_curve(seed, file)
+    if run["settings"] != settings_hash(WARMUP_RECIPE.read_text(), []):
+        print(f"not reported: {file} ran other settings than {WARMUP_RECIPE.name} holds now", flush=True)
+        return None
+    start = run["summary"]["warmup"]["teacher_answers"]["tokens"]
+    return [(start + tokens, accuracy) for tokens, accuracy in curve]
+
+
 def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
     # accuracies are counts over the same problems: 54/300 is 90% of 60/300, which 0.9 * 0.2 (0.18000000000000002)
     # would put out of reach by float rounding alone
@@ -250,24 +268,29 @@ def tokens_to_reach(curve: list[tuple[int, float]], level: float) -> int | None:
 
 
 def report(doc: Path | None) -> str:
-    rows, plots, tried = [], [], {}
+    rows, plots, tried, warmed = [], [], {}, {}
     for file in sorted(RESULTS.glob("seed-*.json")):
         base = json.loads(file.read_text())
         on, tried[base["seed"]] = on_policy_runs(base["seed"])
+        warmed[base["seed"]] = warmup_recipe_curve(base["seed"])
         teacher, off = base["teacher_accuracy"], base["curve"]
         plots.append((base, on, teacher))
         best_off = max(a for _, a in off)
         off_cell = f"{best_off:.3f} ({best_off / teacher:.0%}) at {tokens_to_reach(off, best_off):,}"
+        warm = warmed[base["seed"]]
+        warm_cell = "not run" if warm is None else \
+            f"{max(a for _, a in warm):.3f} ({max(a for _, a in warm) / teacher:.0%}) at " \
+            f"{tokens_to_reach(warm, max(a for _, a in warm)):,}"
         if on is None:
             rows.append(f"| {base['seed']} | {teacher:.3f} | {off[0][1]:.3f} | no run of the current recipe kept | "
-                        f"{off_cell} | - |")
+                        f"{off_cell} | - | {warm_cell} |")
             continue
         best_on = max(a for _, a in on)
         level = min(best_on, best_off)  # the accuracy both reach: who needs fewer teacher tokens for it
         need_on, need_off = tokens_to_reach(on, level), tokens_to_reach(off, level)
         rows.append(f"| {base['seed']} | {teacher:.3f} | {on[0][1]:.3f} | {best_on:.3f} ({best_on / teacher:.0%}) "
                     f"at {tokens_to_reach(on, best_on):,} | {off_cell} | "
-                    f"{level:.3f}: {need_on:,} on-policy, {need_off:,} off-policy |")
+                    f"{level:.3f}: {need_on:,} on-policy, {need_off:,} off-policy | {warm_cell} |")
     text = [HEADING, "",
             "Runs: " + "; ".join(f"seed {b['seed']}: {b['date']}, {b['machine']}" for b, _, _ in plots)
             + f". Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.",
@@ -282,23 +305,30 @@ def report(doc: Path | None) -> str:
             "students are the base SmolLM2-135M-Instruct; the teacher is the seed's SFT model; held-out: greedy "
             f"accuracy on the same {EVAL} problems, one evaluator (vLLM, the correctness rule). Teacher tokens: "
             "on-policy, the student's answer tokens the teacher scored; off-policy, the answer tokens the teacher "
-            "wrote for the samples trained on so far.", "",
+            "wrote for the samples trained on so far. Warm-up recipe: `python benchmarks/bench_rl_after_sft.py "
+            "--recipes distill-warmup --seeds N --workdir W` (configs/recipes/smollm2-distill-warmup.yaml, one "
+            "pipeline: the teacher answers 240 training prompts on the cluster, the base student is fine-tuned on the "
+            "answers it finished, then distilled on-policy at lr 1e-5, evaluated every 5 iterations); its teacher "
+            "tokens start at the warm-up's answers' and add the tokens scored on-policy.", "",
             "| seed | teacher | student before | on-policy best (of teacher) at teacher tokens | off-policy best "
-            "(of teacher) at teacher tokens | teacher tokens to reach the accuracy both reach |",
-            "|---:|---:|---:|---|---|---|", *rows, ""]
+            "(of teacher) at teacher tokens | teacher tokens to reach the accuracy both reach | warm-up recipe best "
+            "(of teacher) at teacher tokens |",
+            "|---:|---:|---:|---|---|---|---|", *rows, ""]
     for base, on, teacher in plots:
-        if on is None:
-            text.append(f"Goal (issue 41), seed {base['seed']}: not judged, no run of the current distill recipe is "
-                        f"kept for this seed (the runs below are of other settings).")
-            continue
-        reached_on = tokens_to_reach(on, GOAL * teacher)
-        reached_off = tokens_to_reach(base["curve"], GOAL * teacher)
-        verdict = ("met" if reached_on is not None and (reached_off is None or reached_on < reached_off)
-                   else "missed")
-        text.append(f"Goal (issue 41), seed {base['seed']}: the student at >= {GOAL:.0%} of the teacher's accuracy "
-                    f"({GOAL * teacher:.3f}) in fewer teacher tokens than SFT on teacher samples: on-policy "
-                    f"{'reached at ' + format(reached_on, ',') if reached_on else 'not reached'}, off-policy "
-                    f"{'reached at ' + format(reached_off, ',') if reached_off else 'not reached'}: {verdict}.")
+        for recipe, curve in (("distill", on), ("distill-warmup", warmed[base["seed"]])):
+            if curve is None:
+                text.append(f"Goal (issue 41), seed {base['seed']}, {recipe} recipe: not judged, no run of the "
+                            f"recipe as it is now is kept for this seed.")
+                continue
+            reached_on = tokens_to_reach(curve, GOAL * teacher)
+            reached_off = tokens_to_reach(base["curve"], GOAL * teacher)
+            verdict = ("met" if reached_on is not None and (reached_off is None or reached_on < reached_off)
+                       else "missed")
+            text.append(f"Goal (issue 41), seed {base['seed']}, {recipe} recipe: the student at >= {GOAL:.0%} of the "
+                        f"teacher's accuracy ({GOAL * teacher:.3f}) in fewer teacher tokens than SFT on teacher "
+                        f"samples: on-policy "
+                        f"{'reached at ' + format(reached_on, ',') if reached_on else 'not reached'}, off-policy "
+                        f"{'reached at ' + format(reached_off, ',') if reached_off else 'not reached'}: {verdict}.")
     for base, _, teacher in plots:
         for label, curve, run in tried[base["seed"]]:
             settings = ", ".join(f"`{o}`" for o in run["overrides"]) or "no overrides"
@@ -321,6 +351,9 @@ def report(doc: Path | None) -> str:
         for ax, (base, on, teacher) in zip(axes[0], plots):
             if on is not None:
                 ax.plot(*zip(*on), "o-", label="on-policy distillation (the recipe)")
+            if warmed[base["seed"]] is not None:
+                ax.plot(*zip(*warmed[base["seed"]]), "D-", color="black",
+                        label="warm-up recipe (SFT on teacher answers, then on-policy)")
             ax.plot(*zip(*base["curve"]), "s--", label="SFT on teacher samples")
             for label, curve, _ in tried[base["seed"]]:  # one colour per kind of run, the same in every panel
                 ax.plot(*zip(*curve), "^:", color=colours.setdefault(label, EXTRA_COLOURS[len(colours) % 6]),

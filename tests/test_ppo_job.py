@@ -507,6 +507,10 @@ def test_a_warmed_up_student_distils_from_the_teacher(tmp_path, stage_models, ti
     # the teacher's answers became likelier under the student: 6.8 -> 2.6 nats per token here
     assert summary["warmup"]["eval_loss_last"] < summary["warmup"]["eval_loss_first"] - 1.0, summary["warmup"]
     assert summary["ppo"]["iterations"] == 1 and "teacher" in summary["ppo"]["peak_memory_gib"]
+    # run again: every stage is complete, so nothing runs and nothing is sampled again
+    again = run_pipeline(job)
+    assert all(again[name]["reused"] for name in ("sft", "warmup", "ppo"))
+    assert again["warmup"]["teacher_answers"] == {"answers": len(answers), "tokens": sampled["tokens"], "reused": True}
 
 
 def test_on_policy_distillation_moves_the_student_towards_the_teacher(tmp_path, stage_models, tiny_model):

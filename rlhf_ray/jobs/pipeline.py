@@ -24,14 +24,19 @@ def completed_summary(stage: JobBase) -> dict | None:
     return None
 
 
-def teacher_answers(job: PipelineJob) -> dict:
-    """The warm-up's data: the teacher's answers to `warmup.prompts` of the PPO stage's training prompts, sampled on
-    the cluster; a file a stopped run wrote whole is kept (it is written whole or not at all)."""
-    warmup, ppo = job.warmup, resolve_model_sources(job.ppo)
+def teacher_answers(job: PipelineJob, sample: bool) -> dict | None:
+    """What the warm-up trains on: the teacher's answers to `warmup.prompts` of the PPO stage's training prompts,
+    sampled on the cluster when the file is not there and `sample`; a file written earlier is kept (it is written
+    whole or not at all). Counts for the summary: answers and tokens (the teacher's cost of the warm-up)."""
+    warmup = job.warmup
     path = Path(warmup.output_dir) / ANSWERS_FILE
     if path.is_file():
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
         log.info("warmup: the teacher's answers in %s are there, reusing them (delete the file to sample again)", path)
-        return {"answers": sum(1 for _ in path.open()), "reused": True}
+        return {"answers": len(rows), "tokens": sum(r["tokens"] for r in rows), "reused": True}
+    if not sample:
+        return None
+    ppo = resolve_model_sources(job.ppo)
     check_same_tokenizer(ppo.teacher.model, resolve_model_sources(warmup).model, "the student (warmup.model)")
     written = sample_answers(ppo, ppo.teacher.model, path, warmup.prompts, warmup.keep_unfinished)
     log.info("warmup: %d teacher answers (%d tokens) to %d prompts in %s; %d cut at max_new_tokens %s",
@@ -45,15 +50,15 @@ def run_pipeline(job: PipelineJob) -> dict:
     summary: dict[str, dict] = {}
     for name, stage in job.named_stages().items():
         done = completed_summary(stage)
+        answers = teacher_answers(job, sample=done is None) if name == "warmup" else None
         if done is not None:
             log.info("%s: already complete in %s, reusing it (delete the folder to run it again)",
                      name, stage.output_dir)
             summary[name] = {**done, "reused": True}
-            continue
-        sampled = teacher_answers(job) if name == "warmup" else None
-        summary[name] = run_job(stage)
-        if sampled is not None:
-            summary[name]["teacher_answers"] = sampled
+        else:
+            summary[name] = run_job(stage)
+        if answers is not None:
+            summary[name]["teacher_answers"] = answers
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
