@@ -34,7 +34,7 @@ def printed(capsys) -> str:
 
 
 @pytest.mark.system
-def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model, tmp_path, capsys, monkeypatch,
+def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_and_unfinished_ones_are_kept_only_if_asked(tiny_model, tmp_path, capsys, monkeypatch,
                                                                        shared_ray):
     out = tmp_path / "answers.jsonl"
     monkeypatch.setattr("rlhf_ray.jobs.teacher_answers.CHUNK", 4)  # two engine calls: the second's answers keep their prompts
@@ -68,19 +68,13 @@ def test_the_answers_train_an_sft_job_on_the_prompts_ppo_samples_from(tiny_model
         assert tokenizer.decode(row["input_ids"][answer_start:]) in {
             r["answer"] if r["finished"] else r["answer"] + tokenizer.eos_token for r in written}
 
-
-@pytest.mark.system
-def test_unfinished_answers_are_dropped_unless_kept(tiny_model, tmp_path, shared_ray):
-    job, model = job_and_model(load_job(GRPO, [a for a in grpo_on(tiny_model, tmp_path) if a != "--set"]),
-                               str(tiny_model))
-    kept = sample_answers(job, model, tmp_path / "all.jsonl", prompts=4, keep_unfinished=True)
-    dropped = sample_answers(job, model, tmp_path / "finished.jsonl", prompts=4)
-    everything = [json.loads(line) for line in (tmp_path / "all.jsonl").read_text().splitlines()]
+    # without --keep-unfinished the same sample (same seed: the same answers) less those cut at max_new_tokens
+    ppo_job, model = job_and_model(job, str(tiny_model))
+    dropped = sample_answers(ppo_job, model, tmp_path / "finished.jsonl", prompts=6)
     finished = [json.loads(line) for line in (tmp_path / "finished.jsonl").read_text().splitlines()]
-    cut = sum(not r["finished"] for r in everything)
+    cut = sum(not r["finished"] for r in rows)
     assert cut > 0  # the random model rambles on
-    assert (kept.kept, kept.unfinished) == (16, cut) and (dropped.kept, dropped.unfinished) == (16 - cut, cut)
-    assert finished == [r for r in everything if r["finished"]]  # the same seed: the same answers, minus the cut
+    assert (dropped.kept, dropped.unfinished) == (24 - cut, cut) and finished == [r for r in rows if r["finished"]]
 
 
 def test_sampling_needs_a_model_of_the_policys_tokenizer(tiny_model, tmp_path, capsys):
