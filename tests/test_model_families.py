@@ -144,38 +144,35 @@ def _check_greedy(workers, prompts, learner, tokens, max_new_tokens) -> None:
         assert s["answer_ids"] == want and s["finished"] == finished
 
 
-@pytest.fixture(scope="class")
-def local_ray():
-    """One embedded Ray for every family's end-to-end test (as each job would start it; stopped after them)."""
-    from rlhf_ray import cluster
-
-    spec = load_job(ROOT / "configs/quickstart/ppo.yaml", ["cluster.dashboard=false"]).cluster
-    with cluster.connect(spec) as handle:
-        yield handle
+HF_TOO = {"gemma3"}
+"""Families whose end-to-end test runs the hf engine before vLLM (tied embeddings, sliding-window attention)."""
 
 
 @pytest.mark.system
 class TestEndToEnd:
-    """Every family through real actors, on one embedded Ray (local_ray) started once for all of them."""
+    """Every family through real actors, on the session's shared embedded Ray (shared_ray)."""
 
     @pytest.mark.parametrize("name", NAMES)
-    def test_grpo_on_both_engines_greedy_parity_and_export(self, family_models, local_ray, tmp_path, name):
-        """A GRPO iteration scored by the family's own model as a reward model, sampled by the hf engine; the pool
-        swapped for a vLLM engine, a second iteration; after each weight sync engine greedy == learner greedy; the
-        exported model reloads in plain transformers with the family's stop ids. (No SFT job per family: the SFT
-        learner loads and steps the model as the policy learner does here; the family's SFT rows are
-        test_conventions_follow_the_family's.)"""
+    def test_grpo_greedy_parity_and_export(self, family_models, shared_ray, tmp_path, name):
+        """A GRPO iteration scored by the family's own model as a reward model, sampled by a vLLM engine (for
+        HF_TOO's families first by the hf engine, then, the pool swapped for a vLLM engine, a second iteration); after
+        each weight sync engine greedy == learner greedy; the exported model reloads in plain transformers with the
+        family's stop ids. (No SFT job per family: the SFT learner loads and steps the model as the policy learner
+        does here; the family's SFT rows are test_conventions_follow_the_family's. The hf engine runs the learner's
+        own transformers class, so one family's run of it stands for all; vLLM maps each family's weights its own
+        way, so every family runs it.)"""
         from rlhf_ray import cluster
         from rlhf_ray.data.build import build_phase_data
         from rlhf_ray.plan import ResourcePlan
         from tests.conftest import one_update, swap_engine, trainer_on
 
         path = family_models[name]
+        engines = ["hf", "vllm"] if name in HF_TOO else ["vllm"]
         common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
         ppo_job = load_job(ROOT / "configs/quickstart/ppo.yaml",
                            [f"policy.model.path={path}", f"reward.model.path={path}", f"output_dir={tmp_path / 'ppo'}",
                             "critic=null", "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
-                            "generation.sampling.n_samples_per_prompt=2", "generation.engine=hf",
+                            "generation.sampling.n_samples_per_prompt=2", f"generation.engine={engines[0]}",
                             "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=8", "policy.micro_batch_size=16",
                             "policy.optim.lr=0.01", *common])
         vllm_job = ppo_job.model_copy(update={"generation": ppo_job.generation.model_copy(update={"engine": "vllm"})})
@@ -186,12 +183,12 @@ class TestEndToEnd:
         start = {n: p.clone() for n, p in learner.named_parameters()}
         max_new = ppo_job.generation.sampling.max_new_tokens
         plan = ResourcePlan.from_roles(ppo_job.placement_roles())
-        placements = cluster.place(plan, local_ray.nodes(), 120)
+        placements = cluster.place(plan, shared_ray.nodes(), 120)
         try:
             with trainer_on(ppo_job, plan, placements, tokenizer, data, tokens) as trainer:
                 workers = trainer.workers
-                for iteration, engine in enumerate(["hf", "vllm"]):
-                    if engine == "vllm":  # the same learners, reference and reward; a vLLM engine on the same bundle
+                for iteration, engine in enumerate(engines):
+                    if iteration > 0:  # the same learners, reference and reward; a vLLM engine on the same bundle
                         swap_engine(trainer, vllm_job, plan, placements, tokens)
                     assert workers.pool.group.call("engine_name") == [engine]
                     rows = data.train[iteration * 8:(iteration + 1) * 8]
