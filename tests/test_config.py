@@ -456,6 +456,10 @@ def test_a_warmup_stage_trains_the_student_on_the_teachers_answers_and_ppo_start
     job = load_job(write_yaml(f"kind: pipeline\nsft: {{model: {{path: m}}}}\nwarmup: {{model: {{path: small}}}}\n"
                               f"{ppo}critic: null, teacher: {{}}, ppo: {{advantage_estimator: distill}}}}\n"))
     assert job.warmup.model.path == "small" and job.ppo.policy.model.path == "outputs/run/warmup/model"
+    (problem,) = problems_of(write_yaml(f"kind: pipeline\nsft: {{model: {{path: m}}}}\nwarmup: {{}}\n{ppo}critic: null, "
+                                        "teacher: {}, ppo: {advantage_estimator: distill}, generation: {environment: "
+                                        "{path: rlhf_ray.envs.calculator:CalculatorEnv}}}\n"))
+    assert ":3: warmup:" in problem and "multi-turn episodes" in problem
 
 
 def test_lora_adapter_sync_is_refused_where_it_cannot_work_naming_the_field():

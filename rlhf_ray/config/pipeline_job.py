@@ -109,6 +109,10 @@ class PipelineJob(JobBase):
         if self.warmup is not None and (self.ppo is None or self.ppo.teacher is None):
             raise FieldProblem("warmup", "a warm-up fine-tunes the student on the teacher's answers before on-policy "
                                          "distillation: it needs a ppo stage with a teacher section; remove warmup")
+        if self.warmup is not None and self.ppo.generation.environment is not None:
+            raise FieldProblem("warmup", "the warm-up trains on one answer per prompt; the ppo stage plays multi-turn "
+                                         "episodes (generation.environment): remove warmup, or give the student an "
+                                         "SFT stage of its own on conversations")
         return self
 
     @model_validator(mode="before")
