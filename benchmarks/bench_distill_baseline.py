@@ -362,9 +362,11 @@ def report(doc: Path | None) -> str:
             ax.axhline(GOAL * teacher, color="gray", lw=0.8, ls=":")
             ax.set_title(f"seed {base['seed']}: teacher {teacher:.3f} (gray), {GOAL:.0%} of it dotted", fontsize=9)
             ax.set_xlabel("teacher tokens (scored on-policy, written off-policy)", fontsize=8)
-            ax.legend(fontsize=6, loc="lower right")
         axes[0][0].set_ylabel(f"held-out greedy accuracy ({EVAL} problems)")
         fig.suptitle("student accuracy against teacher calls", fontsize=10)
+        legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+        fig.legend(legend.values(), legend.keys(), loc="lower center", ncol=3, fontsize=7)  # below, off the curves
+        fig.subplots_adjust(bottom=0.32, top=0.85)
         text.append(save_figure(fig, doc, "distill_baseline.png"))
         text.append("")
     return "\n".join(text)
