@@ -510,7 +510,9 @@ def test_a_warmed_up_student_distils_from_the_teacher(tmp_path, stage_models, ti
     # run again: every stage is complete, so nothing runs and nothing is sampled again
     again = run_pipeline(job)
     assert all(again[name]["reused"] for name in ("sft", "warmup", "ppo"))
-    assert again["warmup"]["teacher_answers"] == {"answers": len(answers), "tokens": sampled["tokens"], "reused": True}
+    assert again["warmup"]["teacher_answers"] == {"answers": len(answers), "tokens": sampled["tokens"], "reused": True,
+                                                  "prompts": None, "unfinished": None, "engine": None}
+    assert list(sampled) == list(again["warmup"]["teacher_answers"]) and sampled["engine"] == "hf"  # the same fields
 
 
 def test_on_policy_distillation_moves_the_student_towards_the_teacher(tmp_path, stage_models, tiny_model):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, JobBase
@@ -24,16 +25,30 @@ def completed_summary(stage: JobBase) -> dict | None:
     return None
 
 
-def teacher_answers(job: PipelineJob, sample: bool) -> dict | None:
+@dataclass(frozen=True)
+class TeacherAnswers:
+    """The summary's `warmup.teacher_answers`: the answers the warm-up trains on and their tokens (the teacher's
+    cost of the warm-up); of a fresh sample also the prompts asked, the answers cut at max_new_tokens and the
+    engine (None when the file of an earlier run is `reused`: it records only the answers)."""
+
+    answers: int
+    tokens: int
+    reused: bool
+    prompts: int | None = None
+    unfinished: int | None = None
+    engine: str | None = None
+
+
+def teacher_answers(job: PipelineJob, sample: bool) -> TeacherAnswers | None:
     """What the warm-up trains on: the teacher's answers to `warmup.prompts` of the PPO stage's training prompts,
     sampled on the cluster when the file is not there and `sample`; a file written earlier is kept (it is written
-    whole or not at all). Counts for the summary: answers and tokens (the teacher's cost of the warm-up)."""
+    whole or not at all)."""
     warmup = job.warmup
     path = Path(warmup.output_dir) / ANSWERS_FILE
     if path.is_file():
         rows = [json.loads(line) for line in path.read_text().splitlines()]
         log.info("warmup: the teacher's answers in %s are there, reusing them (delete the file to sample again)", path)
-        return {"answers": len(rows), "tokens": sum(r["tokens"] for r in rows), "reused": True}
+        return TeacherAnswers(answers=len(rows), tokens=sum(r["tokens"] for r in rows), reused=True)
     if not sample:
         return None
     ppo = resolve_model_sources(job.ppo)
@@ -42,8 +57,8 @@ def teacher_answers(job: PipelineJob, sample: bool) -> dict | None:
     log.info("warmup: %d teacher answers (%d tokens) to %d prompts in %s; %d cut at max_new_tokens %s",
              written.kept, written.tokens, written.prompts, path, written.unfinished,
              "kept" if warmup.keep_unfinished else "dropped")
-    return {"answers": written.kept, "tokens": written.tokens, "prompts": written.prompts,
-            "unfinished": written.unfinished, "engine": written.engine}
+    return TeacherAnswers(answers=written.kept, tokens=written.tokens, reused=False, prompts=written.prompts,
+                          unfinished=written.unfinished, engine=written.engine)
 
 
 def run_pipeline(job: PipelineJob) -> dict:
@@ -58,7 +73,7 @@ def run_pipeline(job: PipelineJob) -> dict:
         else:
             summary[name] = run_job(stage)
         if answers is not None:
-            summary[name]["teacher_answers"] = answers
+            summary[name]["teacher_answers"] = asdict(answers)
     out = Path(job.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
