@@ -36,3 +36,30 @@ def test_comments_and_layout_do_not_change_the_settings():
 def test_a_changed_value_does():
     assert settings_hash(EARLIER, []) != settings_hash(NOW, [])
     assert settings_hash(NOW, ["ppo.ppo.train_batch_size=16"]) != settings_hash(NOW, [])
+
+
+def _bench_module(name: str):
+    """A benchmark script loaded by its path; the benchmarks/ folder it puts on sys.path (for its `common`) is taken
+    off again so its modules do not shadow others in the session."""
+    import sys
+
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(folder) / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        while folder in sys.path:
+            sys.path.remove(folder)
+        sys.modules.pop("common", None)
+    return module
+
+
+def test_distillation_goal_is_met_only_when_on_policy_needs_fewer_teacher_tokens():
+    verdict = _bench_module("bench_distill_baseline").goal_verdict
+    assert verdict(None, None, 17_000) == "missed"             # on-policy never reached 90% of the teacher
+    assert verdict(20_000, 15_000, 17_000) == "missed"         # off-policy got there first
+    assert verdict(14_000, 15_000, 17_000) == "met"
+    assert verdict(14_000, None, 17_000) == "met"              # off-policy spent more and did not get there
+    # on-policy reached it after more teacher tokens than the whole off-policy run had: no comparison yet
+    assert verdict(30_000, None, 17_000).startswith("not decided")
