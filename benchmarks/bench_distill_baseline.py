@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -183,6 +184,8 @@ def run_baseline(seed: int, work: Path, answers: int, every: int) -> dict:
         if not (model / "config.json").exists():
             hf_from_checkpoint(base / "sft" / "checkpoints" / f"step-{step:08d}", student, model)
         curve.append((round(step * batch * mean_tokens), accuracy(model, f"step{step}")))
+    # every checkpoint is an HF folder now (what --warm-start reads): the DeepSpeed copies (~0.5 GB each) go
+    shutil.rmtree(base / "sft" / "checkpoints", ignore_errors=True)
     result = {"seed": seed, "answers": answers, "teacher_tokens": sum(a["tokens"] for a in written),
               "finished": sum(a["finished"] for a in written) / len(written), "steps": steps, "batch": batch,
               "every": every, "curve": curve, "teacher_accuracy": accuracy(Path(teacher), "teacher"),
