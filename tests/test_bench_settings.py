@@ -1,14 +1,26 @@
 """Which kept benchmark results count for a recipe: the settings they ran (recipe + overrides), not the file bytes."""
 
 import importlib.util
+import sys
 from pathlib import Path
 
-# benchmarks/common.py by its path: putting benchmarks/ on sys.path would let its modules shadow others in the session
-_spec = importlib.util.spec_from_file_location("bench_common", Path(__file__).resolve().parent.parent / "benchmarks"
-                                               / "common.py")
-_common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_common)
-settings_hash = _common.settings_hash
+
+def _bench_module(name: str):
+    """A benchmark script loaded by its path; the benchmarks/ folder it puts on sys.path (for its `common`) is taken
+    off again so its modules do not shadow others in the session."""
+    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(folder) / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        while folder in sys.path:
+            sys.path.remove(folder)
+        sys.modules.pop("common", None)
+    return module
+
+
+settings_hash = _bench_module("common").settings_hash  # by its path, as the scripts are loaded below
 
 EARLIER = """# one optimizer step per rollout
 ppo:
@@ -36,23 +48,6 @@ def test_comments_and_layout_do_not_change_the_settings():
 def test_a_changed_value_does():
     assert settings_hash(EARLIER, []) != settings_hash(NOW, [])
     assert settings_hash(NOW, ["ppo.ppo.train_batch_size=16"]) != settings_hash(NOW, [])
-
-
-def _bench_module(name: str):
-    """A benchmark script loaded by its path; the benchmarks/ folder it puts on sys.path (for its `common`) is taken
-    off again so its modules do not shadow others in the session."""
-    import sys
-
-    folder = str(Path(__file__).resolve().parent.parent / "benchmarks")
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", Path(folder) / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        while folder in sys.path:
-            sys.path.remove(folder)
-        sys.modules.pop("common", None)
-    return module
 
 
 def test_distillation_goal_is_met_only_when_on_policy_needs_fewer_teacher_tokens():
