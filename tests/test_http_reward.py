@@ -121,19 +121,20 @@ def test_the_reward_role_scores_through_the_server_and_reports_it_by_url(server,
         broken.score_texts(["p", "q"], ["abc", "de"])
 
 
-def test_config_takes_a_server_or_a_function_not_both(tmp_path, sft_model, rm_model):
+def test_config_takes_a_server_or_a_function_not_both(tmp_path, tiny_model):
+    """Checked when the config loads (no model is trained for it: any model folder will do)."""
     from rlhf_ray.config.loader import ConfigError
     from tests.test_ppo_job import ppo_job
 
     base = ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2", "critic=null",
             "reward.model.path=null", "reward.placement.colocate_with=policy"]
-    job = ppo_job(tmp_path, sft_model, rm_model, *base, "reward.http.url=http://127.0.0.1:8000/score")
+    job = ppo_job(tmp_path, tiny_model, tiny_model, *base, "reward.http.url=http://127.0.0.1:8000/score")
     assert job.reward.http.url == "http://127.0.0.1:8000/score" and not job.reward.is_model
     with pytest.raises(ConfigError, match="reward.http: the reward is either a function or a server"):
-        ppo_job(tmp_path, sft_model, rm_model, *base, "reward.http.url=http://127.0.0.1:8000/score",
+        ppo_job(tmp_path, tiny_model, tiny_model, *base, "reward.http.url=http://127.0.0.1:8000/score",
                 "reward.function=rlhf_ray.data.demo_sort:score")
     with pytest.raises(ConfigError, match="reward.http.url"):
-        ppo_job(tmp_path, sft_model, rm_model, *base, "reward.http.url=127.0.0.1:8000")
+        ppo_job(tmp_path, tiny_model, tiny_model, *base, "reward.http.url=127.0.0.1:8000")
 
 
 @pytest.mark.system
@@ -160,12 +161,12 @@ def test_grpo_trains_with_a_reward_server(tmp_path, sft_model, rm_model):
     assert summary["sampled_reward_after"] == summary["sampled_task_accuracy_after"]
 
 
-def test_a_server_that_is_down_is_named_before_the_job_starts(tmp_path, sft_model, rm_model, server):
+def test_a_server_that_is_down_is_named_before_the_job_starts(tmp_path, tiny_model, server):
     from rlhf_ray.jobs.ppo import run_ppo
     from tests.test_ppo_job import ppo_job
 
     HttpReward(HttpRewardSpec(url=server)).check()  # the reference server answers the empty batch
-    job = ppo_job(tmp_path, sft_model, rm_model, "ppo.advantage_estimator=grpo",
+    job = ppo_job(tmp_path, tiny_model, tiny_model, "ppo.advantage_estimator=grpo",
                   "generation.sampling.n_samples_per_prompt=2", "critic=null", "reward.model.path=null",
                   "reward.placement.colocate_with=policy", "reward.http.url=http://127.0.0.1:9/score",
                   "reward.http.retries=0", "cluster.address=127.0.0.1:9")  # Ray is never reached

@@ -468,7 +468,7 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
 
 def test_a_warmed_up_student_distils_from_the_teacher(tmp_path, stage_models, tiny_model):
     """A distillation pipeline with a warm-up stage: the teacher is the SFT model (the sft stage, found complete in
-    its folder and reused), the student the untrained tiny model. The teacher answers 12 training prompts on the
+    its folder and reused), the student the untrained tiny model. The teacher answers 32 training prompts on the
     cluster (the ppo stage's generation engine and sampling settings), the student is fine-tuned on those answers
     (warmup: its held-out loss on them falls), then `advantage_estimator: distill` starts from the warmed-up student:
     the teacher (its own actor group) scores every sampled token, each token's advantage is their log-prob
