@@ -8,6 +8,12 @@ are the recipes' own (configs/recipes/smollm2-pipeline.yaml and smollm2-pipeline
 
 A reward model's accuracy on the other kind of pairs is the first evaluation of a one-step RM job from it on those
 pairs (taken before its step). Results are kept in benchmarks/results/step_rm/seed-N.json.
+
+A change to the one-step reward model, tried on its own (kept in benchmarks/results/step_rm/experiments/, not in the
+table): the recipe's rm section with `--set` overrides, its evaluations every `train.eval_every_steps`:
+
+    .venv/bin/python benchmarks/bench_step_rm.py --sft SFT_MODEL --seed 3 --experiment NAME \
+        --set train.max_steps=null --set train.epochs=3 --set train.eval_every_steps=56
 """
 
 from __future__ import annotations
@@ -29,8 +35,9 @@ RECIPES = {"final number": ("configs/recipes/smollm2-pipeline.yaml", "demo/word-
            "one step": ("configs/recipes/smollm2-pipeline-steps.yaml", "demo/word-problems-steps")}
 
 
-def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, max_steps: int | None = None) -> dict:
-    """`rlhf-ray rm` with a recipe's reward-model section on `dataset`'s pairs; its summary."""
+def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, max_steps: int | None = None,
+           overrides: tuple[str, ...] = ()) -> dict:
+    """`rlhf-ray rm` with a recipe's reward-model section on `dataset`'s pairs (and `--set` overrides); its summary."""
     config = {**section, "kind": "rm", "output_dir": str(out), "seed": seed, "cluster": {"num_cpus": 2},
               "model": {**section["model"], "path": model}}
     config["data"] = {**section["data"], "datasets": [{"name": dataset, "chat_template": True}]}
@@ -40,7 +47,8 @@ def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, max_st
         return {**json.loads((out / "summary.json").read_text()), "wall_seconds": None, "eval_pairs": eval_pairs(out)}
     path = out.parent / f"{out.name}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    command = [sys.executable, "-m", "rlhf_ray.cli", "rm", "--config", str(path), "--set", "cluster.dashboard=false"]
+    command = [sys.executable, "-m", "rlhf_ray.cli", "rm", "--config", str(path), "--set", "cluster.dashboard=false",
+               *(arg for override in overrides for arg in ("--set", override))]
     seconds, _ = run_watched(command, out.parent / f"{out.name}.log", timeout=3600)
     return {**json.loads((out / "summary.json").read_text()), "wall_seconds": seconds, "eval_pairs": eval_pairs(out)}
 
@@ -63,6 +71,27 @@ def measure(sft: str, seed: int, work: Path) -> dict:
         result["crossed"][kind] = other["eval_accuracy_first"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"seed-{seed}.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def experiment(sft: str, seed: int, name: str, overrides: list[str], work: Path) -> dict:
+    """The one-step reward model with `overrides` on its recipe's rm section: its summary, training losses and
+    held-out accuracy at each evaluation, kept as experiments/seed-N-NAME.json."""
+    recipe, dataset = RECIPES["one step"]
+    section = yaml.safe_load((ROOT / recipe).read_text())["rm"]
+    out = work / f"rm-one-step-{name}"
+    summary = rm_job(section, sft, dataset, out, seed, overrides=tuple(overrides))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    result = {"date": today(), "machine": machine(), "seed": seed, "sft": sft,
+              "what": f"{recipe}'s rm section on {dataset}, with these --set overrides",
+              "changes": overrides, "summary": summary,
+              "eval_accuracy": [[r["step"], r["eval_accuracy"]] for r in rows if "eval_accuracy" in r],
+              "train_loss": [r["train/loss"] for r in rows if "train/loss" in r]}
+    kept = RESULTS / "experiments" / f"seed-{seed}-{name}.json"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{name}: held-out accuracy on one-step pairs at steps "
+          + ", ".join(f"{step}: {acc:.2f}" for step, acc in result["eval_accuracy"]) + f" (kept in {kept})")
     return result
 
 
@@ -96,14 +125,22 @@ def main() -> int:
     parser.add_argument("--sft", help="the SFT model the reward models start from")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workdir")
+    parser.add_argument("--experiment", metavar="NAME", help="run the one-step reward model with --set overrides")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                        help="with --experiment: an override of the recipe's rm section (repeatable)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--write")
     args = parser.parse_args()
+    if args.overrides and not args.experiment:
+        parser.error("--set needs --experiment NAME (the recipe's own runs take no overrides)")
     if not args.report_only:
         if not args.sft:
             parser.error("--sft is required to run")
         work = Path(args.workdir or tempfile.mkdtemp(prefix="step-rm-"))
         work.mkdir(parents=True, exist_ok=True)
+        if args.experiment:
+            experiment(args.sft, args.seed, args.experiment, args.overrides, work)
+            return 0
         measure(args.sft, args.seed, work)
     results = [json.loads(p.read_text()) for p in sorted(RESULTS.glob("seed-*.json"))]
     if not results:
