@@ -139,13 +139,13 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 @pytest.mark.usefixtures("shared_ray")
 def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reuses_finished_stages(tmp_path, caplog):
     """CI's short run of configs/recipes/smollm2-sft-ppo.yaml as `rlhf-ray pipeline` runs it (2 SFT steps, 2 PPO
-    iterations of 4 problems, small evaluations): SFT on the packaged model, then PPO from its output with a critic that starts from the SFT model
-    (a new value head) and the last-number checker as reward. Every rollout sample logged to samples.jsonl carries
-    the `answer` column of the problem in its prompt, its reward is the checker's verdict against that truth, and
-    the iteration's mean reward is the mean of those verdicts: dropping the column anywhere on the way fails here.
-    The policy's weights reach the vLLM engine by ipc from its parameters in shared memory (ZeRO-0, fp32): after
-    the sync the engine samples exactly the learner's distribution, and no file is left behind. Run again, the
-    pipeline reuses both finished stages instead of training again."""
+    iterations of 4 problems, small evaluations): SFT on the packaged model, then PPO from its output with a critic
+    that starts from the SFT model (a new value head) and the last-number checker as reward. Every rollout sample
+    logged to samples.jsonl carries the `answer` column of the problem in its prompt, its reward is the checker's
+    verdict against that truth, and the iteration's mean reward is the mean of those verdicts: dropping the column
+    anywhere on the way fails here. The policy's weights reach the vLLM engine by ipc from its parameters in shared
+    memory (ZeRO-0, fp32): after the sync the engine samples exactly the learner's distribution, and no file is left
+    behind. Run again, the pipeline reuses both finished stages instead of training again."""
     import json
     import logging
     import tempfile
