@@ -51,6 +51,29 @@ def test_plan_covers_every_row_once_per_epoch_in_minibatches():
     assert minibatch_rows(12, 4, 2, seed=7) == plan and minibatch_rows(12, 4, 2, seed=8) != plan
 
 
+
+def test_answers_to_one_prompt_stay_in_one_minibatch():
+    """GRPO's groups (4 consecutive answers to a prompt here) are shuffled whole, so the learners' shared-prompt
+    forward runs each prompt once per mini-batch; every row still comes once per epoch, in a fresh order."""
+    plan = minibatch_rows(16, 8, epochs=2, seed=3, group_size=4)
+    for epoch in (plan[:2], plan[2:]):
+        assert sorted(i for b in epoch for i in b) == list(range(16))
+        for minibatch in epoch:  # two whole groups
+            groups = {i // 4 for i in minibatch}
+            assert len(groups) == 2 and set(minibatch) == {g * 4 + k for g in groups for k in range(4)}
+    assert plan[:2] != plan[2:]
+    # groups that do not tile a mini-batch (or the rows): rows are permuted one by one, as without groups
+    assert minibatch_rows(16, 6, 1, seed=3, group_size=4) == minibatch_rows(16, 6, 1, seed=3)
+    assert minibatch_rows(18, 8, 1, seed=3, group_size=4) == minibatch_rows(18, 8, 1, seed=3)
+
+
+def test_a_take_plans_whole_groups():
+    buffer = ReplayBuffer(capacity=2, max_staleness=1)
+    buffer.put(["e"], meta(version=0, samples=16), learner_version=0)
+    plan = buffer.take(0, 8, 1, 0, group_size=8)
+    assert sorted(sorted(b) for b in plan.rows) == [list(range(8)), list(range(8, 16))]
+
+
 @pytest.mark.system
 def test_buffer_actor_hands_out_references_not_payloads():
     from rlhf_ray import cluster

@@ -84,9 +84,11 @@ class ReplayBuffer:
         self.counts["put"] += 1
         return PutResult(True, len(self.entries))
 
-    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int) -> Minibatches | None:
-        """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batches.
-        Older entries met on the way are dropped and counted; None when none is left (put more)."""
+    def take(self, learner_version: int, train_batch_size: int, epochs: int, seed: int,
+             group_size: int = 1) -> Minibatches | None:
+        """The oldest entry within `max_staleness` versions of `learner_version`, with its mini-batches (whole
+        groups of `group_size` rows where they fit: `minibatch_rows`). Older entries met on the way are dropped and
+        counted; None when none is left (put more)."""
         self.learner_version = max(self.learner_version, learner_version)
         while self.entries:
             refs, meta = self.entries.popleft()
@@ -95,7 +97,8 @@ class ReplayBuffer:
                 continue
             self.counts["taken"] += 1
             self.last_staleness = self.learner_version - meta.version
-            rows = minibatch_rows(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout_index))
+            rows = minibatch_rows(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout_index),
+                                  group_size)
             return Minibatches(refs, rows, meta, self.last_staleness, self.stats())
         return None
 
@@ -110,11 +113,20 @@ class ReplayBuffer:
         return [asdict(meta) for _, meta in self.entries]
 
 
-def minibatch_rows(n: int, train_batch_size: int, epochs: int, seed: int) -> list[list[int]]:
-    """Each epoch a fresh seeded permutation of the n rows, cut into consecutive mini-batches."""
+def minibatch_rows(n: int, train_batch_size: int, epochs: int, seed: int, group_size: int = 1) -> list[list[int]]:
+    """Each epoch a fresh seeded permutation of the n rows, cut into consecutive mini-batches. Rows come in groups
+    of `group_size` consecutive answers to one prompt: where the groups tile both the rows and a mini-batch, the
+    groups are permuted instead, whole, so a mini-batch holds every answer of its prompts and the learners run
+    each prompt's forward once for all of them (models/shared_prompt.py; a permutation of rows would put 16
+    answers of up to 16 prompts in a mini-batch of 16: 1.45x the training time of whole groups, docs/benchmarks.md
+    "Mini-batches of whole answer groups")."""
     rng = np.random.default_rng(seed)
+    whole = group_size > 1 and n % group_size == 0 and train_batch_size % group_size == 0
     rows = []
     for _ in range(epochs):
-        order = rng.permutation(n)
+        if whole:
+            order = (rng.permutation(n // group_size)[:, None] * group_size + np.arange(group_size)).reshape(-1)
+        else:
+            order = rng.permutation(n)
         rows += [order[i: i + train_batch_size].tolist() for i in range(0, n, train_batch_size)]
     return rows

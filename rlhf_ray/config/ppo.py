@@ -52,7 +52,9 @@ class PPOSpec(StrictModel):
     rollout_batch_size: int = Field(16, ge=1)
     """Prompts per iteration (each sampled `generation.sampling.n_samples_per_prompt` times)."""
     train_batch_size: int | None = Field(None, ge=1)
-    """Samples per optimizer step; default: all of an iteration's samples (one step per PPO epoch)."""
+    """Samples per optimizer step; default: all of an iteration's samples (one step per PPO epoch). A multiple of
+    generation.sampling.n_samples_per_prompt keeps the answers to one prompt in one mini-batch (whole groups are
+    shuffled), where their prompt's forward is shared: otherwise rows are drawn one by one."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each iteration's experience (DeepSpeed-Chat found more than 1 unstable)."""
     advantage_estimator: AdvantageEstimator = "gae"

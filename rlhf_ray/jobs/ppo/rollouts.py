@@ -65,11 +65,13 @@ class RolloutFeed:
     pool, the buffer and the scoring (RoleWorkers, or a stand-in)."""
 
     def __init__(self, workers, prompts: PromptSchedule, *, ahead: int, redo_limit: int, capacity: int,
-                 train_batch_size: int, epochs: int, seed: int, keep_samples: int = 0, sleep_engines: bool = False):
+                 train_batch_size: int, epochs: int, seed: int, group_size: int = 1, keep_samples: int = 0,
+                 sleep_engines: bool = False):
         self.workers, self.prompts, self.ahead, self.redo_limit = workers, prompts, ahead, redo_limit
         self.capacity = capacity
         """The buffer's: a put into a full buffer evicts its oldest entry."""
-        self.take_args = (train_batch_size, epochs, seed)
+        self.take_args = (train_batch_size, epochs, seed, group_size)
+        """The buffer's take: mini-batches of the train batch size, epochs, the plan's seed, whole answer groups."""
         self.keep_samples, self.sleep_engines = keep_samples, sleep_engines
         self.first = self.next_index = 0
         """This run's first rollout, and the next one to start (its prompts and seed follow from its index)."""

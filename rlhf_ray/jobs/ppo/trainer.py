@@ -41,6 +41,7 @@ class PPOTrainer:
                                     ahead=ppo.rollouts_ahead if ppo.mode == "async" else 0,
                                     redo_limit=job.cluster.max_actor_restarts, capacity=ppo.buffer_capacity,
                                     train_batch_size=job.train_batch_size, epochs=ppo.ppo_epochs, seed=job.seed,
+                                    group_size=job.generation.sampling.n_samples_per_prompt,
                                     keep_samples=job.logging.samples_per_iteration,
                                     sleep_engines=job.generation.vllm.sleep_when_idle and ppo.mode == "sync")
         self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)

@@ -1,0 +1,118 @@
+"""Mini-batches of whole answer groups against mini-batches of rows drawn one by one, side by side.
+
+The PPO stage of configs/recipes/smollm2-sft-grpo.yaml (SmolLM2-135M fp32, 8 prompts x 8 answers an iteration) with
+ppo.train_batch_size 16, so each rollout trains in 4 optimizer steps: run once as shipped (the replay buffer plans
+mini-batches of whole groups: 2 prompts x 8 answers, each prompt's forward shared by its answers) and once with the
+rows of a mini-batch drawn one by one, as before (up to 16 prompts in a mini-batch of 16, each run for one answer);
+the second run forces it by giving the driver's rollout feed a group size of 1. The same seed: the first rollout
+is the same in both; later ones differ with the weights. Medians over the iterations after the first.
+
+Run: python benchmarks/bench_minibatch_groups.py [--sft SFT_MODEL] [--iterations 4] [--write docs/benchmarks.md]
+(without --sft the recipe's SFT stage runs first, ~5 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, machine, publish, run_job, steady, today, versions  # noqa: E402
+
+SECTION = "## Mini-batches of whole answer groups"
+RECIPE = ROOT / "configs/recipes/smollm2-sft-grpo.yaml"
+TRAIN_BATCH = 16
+MODES = {"whole groups": "whole", "rows one by one": "rows"}
+
+
+def stage_config(folder: Path, name: str) -> Path:
+    """One stage of the recipe as a job config of its own."""
+    recipe = yaml.safe_load(RECIPE.read_text())
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"kind": name, "seed": recipe["seed"], "cluster": recipe["cluster"],
+                                    **recipe[name]}, sort_keys=False))
+    return path
+
+
+def run_mode(mode: str, config: Path, out: Path, overrides: list[str]) -> list[dict]:
+    """The PPO job in a fresh process; `rows`: the driver's rollout feed plans mini-batches row by row."""
+    script = ("import sys\n"
+              "from rlhf_ray.jobs.ppo import rollouts\n"
+              "if sys.argv[1] == 'rows':\n"
+              "    init = rollouts.RolloutFeed.__init__\n"
+              "    rollouts.RolloutFeed.__init__ = lambda self, *a, **k: init(self, *a, **{**k, 'group_size': 1})\n"
+              "from rlhf_ray.cli import main\n"
+              "sys.exit(main(sys.argv[2:]))\n")
+    command = [sys.executable, "-c", script, mode, "ppo", "--config", str(config)]
+    for item in ["cluster.dashboard=false", "logging.progress=false", "logging.tensorboard=false",
+                 f"output_dir={out}", *overrides]:
+        command += ["--set", item]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {mode} run failed:\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft", type=Path, help="the recipe's SFT model (default: train it first)")
+    parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
+    args = parser.parse_args()
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        sft = args.sft
+        if sft is None:
+            run_job("sft", stage_config(tmp, "sft"), [f"output_dir={tmp / 'sft'}"])
+            sft = tmp / "sft" / "model"
+        config = stage_config(tmp, "ppo")
+        overrides = [f"policy.model.path={sft}", f"ppo.iterations={args.iterations}",
+                     f"ppo.train_batch_size={TRAIN_BATCH}", "ppo.eval_prompts=0", "ppo.eval_every=0",
+                     "checkpoint.every_steps=0"]
+        for label, mode in MODES.items():
+            began = time.perf_counter()
+            metrics = run_mode(mode, config, tmp / mode, overrides)
+            print(f"{label}: {time.perf_counter() - began:.0f} s", flush=True)
+            runs[label] = [m for m in metrics if "time/iteration" in m]
+    return publish(render(runs, args.iterations), args.write, SECTION)
+
+
+def render(runs: dict[str, list[dict]], iterations: int) -> str:
+    whole = runs["whole groups"]
+    first_same = round(whole[0]["reward/mean"], 6) == round(runs["rows one by one"][0]["reward/mean"], 6)
+    lines = [SECTION, "",
+             f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'vllm')}. Date: {today()}.", "",
+             f"Command: `python benchmarks/bench_minibatch_groups.py --iterations {iterations} --write "
+             "docs/benchmarks.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
+             f"(SmolLM2-135M fp32, 2 cores, 8 prompts x 8 answers an iteration) with ppo.train_batch_size "
+             f"{TRAIN_BATCH}: 4 optimizer steps per rollout, micro-batches of 16. Run once with the mini-batches the "
+             "replay buffer plans now (whole groups: 2 prompts x 8 answers, each prompt's forward shared by its "
+             "answers) and once with rows drawn one by one (the plan before; forced in the driver), one after the "
+             f"other; medians of iterations 2-{iterations}.", "",
+             "| mini-batches | iteration s | training s | old log-probs s | generation s | training ratio | "
+             "iteration ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, metrics in runs.items():
+        lines.append(f"| {label} | {steady(metrics, 'time/iteration'):.1f} | "
+                     f"{steady(metrics, 'compute/train_seconds'):.1f} | "
+                     f"{steady(metrics, 'compute/policy_seconds'):.1f} | "
+                     f"{steady(metrics, 'time/engine_generate'):.1f} | "
+                     f"{steady(metrics, 'compute/train_seconds') / steady(whole, 'compute/train_seconds'):.2f} | "
+                     f"{steady(metrics, 'time/iteration') / steady(whole, 'time/iteration'):.2f} |")
+    lines += ["", "Ratios: the run's median over the whole-groups run's. The first iteration's rollout "
+              f"{'was' if first_same else 'was not'} the same in both runs (its mean reward equal); the updates "
+              "then differ, and with them the weights and later rollouts."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
