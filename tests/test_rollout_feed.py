@@ -78,3 +78,24 @@ def test_a_resume_regenerates_from_the_oldest_rollout_whose_answers_were_still_g
     assert rollouts.last_taken == 0 and rollouts.next_after_taken == 0  # rollout 0's own prompt is in flight
     run.train_on(rollouts.take(run.version, 2))
     assert rollouts.next_after_taken == 2
+
+
+def test_a_jobs_feed_trains_on_mini_batches_of_whole_answer_groups():
+    """The quickstart GRPO job's feed (8 prompts x 4 answers) with ppo.train_batch_size 8: each update walks 4
+    mini-batches of 2 whole groups, so every prompt's forward is shared by its answers in training too."""
+    from rlhf_ray.config import load_job
+    from rlhf_ray.jobs.ppo.rollouts import RolloutFeed
+    from tests.conftest import ROOT
+    from tests.ppo_standins import FakeRollout, Prompts
+
+    job = load_job(ROOT / "configs/quickstart/grpo.yaml", ["ppo.train_batch_size=8"])
+    run = Workers(capacity=4, max_staleness=0)
+    run.pool.submit = lambda index: FakeRollout(index, run.version, samples=32, prompt_keys=[(index, index)])
+    rollouts = RolloutFeed.for_job(job, run, prompts=[])
+    rollouts.prompts = Prompts()  # the stand-in pool is asked by rollout index
+    plan = rollouts.take(run.version, 1).minibatches.rows
+    assert len(plan) == 4
+    for minibatch in plan:
+        groups = {row // 4 for row in minibatch}
+        assert len(groups) == 2 and set(minibatch) == {g * 4 + k for g in groups for k in range(4)}
+    assert sorted(row for minibatch in plan for row in minibatch) == list(range(32))

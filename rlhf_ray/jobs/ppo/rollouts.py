@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from rlhf_ray.actors.pool import GenerationPool, Rollout
 from rlhf_ray.buffer.replay_buffer import Minibatches
+from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.jobs.ppo.workers import ResultsLost, Scored
 from rlhf_ray.learners.schedule import micro_batches
@@ -89,6 +90,18 @@ class RolloutFeed:
         """Per rollout started, its prompts whose answers no collected rollout has brought back yet (partial
         rollouts return other rollouts' prompts; a resume regenerates from the oldest with any left)."""
         self.waited = 0.0
+
+    @classmethod
+    def for_job(cls, job: PPOJob, workers, prompts: list[dict]) -> "RolloutFeed":
+        """The feed of `job`'s loop over its training `prompts`: as far ahead as its mode allows, mini-batches of
+        whole answer groups (the replay buffer's minibatch_rows)."""
+        ppo, sampling = job.ppo, job.generation.sampling
+        return cls(workers, PromptSchedule(prompts, ppo.prompts_per_rollout, job.seed),
+                   ahead=ppo.rollouts_ahead if ppo.mode == "async" else 0, redo_limit=job.cluster.max_actor_restarts,
+                   capacity=ppo.buffer_capacity, train_batch_size=job.train_batch_size, epochs=ppo.ppo_epochs,
+                   seed=job.seed, group_size=sampling.n_samples_per_prompt,
+                   keep_samples=job.logging.samples_per_iteration,
+                   sleep_engines=job.generation.vllm.sleep_when_idle and ppo.mode == "sync")
 
     def resume_at(self, index: int) -> None:
         """A resumed run starts generating at rollout `index` (those after the last one trained on are generated

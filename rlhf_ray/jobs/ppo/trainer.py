@@ -19,7 +19,7 @@ from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo.best_model import BestModel
 from rlhf_ray.jobs.ppo.evaluation import Evaluator
 from rlhf_ray.jobs.ppo.iteration_metrics import iteration_metrics
-from rlhf_ray.jobs.ppo.rollouts import PromptSchedule, RolloutFeed, Taken
+from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
 from rlhf_ray.jobs.ppo.weight_sync import WeightSync
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
 from rlhf_ray.jobs.progress import Progress
@@ -37,13 +37,7 @@ class PPOTrainer:
         self.started = started or time.time()
         self.end = min(ppo.iterations, stop_after) if stop_after is not None else ppo.iterations
         self.weights = WeightSync(job, workers)
-        self.rollouts = RolloutFeed(workers, PromptSchedule(data.train, ppo.prompts_per_rollout, job.seed),
-                                    ahead=ppo.rollouts_ahead if ppo.mode == "async" else 0,
-                                    redo_limit=job.cluster.max_actor_restarts, capacity=ppo.buffer_capacity,
-                                    train_batch_size=job.train_batch_size, epochs=ppo.ppo_epochs, seed=job.seed,
-                                    group_size=job.generation.sampling.n_samples_per_prompt,
-                                    keep_samples=job.logging.samples_per_iteration,
-                                    sleep_engines=job.generation.vllm.sleep_when_idle and ppo.mode == "sync")
+        self.rollouts = RolloutFeed.for_job(job, workers, data.train)
         self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)
         self.best = BestModel(Path(job.output_dir), ppo.keep_best,
                               lambda folder: workers.policy.call("export_hf", folder))
