@@ -4,7 +4,8 @@ The PPO stage of configs/recipes/smollm2-sft-grpo.yaml (SmolLM2-135M fp32, 8 pro
 ppo.train_batch_size 16, so each rollout trains in 4 optimizer steps: run once as shipped (the replay buffer plans
 mini-batches of whole groups: 2 prompts x 8 answers, each prompt's forward shared by its answers) and once with the
 rows of a mini-batch drawn one by one, as before (up to 16 prompts in a mini-batch of 16, each run for one answer);
-the second run forces it by giving the driver's rollout feed a group size of 1. The same seed: the first rollout
+the second run forces it by giving the driver's rollout feed a group size of 1; a third trains the same 64
+answers in one step (train_batch_size 64), for what the extra steps cost. The same seed: the first rollout
 is the same in both; later ones differ with the weights. Medians over the iterations after the first.
 
 Run: python benchmarks/bench_minibatch_groups.py [--sft SFT_MODEL] [--iterations 4] [--write docs/benchmarks.md]
@@ -30,7 +31,9 @@ from common import ROOT, machine, publish, run_job, steady, today, versions  # n
 SECTION = "## Mini-batches of whole answer groups"
 RECIPE = ROOT / "configs/recipes/smollm2-sft-grpo.yaml"
 TRAIN_BATCH = 16
-MODES = {"whole groups": "whole", "rows one by one": "rows"}
+MODES = {"whole groups": ("whole", TRAIN_BATCH), "rows one by one": ("rows", TRAIN_BATCH),
+         "one step (train_batch_size 64)": ("whole", 64)}
+"""Label: (mini-batch plan, ppo.train_batch_size). The last: the same 64 answers in one optimizer step."""
 
 
 def stage_config(folder: Path, name: str) -> Path:
@@ -76,12 +79,11 @@ def main() -> int:
             run_job("sft", stage_config(tmp, "sft"), [f"output_dir={tmp / 'sft'}"])
             sft = tmp / "sft" / "model"
         config = stage_config(tmp, "ppo")
-        overrides = [f"policy.model.path={sft}", f"ppo.iterations={args.iterations}",
-                     f"ppo.train_batch_size={TRAIN_BATCH}", "ppo.eval_prompts=0", "ppo.eval_every=0",
-                     "checkpoint.every_steps=0"]
-        for label, mode in MODES.items():
+        overrides = [f"policy.model.path={sft}", f"ppo.iterations={args.iterations}", "ppo.eval_prompts=0",
+                     "ppo.eval_every=0", "checkpoint.every_steps=0"]
+        for label, (mode, batch) in MODES.items():
             began = time.perf_counter()
-            metrics = run_mode(mode, config, tmp / mode, overrides)
+            metrics = run_mode(mode, config, tmp / f"{mode}-{batch}", [*overrides, f"ppo.train_batch_size={batch}"])
             print(f"{label}: {time.perf_counter() - began:.0f} s", flush=True)
             runs[label] = [m for m in metrics if "time/iteration" in m]
     return publish(render(runs, args.iterations), args.write, SECTION)
@@ -98,13 +100,16 @@ def render(runs: dict[str, list[dict]], iterations: int) -> str:
              f"{TRAIN_BATCH}: 4 optimizer steps per rollout, micro-batches of 16. Run once with the mini-batches the "
              "replay buffer plans now (whole groups: 2 prompts x 8 answers, each prompt's forward shared by its "
              "answers) and once with rows drawn one by one (the plan before; forced in the driver), one after the "
-             f"other; medians of iterations 2-{iterations}.", "",
+             "other; then, for what the extra optimizer steps cost, the same 64 answers in one step "
+             "(train_batch_size 64: no old-log-prob forward either, the update is on-policy); medians of iterations "
+             f"2-{iterations}.", "",
              "| mini-batches | iteration s | training s | old log-probs s | generation s | training ratio | "
              "iteration ratio |", "|---|---:|---:|---:|---:|---:|---:|"]
     for label, metrics in runs.items():
+        old_logprobs = steady(metrics, 'compute/policy_seconds')
         lines.append(f"| {label} | {steady(metrics, 'time/iteration'):.1f} | "
                      f"{steady(metrics, 'compute/train_seconds'):.1f} | "
-                     f"{steady(metrics, 'compute/policy_seconds'):.1f} | "
+                     f"{'-' if old_logprobs != old_logprobs else f'{old_logprobs:.1f}'} | "
                      f"{steady(metrics, 'time/engine_generate'):.1f} | "
                      f"{steady(metrics, 'compute/train_seconds') / steady(whole, 'compute/train_seconds'):.2f} | "
                      f"{steady(metrics, 'time/iteration') / steady(whole, 'time/iteration'):.2f} |")
