@@ -15,9 +15,7 @@ Run: python benchmarks/bench_minibatch_groups.py [--sft SFT_MODEL] [--iterations
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
+import math
 import sys
 import tempfile
 import time
@@ -45,24 +43,20 @@ def stage_config(folder: Path, name: str) -> Path:
     return path
 
 
+ROWS_ONE_BY_ONE = ("import sys\n"
+                   "from rlhf_ray.jobs.ppo import rollouts\n"
+                   "init = rollouts.RolloutFeed.__init__\n"
+                   "rollouts.RolloutFeed.__init__ = lambda self, *a, **k: init(self, *a, **{**k, 'group_size': 1})\n"
+                   "from rlhf_ray.cli import main\n"
+                   "sys.exit(main(sys.argv[1:]))\n")
+"""The CLI with the driver's rollout feed planning mini-batches row by row (the plan before whole groups)."""
+
+
 def run_mode(mode: str, config: Path, out: Path, overrides: list[str]) -> list[dict]:
-    """The PPO job in a fresh process; `rows`: the driver's rollout feed plans mini-batches row by row."""
-    script = ("import sys\n"
-              "from rlhf_ray.jobs.ppo import rollouts\n"
-              "if sys.argv[1] == 'rows':\n"
-              "    init = rollouts.RolloutFeed.__init__\n"
-              "    rollouts.RolloutFeed.__init__ = lambda self, *a, **k: init(self, *a, **{**k, 'group_size': 1})\n"
-              "from rlhf_ray.cli import main\n"
-              "sys.exit(main(sys.argv[2:]))\n")
-    command = [sys.executable, "-c", script, mode, "ppo", "--config", str(config)]
-    for item in ["cluster.dashboard=false", "logging.progress=false", "logging.tensorboard=false",
-                 f"output_dir={out}", *overrides]:
-        command += ["--set", item]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"the {mode} run failed:\n{proc.stderr[-4000:]}")
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    """The PPO job in a fresh process; `rows`: mini-batches planned row by row."""
+    entry = ("-c", ROWS_ONE_BY_ONE) if mode == "rows" else ("-m", "rlhf_ray.cli")
+    _, metrics = run_job("ppo", config, [f"output_dir={out}", *overrides], entry=entry)
+    return metrics
 
 
 def main() -> int:
@@ -109,7 +103,7 @@ def render(runs: dict[str, list[dict]], iterations: int) -> str:
         old_logprobs = steady(metrics, 'compute/policy_seconds')
         lines.append(f"| {label} | {steady(metrics, 'time/iteration'):.1f} | "
                      f"{steady(metrics, 'compute/train_seconds'):.1f} | "
-                     f"{'-' if old_logprobs != old_logprobs else f'{old_logprobs:.1f}'} | "
+                     f"{'-' if math.isnan(old_logprobs) else f'{old_logprobs:.1f}'} | "
                      f"{steady(metrics, 'time/engine_generate'):.1f} | "
                      f"{steady(metrics, 'compute/train_seconds') / steady(whole, 'compute/train_seconds'):.2f} | "
                      f"{steady(metrics, 'time/iteration') / steady(whole, 'time/iteration'):.2f} |")

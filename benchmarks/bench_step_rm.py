@@ -35,14 +35,11 @@ RECIPES = {"final number": ("configs/recipes/smollm2-pipeline.yaml", "demo/word-
            "one step": ("configs/recipes/smollm2-pipeline-steps.yaml", "demo/word-problems-steps")}
 
 
-def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, max_steps: int | None = None,
-           overrides: tuple[str, ...] = ()) -> dict:
+def rm_job(section: dict, model: str, dataset: str, out: Path, seed: int, overrides: tuple[str, ...] = ()) -> dict:
     """`rlhf-ray rm` with a recipe's reward-model section on `dataset`'s pairs (and `--set` overrides); its summary."""
     config = {**section, "kind": "rm", "output_dir": str(out), "seed": seed, "cluster": {"num_cpus": 2},
               "model": {**section["model"], "path": model}}
     config["data"] = {**section["data"], "datasets": [{"name": dataset, "chat_template": True}]}
-    if max_steps is not None:
-        config["train"] = {**section["train"], "max_steps": max_steps}
     if (out / "summary.json").is_file():  # finished by an earlier invocation in the same --workdir
         return {**json.loads((out / "summary.json").read_text()), "wall_seconds": None, "eval_pairs": eval_pairs(out)}
     path = out.parent / f"{out.name}.yaml"
@@ -67,7 +64,7 @@ def measure(sft: str, seed: int, work: Path) -> dict:
         result["trained"][kind] = trained
         other_kind = next(k for k in RECIPES if k != kind)
         other = rm_job(section, str(work / f"rm-{kind.replace(' ', '-')}" / "model"), RECIPES[other_kind][1],
-                       work / f"rm-{kind.replace(' ', '-')}-on-{other_kind.replace(' ', '-')}", seed, max_steps=1)
+                       work / f"rm-{kind.replace(' ', '-')}-on-{other_kind.replace(' ', '-')}", seed, overrides=("train.max_steps=1",))
         result["crossed"][kind] = other["eval_accuracy_first"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"seed-{seed}.json").write_text(json.dumps(result, indent=1) + "\n")

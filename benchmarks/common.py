@@ -88,15 +88,16 @@ def write_section(doc: Path, heading: str, text: str) -> None:
 
 
 def run_job(kind: str, config: Path, overrides: list[str], env: dict[str, str] | None = None,
-            timeout: float = 3600) -> tuple[dict, list[dict]]:
+            timeout: float = 3600, entry: tuple[str, ...] = ("-m", "rlhf_ray.cli")) -> tuple[dict, list[dict]]:
     """`rlhf-ray KIND --config CONFIG --set ...` in a fresh process; (summary.json, metrics.jsonl rows). The
-    overrides must include output_dir."""
+    overrides must include output_dir. `entry`: the interpreter's arguments before the CLI's (a script of a
+    benchmark's own that changes something in the driver, then calls the CLI's main on the rest)."""
     import json
     import subprocess
     import sys
 
     out = Path(next(o.split("=", 1)[1] for o in overrides if o.startswith("output_dir=")))
-    command = [sys.executable, "-m", "rlhf_ray.cli", kind, "--config", str(config)]
+    command = [sys.executable, *entry, kind, "--config", str(config)]
     for item in ["cluster.dashboard=false", "logging.progress=false", "logging.tensorboard=false", *overrides]:
         command += ["--set", item]
     environ = {**os.environ, "PYTHONPATH": str(ROOT), "RLHF_RAY_LOG_LEVEL": "WARNING", **(env or {})}
