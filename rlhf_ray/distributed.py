@@ -4,6 +4,7 @@ inference setup of sharded forward-only roles. No Ray actor code here: learners 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -19,6 +20,18 @@ from rlhf_ray.config.placement import PlacementSpec
 
 def threads(placement: PlacementSpec) -> int:
     return placement.threads or max(1, math.floor(placement.num_cpus))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's intra-op threads at `n` for the block (None: as they are), restored after."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def actor_env(placement: PlacementSpec) -> dict[str, str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.data import DataSpec
@@ -137,6 +137,19 @@ class PPOJob(JobBase):
     @property
     def train_batch_size(self) -> int:
         return self.ppo.train_batch_size or self.samples_per_iteration
+
+    _scoring_threads: dict[str, int] = PrivateAttr(default_factory=dict)
+
+    @property
+    def scoring_threads(self) -> dict[str, int]:
+        """Threads per replica a learner role (policy, critic) scores on (old log-probs, values), where that is
+        fewer than its placement's `threads`: set by jobs/threads.with_turn_threads for the CPU roles of a sync job,
+        whose scoring phase is more crowded than its training phase. Not a YAML key."""
+        return self._scoring_threads
+
+    @scoring_threads.setter
+    def scoring_threads(self, threads: dict[str, int]) -> None:
+        self._scoring_threads = dict(threads)
 
     @property
     def old_logprobs_from_training(self) -> bool:

@@ -13,6 +13,7 @@ from rlhf_ray.algorithms.batch import Experience, RolloutBatch
 from rlhf_ray.algorithms.experience import pad_answer_columns, row_slices
 from rlhf_ray.algorithms.losses import LossAggregation, loss_units
 from rlhf_ray.algorithms.micro_batches import by_token_budget, prompt_groups, row_lengths, split_to
+from rlhf_ray.distributed import torch_threads
 from rlhf_ray.learners.rank import LearnerRank
 from rlhf_ray.models import packing
 
@@ -24,9 +25,12 @@ class PPOLearnerRank(LearnerRank):
     """What `token_loss`'s sum is averaged over (algorithms/losses.aggregated_sum): the critic's is token_mean."""
 
     def __init__(self, *, temperature: float, max_tokens_per_micro_batch: int | None = None,
-                 pack_sequences: bool = False, **kwargs):
+                 pack_sequences: bool = False, scoring_threads: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.temperature = temperature
+        self.scoring_threads = scoring_threads
+        """Threads for over_my_rows (None: the process's): fewer where other roles score at the same time
+        (jobs/threads.py)."""
         self.max_tokens, self.packed = max_tokens_per_micro_batch, pack_sequences
 
     def setup(self, master_addr: str, master_port: int, total_steps: int, collective_timeout_s: float = 1800.0) -> dict:
@@ -45,15 +49,17 @@ class PPOLearnerRank(LearnerRank):
     @torch.no_grad()
     def over_my_rows(self, batch: RolloutBatch, forward: Callable[[RolloutBatch], torch.Tensor]) -> torch.Tensor:
         """`forward` (per-token results of a micro-batch) over this rank's slice of the batch (rank order),
-        micro-batch by micro-batch, in eval mode: [rows, A]."""
+        micro-batch by micro-batch, in eval mode, on `scoring_threads`: [rows, A]."""
         self.deepspeed.eval()
         rows = np.arange(len(batch))[self.rank_slice(len(batch))]
         out = None
-        for part in self.micro_rows(batch, rows):
-            values = pad_answer_columns(forward(self.micro_batch(batch, torch.as_tensor(part))).cpu(), batch.answer_width)
-            if out is None:
-                out = values.new_zeros(len(rows), batch.answer_width)
-            out[torch.as_tensor(part - rows[0])] = values
+        with torch_threads(self.scoring_threads):
+            for part in self.micro_rows(batch, rows):
+                values = pad_answer_columns(forward(self.micro_batch(batch, torch.as_tensor(part))).cpu(),
+                                            batch.answer_width)
+                if out is None:
+                    out = values.new_zeros(len(rows), batch.answer_width)
+                out[torch.as_tensor(part - rows[0])] = values
         return out
 
     def micro_rows(self, batch: RolloutBatch, rows: np.ndarray) -> list[np.ndarray]:

@@ -91,13 +91,14 @@ class Trained:
         return self.metrics.get("policy/steps_applied", 0.0)
 
 
-def _learner_kwargs(job: PPOJob, role: LearnerRoleSpec) -> dict:
+def _learner_kwargs(job: PPOJob, name: str) -> dict:
+    role: LearnerRoleSpec = getattr(job, name)
     accumulation = role.accumulation_steps(job.train_batch_size)
     deepspeed = role.deepspeed.model_copy(update={"gradient_accumulation_steps": accumulation})
     return dict(model=role.model.model_dump(), optim=role.optim.model_dump(), deepspeed=deepspeed.model_dump(),
                 micro_batch_size=role.micro_batch_size, max_tokens_per_micro_batch=role.max_tokens_per_micro_batch,
                 pack_sequences=role.pack_sequences, seed=job.seed,
-                temperature=job.generation.sampling.temperature)
+                temperature=job.generation.sampling.temperature, scoring_threads=job.scoring_threads.get(name))
 
 
 class RoleWorkers:
@@ -120,12 +121,12 @@ class RoleWorkers:
                                           kl_estimator=ppo.kl_estimator,
                                           ema_beta=ppo.ema.beta if ppo.ema.enabled else None,
                                           pretrain_data=ppo.pretrain_data, ptx_coef=ppo.ptx_coef,
-                                          **_learner_kwargs(job, job.policy))
+                                          **_learner_kwargs(job, "policy"))
         self.critic = None
         if job.critic is not None:
             self.critic = spawn_learner_group(CriticLearner, "critic", job.critic.placement, *slots("critic"),
                                               cluster, clip_value=ppo.clip_value, pad_token_id=pad,
-                                              **_learner_kwargs(job, job.critic))
+                                              **_learner_kwargs(job, "critic"))
         self.reference = None  # none when no KL term reads its log-probs
         if job.reference is not None:
             self.reference = self._logprob_group("reference", job.reference, slots("reference"))
