@@ -59,25 +59,34 @@ def run_mode(mode: str, config: Path, out: Path, overrides: list[str]) -> list[d
     return metrics
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_args(doc: str) -> argparse.Namespace:
+    """--sft SFT_MODEL, --iterations N, --write FILE: the arguments of a timing run of the recipe's PPO stage."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--sft", type=Path, help="the recipe's SFT model (default: train it first)")
     parser.add_argument("--iterations", type=int, default=4)
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def ppo_stage(folder: Path, sft: Path | None, iterations: int) -> tuple[Path, list[str]]:
+    """The recipe's PPO stage as a job config in `folder`, and the overrides of a timing run from its SFT model
+    (trained into `folder` first when `sft` is None): `iterations` iterations, no evaluation, no checkpoints."""
+    if sft is None:
+        run_job("sft", stage_config(folder, "sft"), [f"output_dir={folder / 'sft'}"])
+        sft = folder / "sft" / "model"
+    return stage_config(folder, "ppo"), [f"policy.model.path={sft}", f"ppo.iterations={iterations}",
+                                         "ppo.eval_prompts=0", "ppo.eval_every=0", "checkpoint.every_steps=0"]
+
+
+def main() -> int:
+    args = timing_args(__doc__)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        sft = args.sft
-        if sft is None:
-            run_job("sft", stage_config(tmp, "sft"), [f"output_dir={tmp / 'sft'}"])
-            sft = tmp / "sft" / "model"
-        config = stage_config(tmp, "ppo")
-        overrides = [f"policy.model.path={sft}", f"ppo.iterations={args.iterations}", "ppo.eval_prompts=0",
-                     "ppo.eval_every=0", "checkpoint.every_steps=0"]
+        config, overrides = ppo_stage(Path(tmp), args.sft, args.iterations)
         for label, (mode, batch) in MODES.items():
             began = time.perf_counter()
-            metrics = run_mode(mode, config, tmp / f"{mode}-{batch}", [*overrides, f"ppo.train_batch_size={batch}"])
+            metrics = run_mode(mode, config, Path(tmp) / f"{mode}-{batch}",
+                               [*overrides, f"ppo.train_batch_size={batch}"])
             print(f"{label}: {time.perf_counter() - began:.0f} s", flush=True)
             runs[label] = [m for m in metrics if "time/iteration" in m]
     return publish(render(runs, args.iterations), args.write, SECTION)

@@ -22,8 +22,8 @@ class PlacementSpec(StrictModel):
     """GPUs per replica; fractions allow several roles to share a GPU when colocated."""
     threads: int | None = Field(None, ge=1)
     """torch / OpenMP threads per replica; default: num_cpus rounded down, at least 1, except for CPU roles of sync
-    PPO, which take turns: they get the node's cores divided among the replicas busy at the same time (see
-    docs/architecture.md, "Threads")."""
+    PPO, which take turns: phase by phase they get the node's cores divided among the replicas busy at the same
+    time (see docs/architecture.md, "Threads")."""
     colocate_with: str | None = None
     """Name of another role whose bundles this role shares (e.g. `reference` on the `policy` bundles).
     The shared bundle holds the sum of both roles' per-replica resources; replicas must be equal."""
