@@ -32,6 +32,7 @@ SCRIPTS = {
     "partial_rollouts": "bench_partial_rollouts.py",  # sync / async / partial rollouts on long-tailed answers
     "no_reference": "bench_no_reference.py",  # reference: null in runs without a KL term: the iteration time saved
     "gguf_check": "bench_gguf_check.py",  # the header read of a GGUF source against gguf's full reader
+    "optimizer_step": "bench_optimizer_step.py",  # fused vs default AdamW on CPU: the step alone, in a PPO train call
 }
 
 
