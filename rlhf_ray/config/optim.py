@@ -15,7 +15,7 @@ class OptimizerSpec(StrictModel):
     """AdamW with decoupled weight decay; bias and norm weights are never decayed.
 
     Its kernel follows the placement: DeepSpeed's FusedAdam on a GPU, its CPU Adam with
-    `deepspeed.offload_optimizer`, torch's fused AdamW on CPU."""
+    `deepspeed.offload_optimizer`, torch's AdamW on CPU."""
 
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate (after warm-up)."""
