@@ -14,33 +14,24 @@ Run: python benchmarks/bench_minibatch_groups.py [--sft SFT_MODEL] [--iterations
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, machine, publish, run_job, steady, today, versions  # noqa: E402
+from common import machine, publish, run_job, steady, today, versions  # noqa: E402
+from sft_grpo_stage import ppo_stage, timing_args  # noqa: E402
 
 SECTION = "## Mini-batches of whole answer groups"
-RECIPE = ROOT / "configs/recipes/smollm2-sft-grpo.yaml"
 TRAIN_BATCH = 16
 MODES = {"whole groups": ("whole", TRAIN_BATCH), "rows one by one": ("rows", TRAIN_BATCH),
          "one step (train_batch_size 64)": ("whole", 64)}
 """Label: (mini-batch plan, ppo.train_batch_size). The last: the same 64 answers in one optimizer step."""
 
 
-def stage_config(folder: Path, name: str) -> Path:
-    """One stage of the recipe as a job config of its own."""
-    recipe = yaml.safe_load(RECIPE.read_text())
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"kind": name, "seed": recipe["seed"], "cluster": recipe["cluster"],
-                                    **recipe[name]}, sort_keys=False))
-    return path
 
 
 ROWS_ONE_BY_ONE = ("import sys\n"
@@ -57,25 +48,6 @@ def run_mode(mode: str, config: Path, out: Path, overrides: list[str]) -> list[d
     entry = ("-c", ROWS_ONE_BY_ONE) if mode == "rows" else ("-m", "rlhf_ray.cli")
     _, metrics = run_job("ppo", config, [f"output_dir={out}", *overrides], entry=entry)
     return metrics
-
-
-def timing_args(doc: str) -> argparse.Namespace:
-    """--sft SFT_MODEL, --iterations N, --write FILE: the arguments of a timing run of the recipe's PPO stage."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--sft", type=Path, help="the recipe's SFT model (default: train it first)")
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
-    return parser.parse_args()
-
-
-def ppo_stage(folder: Path, sft: Path | None, iterations: int) -> tuple[Path, list[str]]:
-    """The recipe's PPO stage as a job config in `folder`, and the overrides of a timing run from its SFT model
-    (trained into `folder` first when `sft` is None): `iterations` iterations, no evaluation, no checkpoints."""
-    if sft is None:
-        run_job("sft", stage_config(folder, "sft"), [f"output_dir={folder / 'sft'}"])
-        sft = folder / "sft" / "model"
-    return stage_config(folder, "ppo"), [f"policy.model.path={sft}", f"ppo.iterations={iterations}",
-                                         "ppo.eval_prompts=0", "ppo.eval_every=0", "checkpoint.every_steps=0"]
 
 
 def main() -> int:

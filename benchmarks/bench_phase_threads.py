@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_minibatch_groups import ppo_stage, timing_args  # noqa: E402
+from sft_grpo_stage import ppo_stage, timing_args  # noqa: E402
 from common import machine, publish, run_job, steady, today, versions  # noqa: E402
 
 SECTION = "## Threads per phase in sync PPO"
