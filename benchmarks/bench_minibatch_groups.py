@@ -32,8 +32,6 @@ MODES = {"whole groups": ("whole", TRAIN_BATCH), "rows one by one": ("rows", TRA
 """Label: (mini-batch plan, ppo.train_batch_size). The last: the same 64 answers in one optimizer step."""
 
 
-
-
 ROWS_ONE_BY_ONE = ("import sys\n"
                    "from rlhf_ray.jobs.ppo import rollouts\n"
                    "init = rollouts.RolloutFeed.__init__\n"
