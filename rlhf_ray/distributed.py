@@ -116,7 +116,21 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
     store = rendezvous_store(master_addr, master_port, rank, world_size, timeout, listener)
     backend = "nccl" if on_gpu() else "gloo"
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    without_shm_all_reduce_kernel()
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # adopts the group above
+
+
+def without_shm_all_reduce_kernel() -> None:
+    """DeepSpeed's communication backend, set up on the CPU accelerator, JIT-compiles a shared-memory all-reduce
+    kernel (C++ with OpenMP: ~1 minute on 2 cores at a process's first use on a machine, again whenever the
+    environment's path changes, and a failed start where no C++ compiler is installed). It serves only
+    `inference_all_reduce` (DeepSpeed's AutoTP inference), which nothing here calls: the learners' and sharded
+    scorers' collectives are torch.distributed's (gloo on CPU), so the backend is set up without it. On a GPU
+    DeepSpeed has no such kernel to build, and this changes nothing."""
+    import importlib
+
+    # by module name: the attribute `deepspeed.comm.torch` is torch itself (the package imports torch over it)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
 
 
 def build_zero3_inference(load: Callable[[], torch.nn.Module], spec: ModelSpec, micro_batch_size: int,

@@ -44,6 +44,42 @@ def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+def test_deepspeed_starts_on_cpu_without_compiling_its_shared_memory_kernel(tiny_model, tmp_path):
+    """A learner rank and a sharded (ZeRO-3) scorer start on a machine with no C++ compiler and nothing built yet:
+    DeepSpeed's CPU communication backend JIT-compiled its shared-memory all-reduce kernel at every process's first
+    start (~1 minute on 2 cores; on a machine without a compiler every CPU job failed there), a kernel nothing here
+    uses."""
+    extensions = tmp_path / "torch_extensions"
+    extensions.mkdir()
+    script = textwrap.dedent(f"""
+        import os, torch
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        from rlhf_ray.config.deepspeed import DeepSpeedSpec
+        from rlhf_ray.config.model import ModelSpec
+        from rlhf_ray.config.optim import OptimizerSpec
+        from rlhf_ray.distributed import build_zero3_inference, init_process_group, listen
+        from rlhf_ray.learners.deepspeed_setup import build_deepspeed
+        from rlhf_ray.models.loading import load_causal_lm
+
+        sock = listen("127.0.0.1")
+        init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 120)
+        spec = ModelSpec(path="{tiny_model}", dtype="fp32", disable_dropout=True)
+        ids = torch.randint(3, 100, (2, 12))
+        learner, _ = build_deepspeed(load_causal_lm(spec), spec, OptimizerSpec(lr=1e-3), DeepSpeedSpec(zero_stage=2),
+                                     2, 1, 10)
+        learner.backward(learner(input_ids=ids).logits.logsumexp(-1).mean())
+        learner.step()
+        scorer, zero_init = build_zero3_inference(lambda: load_causal_lm(spec), spec, 2, 1)
+        with torch.no_grad():
+            assert torch.isfinite(scorer(input_ids=ids).logits).all()
+        print("ok")
+    """)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "CXX": str(tmp_path / "no-such-c++")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert not list(extensions.iterdir()), "DeepSpeed built an extension: " + str(list(extensions.iterdir()))
+
+
 def test_zero_knobs_from_yaml_reach_deepspeeds_optimizer_and_config(tiny_model):
     """The ZeRO knobs of seed 002 (deepspeed.* in YAML) are what DeepSpeed's ZeRO-1/2 optimizer and its config
     end up with: communication overlap, contiguous gradients, reduce-scatter, round-robin gradients, bucket sizes;
