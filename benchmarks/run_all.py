@@ -33,6 +33,7 @@ SCRIPTS = {
     "no_reference": "bench_no_reference.py",  # reference: null in runs without a KL term: the iteration time saved
     "gguf_check": "bench_gguf_check.py",  # the header read of a GGUF source against gguf's full reader
     "optimizer_step": "bench_optimizer_step.py",  # fused vs default AdamW on CPU: the step alone, in a PPO train call
+    "startup_compiles": "bench_startup_compiles.py",  # compiles at a CPU job's start: DeepSpeed, vLLM
 }
 
 
