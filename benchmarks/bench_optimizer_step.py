@@ -28,21 +28,13 @@ os.environ["OMP_NUM_THREADS"] = "2"  # what the recipe's policy gets on 2 cores 
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine, publish, today, versions  # noqa: E402
+from policy_learner import (ANSWER_LEN, ANSWERS, MINI_BATCH, PROMPT_LEN, PROMPTS, import_smollm2,  # noqa: E402
+                            join_single_rank_group, mini_batch_plan, policy_learner)
 
 SECTION = "## Optimizer step on CPU"
 KERNELS = {"fused": {"fused": True, "foreach": None}, "torch default (the learners')": {"fused": None, "foreach": None},
            "foreach": {"fused": None, "foreach": True}}
 """Label: the parameter groups' flags torch's AdamW reads at each step."""
-PROMPTS, ANSWERS, PROMPT_LEN, ANSWER_LEN, MINI_BATCH = 8, 8, 100, 64, 16
-
-
-def import_smollm2(folder: Path) -> Path:
-    from rlhf_ray.cli import main
-
-    out = folder / "smollm2"
-    if main(["init-model", "--from", "smollm2", "--out", str(out)]) != 0:
-        raise RuntimeError("init-model --from smollm2 failed")
-    return out
 
 
 def set_kernel(optimizer, label: str) -> None:
@@ -79,57 +71,10 @@ def step_alone(model_dir: Path) -> dict[str, float]:
     return seconds
 
 
-def synthetic_experience(vocab: int):
-    """64 answers to 8 prompts, neighbours by prompt as the replay buffer holds them."""
-    import torch
-
-    from rlhf_ray.algorithms.batch import Experience
-
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(PROMPTS):
-        prompt = torch.randint(10, vocab, (PROMPT_LEN,), generator=g)
-        rows += [torch.cat([prompt, torch.randint(10, vocab, (ANSWER_LEN,), generator=g)]) for _ in range(ANSWERS)]
-    sequences = torch.stack(rows)
-    n = len(sequences)
-    lengths = torch.randint(8, ANSWER_LEN + 1, (n,), generator=g)
-    action_mask = (torch.arange(ANSWER_LEN)[None] < lengths[:, None]).float()
-    attention_mask = torch.ones_like(sequences)
-    attention_mask[:, PROMPT_LEN:] = action_mask.long()
-    return Experience(sequences=sequences, attention_mask=attention_mask, action_mask=action_mask,
-                      prompt_width=PROMPT_LEN, rewards=torch.zeros(n),
-                      advantages=torch.randn(n, 1, generator=g).expand(n, ANSWER_LEN) * action_mask,
-                      old_logp=-torch.rand(n, ANSWER_LEN, generator=g) * action_mask,
-                      ref_logp=-torch.rand(n, ANSWER_LEN, generator=g) * action_mask)
-
-
-class Minibatches:
-    """What the replay buffer hands a learner (buffer/replay_buffer.Minibatches), for a batch held in process."""
-
-    def __init__(self, rows: list[list[int]]):
-        self.rows, self.refs = rows, [None]
-
-
 def learner_calls(model_dir: Path, calls: int) -> dict[str, list[dict[str, float]]]:
-    from rlhf_ray.config.deepspeed import DeepSpeedSpec
-    from rlhf_ray.config.model import ModelSpec
-    from rlhf_ray.config.optim import OptimizerSpec
-    from rlhf_ray.distributed import init_process_group, listen
-    from rlhf_ray.learners.deepspeed_setup import build_deepspeed
-    from rlhf_ray.learners.policy import PolicyLearner
-
-    sock = listen("127.0.0.1")
-    init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 600)
-    spec, ds = ModelSpec(path=str(model_dir), dtype="fp32"), DeepSpeedSpec(zero_stage=0)
-    optim = OptimizerSpec(lr=5e-6, warmup_steps=0, weight_decay=0.0)  # the recipe's policy optimizer
-    learner = PolicyLearner(rank=0, world_size=1, model=spec.model_dump(), optim=optim.model_dump(),
-                            deepspeed=ds.model_dump(), micro_batch_size=MINI_BATCH, seed=0, temperature=1.0,
-                            pad_token_id=0, clip_ratio=0.2, dual_clip=None, train_batch_size=MINI_BATCH,
-                            kl_loss_coef=0.04)
-    learner.deepspeed, learner.scheduler = build_deepspeed(learner.build_model(), spec, optim, ds, MINI_BATCH, 1,
-                                                           100)
-    experience = synthetic_experience(learner.deepspeed.module.config.vocab_size)
-    learner.fetch = lambda minibatches: experience
+    join_single_rank_group()
+    learner = policy_learner(model_dir, "fp32")
+    experience = learner.experience
     step = learner.optimizer_step
     spent = [0.0]
 
@@ -139,7 +84,7 @@ def learner_calls(model_dir: Path, calls: int) -> dict[str, list[dict[str, float
         spent[0] += time.perf_counter() - began
 
     learner.optimizer_step = timed_step
-    plan = Minibatches([list(range(s, s + MINI_BATCH)) for s in range(0, len(experience), MINI_BATCH)])
+    plan = mini_batch_plan(len(experience))
     learner.train(plan)  # warm-up: the optimizer state is allocated at the first step
     results = {label: [] for label in list(KERNELS)[:2]}
     for call in range(calls):

@@ -34,6 +34,7 @@ SCRIPTS = {
     "gguf_check": "bench_gguf_check.py",  # the header read of a GGUF source against gguf's full reader
     "optimizer_step": "bench_optimizer_step.py",  # fused vs default AdamW on CPU: the step alone, in a PPO train call
     "startup_compiles": "bench_startup_compiles.py",  # compiles at a CPU job's start: DeepSpeed, vLLM
+    "learner_precision": "bench_learner_precision.py",  # bf16 vs fp32 policy learner on CPU: speed, log-prob gap
 }
 
 
