@@ -10,8 +10,13 @@
    in fp32 (what an fp32 engine computes after a weight sync from a bf16 learner); and computed in bf16 (the bf16
    learner). The gap between the last two is the engine/learner mismatch a run with a bf16 policy and fp32
    engines trains with; the gap between the first two is what the rounding of the weights alone moves.
+3. In a job: the PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model with
+   `ppo.train_batch_size: 16`, as written (fp32) and with `policy.model.dtype: bf16` (the reference, which copies
+   the policy's model section, then bf16 too; the engines stay fp32), one after the other; medians of the
+   iterations after the first, and the gap the job reports between engine and policy log-probs.
 
-Run: python benchmarks/bench_learner_precision.py [--calls 4] [--problems 64] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_learner_precision.py [--calls 4] [--problems 64] [--sft SFT_MODEL] [--iterations 4]
+     [--write docs/benchmarks.md]   (without --sft the recipe's SFT stage runs first; --iterations 0 skips part 3)
 """
 
 from __future__ import annotations
@@ -28,9 +33,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ["OMP_NUM_THREADS"] = "2"  # what the recipe's policy trains on with 2 cores (jobs/threads.py)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine, publish, today, versions  # noqa: E402
+from common import machine, publish, run_job, steady, today, versions  # noqa: E402
 from policy_learner import (ANSWERS, MINI_BATCH, PROMPTS, import_smollm2, join_single_rank_group,  # noqa: E402
                             mini_batch_plan, policy_learner)
+from sft_grpo_stage import ppo_stage  # noqa: E402
 
 SECTION = "## Learner precision on CPU: bf16 against fp32"
 DTYPES = ("fp32", "bf16")
@@ -112,7 +118,44 @@ def logprob_gaps(model_dir: Path, problems: int) -> dict[str, dict[str, float]]:
             "bf16 model vs fp32 model": gap(bf16, fp32)}
 
 
-def render(calls: dict[str, list[dict[str, float]]], gaps: dict[str, dict[str, float]], problems: int) -> str:
+STAGE_COLUMNS = {"iteration s": "time/iteration", "training s": "compute/train_seconds",
+                 "experience s": "time/experience", "old log-probs s": "compute/policy_seconds",
+                 "reference s": "compute/reference_seconds", "engine/policy log-prob gap": "generate/logprob_gap"}
+"""Table column: the metric it is the median of."""
+
+
+def stage_runs(folder: Path, sft: Path | None, iterations: int) -> dict[str, list[dict]]:
+    """The recipe's PPO stage (4 optimizer steps a rollout) with the policy in each precision: metrics per
+    iteration."""
+    config, overrides = ppo_stage(folder, sft, iterations)
+    runs = {}
+    for dtype in DTYPES:
+        began = time.perf_counter()
+        _, metrics = run_job("ppo", config, [f"output_dir={folder / dtype}", *overrides, "ppo.train_batch_size=16",
+                                             f"policy.model.dtype={dtype}"])
+        print(f"stage, policy {dtype}: {time.perf_counter() - began:.0f} s", flush=True)
+        runs[dtype] = [m for m in metrics if "time/iteration" in m]
+    return runs
+
+
+def render_stage(runs: dict[str, list[dict]]) -> list[str]:
+    fp32 = steady(runs["fp32"], "time/iteration")
+    iterations = len(runs["fp32"])
+    lines = ["", f"In a job: the PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model with "
+             "`ppo.train_batch_size: 16` (8 prompts x 8 answers, 4 optimizer steps a rollout; vLLM engines in fp32), "
+             "as written and with `policy.model.dtype: bf16` (the reference copies the policy's model section, so it "
+             f"is bf16 too), one after the other; medians of iterations 2-{iterations}:", "",
+             "| policy dtype | " + " | ".join(STAGE_COLUMNS) + " | iteration ratio |",
+             "|---|" + "---:|" * (len(STAGE_COLUMNS) + 1)]
+    for dtype, metrics in runs.items():
+        cells = [f"{steady(metrics, key):.4f}" if "gap" in key else f"{steady(metrics, key):.1f}"
+                 for key in STAGE_COLUMNS.values()]
+        lines.append(f"| {dtype} | " + " | ".join(cells) + f" | {steady(metrics, 'time/iteration') / fp32:.2f} |")
+    return lines
+
+
+def render(calls: dict[str, list[dict[str, float]]], gaps: dict[str, dict[str, float]], problems: int,
+           stage: dict[str, list[dict]]) -> str:
     train = {d: statistics.median(r["train"] for r in rows) for d, rows in calls.items()}
     score = {d: statistics.median(r["score"] for r in rows) for d, rows in calls.items()}
     spread = {d: max(r["train"] for r in rows) - min(r["train"] for r in rows) for d, rows in calls.items()}
@@ -136,6 +179,8 @@ def render(calls: dict[str, list[dict[str, float]]], gaps: dict[str, dict[str, f
               "| compared | tokens | mean | p99 | max |", "|---|---:|---:|---:|---:|"]
     for label, g in gaps.items():
         lines.append(f"| {label} | {g['tokens']} | {g['mean']:.4f} | {g['p99']:.3f} | {g['max']:.3f} |")
+    if stage:
+        lines += render_stage(stage)
     return "\n".join(lines) + "\n"
 
 
@@ -143,6 +188,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=4, help="train calls per precision")
     parser.add_argument("--problems", type=int, default=64, help="held-out word problems for the log-prob gaps")
+    parser.add_argument("--sft", type=Path, help="the sft-grpo recipe's SFT model (default: train it first)")
+    parser.add_argument("--iterations", type=int, default=4, help="PPO iterations per job run (0: no job runs)")
     parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
     args = parser.parse_args()
     import torch
@@ -153,7 +200,8 @@ def main() -> int:
         gaps = logprob_gaps(model_dir, args.problems)
         print(gaps, flush=True)
         calls = learner_calls(model_dir, args.calls)
-    return publish(render(calls, gaps, args.problems), args.write, SECTION)
+        stage = stage_runs(Path(tmp), args.sft, args.iterations) if args.iterations else {}
+    return publish(render(calls, gaps, args.problems, stage), args.write, SECTION)
 
 
 if __name__ == "__main__":

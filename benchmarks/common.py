@@ -18,8 +18,13 @@ def machine() -> str:
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
-        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-                    if line.startswith("model name")), cpu)
+        lines = cpuinfo.read_text().splitlines()
+        cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
+        flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
+        # machines named alike ("AMD EPYC") differ here, and bf16 timings depend on it (benchmarks.md "Learner
+        # precision on CPU")
+        units = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
+        cpu += f" with {' and '.join(units)}" if units else ", no bf16 units"
     gpu = ""
     try:
         import torch
