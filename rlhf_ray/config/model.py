@@ -52,7 +52,10 @@ class ModelSpec(StrictModel):
     `path` is not there yet (a model an earlier stage will write, e.g. `meta-llama/Llama-3.1-8B` for an 8B
     reward model). Hub ids of well-known models are sized without network."""
     dtype: Dtype = "bf16"
-    """Weights and compute precision of this role."""
+    """Weights and compute precision of this role. A bf16 learner keeps fp32 master weights and optimizer state
+    (DeepSpeed's BF16_Optimizer). On a CPU with bf16 units (AVX512-BF16 / AMX) bf16 trains SmolLM2-135M ~1.7x
+    faster than fp32, and an fp32 engine then samples 0.016 nats per token away from the bf16 learner's log-probs
+    (docs/benchmarks.md "Learner precision on CPU"); the CPU recipes use fp32, which has no such gap."""
     trust_remote_code: bool = False
     """Allow model code shipped in the checkpoint to run. Off unless you trust the checkpoint."""
     allow_pickle_weights: bool = False
