@@ -46,16 +46,16 @@ def learner_calls(model_dir: Path, calls: int) -> dict[str, list[dict[str, float
     """Train and score seconds of each precision's learner, `calls` of each, ABBA."""
     join_single_rank_group()
     learners = {dtype: policy_learner(model_dir, dtype) for dtype in DTYPES}
-    plan = mini_batch_plan(len(learners["fp32"].experience))
-    for dtype, learner in learners.items():  # warm-up: optimizer state allocated, kernels chosen
+    plan = mini_batch_plan(len(learners["fp32"][1]))
+    for dtype, (learner, _) in learners.items():  # warm-up: optimizer state allocated, kernels chosen
         learner.train(plan)
     results = {dtype: [] for dtype in DTYPES}
     for call in range(calls):
         for dtype in (DTYPES if call % 2 == 0 else DTYPES[::-1]):
-            learner = learners[dtype]
+            learner, experience = learners[dtype]
             metrics = learner.train(plan)
             began = time.perf_counter()
-            learner.over_my_rows(learner.experience, learner._logprobs)
+            learner.over_my_rows(experience, learner._logprobs)
             scored = time.perf_counter() - began
             results[dtype].append({"train": metrics["policy/seconds"], "score": scored,
                                    "applied": metrics["policy/steps_applied"]})

@@ -73,8 +73,7 @@ def step_alone(model_dir: Path) -> dict[str, float]:
 
 def learner_calls(model_dir: Path, calls: int) -> dict[str, list[dict[str, float]]]:
     join_single_rank_group()
-    learner = policy_learner(model_dir, "fp32")
-    experience = learner.experience
+    learner, experience = policy_learner(model_dir, "fp32")
     step = learner.optimizer_step
     spent = [0.0]
 

@@ -61,8 +61,8 @@ def join_single_rank_group() -> None:
 
 
 def policy_learner(model_dir: Path, dtype: str = "fp32"):
-    """A PolicyLearner on SmolLM2 in `dtype` with the recipe's policy optimizer, its engine built, fed the synthetic
-    experience whatever the plan asks for. Call join_single_rank_group once first."""
+    """(learner, experience): a PolicyLearner on SmolLM2 in `dtype` with the recipe's policy optimizer, its engine
+    built, fed the synthetic experience whatever the plan asks for. Call join_single_rank_group once first."""
     from rlhf_ray.config.deepspeed import DeepSpeedSpec
     from rlhf_ray.config.model import ModelSpec
     from rlhf_ray.config.optim import OptimizerSpec
@@ -79,8 +79,7 @@ def policy_learner(model_dir: Path, dtype: str = "fp32"):
                                                            100)
     experience = synthetic_experience(learner.deepspeed.module.config.vocab_size)
     learner.fetch = lambda minibatches: experience
-    learner.experience = experience
-    return learner
+    return learner, experience
 
 
 def mini_batch_plan(n: int) -> Minibatches:
