@@ -274,12 +274,16 @@ def test_mismatch_kl_is_zero_when_engine_and_learner_agree():
 
 def test_dynamic_sampling_keeps_groups_whose_scores_differ_first():
     """Groups of 2: [1 1] equal, [0 1] differ, [0 0] equal, [1 0] differ. Two groups: both that differ; three:
-    the first equal one fills; one: the first that differs."""
+    the first equal one fills (without fill: the two that differ); one: the first that differs."""
     scores = T([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0])
     assert informative_groups_first(scores, 2, 2) == ([2, 3, 6, 7], 2)
     assert informative_groups_first(scores, 2, 3) == ([0, 1, 2, 3, 6, 7], 2)
     assert informative_groups_first(scores, 2, 1) == ([2, 3], 1)
     assert informative_groups_first(T([1.0, 1.0, 0.0, 0.0]), 2, 1) == ([0, 1], 0)  # none differ: fill
+    # without fill only the groups that differ train; when none does, one equal group (never an empty batch)
+    assert informative_groups_first(scores, 2, 3, fill=False) == ([2, 3, 6, 7], 2)
+    assert informative_groups_first(scores, 2, 1, fill=False) == ([2, 3], 1)
+    assert informative_groups_first(T([1.0, 1.0, 0.0, 0.0]), 2, 2, fill=False) == ([0, 1], 0)
 
 
 def test_value_loss_clips_around_the_old_values():

@@ -105,7 +105,7 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
     sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics.
     Without a KL term it runs with no reference (reference: null): nothing measures a KL, and nothing is missed.
-    Dynamic sampling trains on 8 of 16 sampled groups. The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
+    Dynamic sampling without fill trains on the sampled groups whose scores differ, at most 8 of 16. The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
     ppo.eval_every a held-out evaluation between the first and last (reward beside rule accuracy)."""
     import json
 
@@ -116,7 +116,7 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
                   "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
                   "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
                   "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2",
-                  "reference=null")
+                  "ppo.dynamic_sampling.fill=false", "reference=null")
     summary = run_ppo(job)
     assert summary["iterations"] == 2 and "reference" not in summary["peak_memory_gib"]
     lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
@@ -126,9 +126,11 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     assert [r["step"] for r in evals] == [0, 1, 2]  # before, every iteration, after
     assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals[1:])
     assert all(-1.0 <= r["reward/length_correlation"] <= 1.0 for r in steps)
-    # dynamic sampling: 16 prompts sampled, 8 groups (32 rows) trained on; the mini-batch plan indexes the kept rows
-    # only (planning the 64 sampled ones would index past the experience and fail the step)
+    # dynamic sampling without fill: 16 prompts sampled, only the groups whose scores differ (at most 8; one equal
+    # group when none does) trained on; the mini-batch plan indexes the kept rows only (planning the 64 sampled ones
+    # would index past the experience and fail the step)
     assert all(r["dynamic/sampled_groups"] == 16 and 0 <= r["dynamic/informative_groups"] <= 1 for r in steps)
+    assert all(r["dynamic/trained_groups"] == max(1, round(8 * r["dynamic/informative_groups"])) for r in steps)
     for step in steps:  # answers of ~5 tokens pass the 4-token mark: each loses (length - 4) / 12
         assert -1.0 <= step["answer/overlong_penalty"] < 0, step
         # the mean of max(length - 4, 0) / 12 is at least what the mean length alone gives
@@ -426,10 +428,14 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
 def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_path, stage_models):
     """demo/arithmetic through two engines and two reward actors, GRPO with the last-number checker: every row the
     reward function scores carries the `answer` column of its own prompt (through pool, experience and buffer),
-    the scores are the checker's against that truth, and two GRPO iterations train on them."""
+    the scores are the checker's against that truth, and two GRPO iterations train on them. With dynamic sampling
+    (4 of 8 sampled groups train) the reward scores first and the reference only the kept groups, whose rows of
+    the experience carry their own reference log-probs; the reward metrics stay those of every sampled answer."""
     import ray
+    import torch
     from transformers import AutoTokenizer
 
+    from rlhf_ray.algorithms.advantages import informative_groups_first
     from rlhf_ray.data.answers import last_number_reward
     from rlhf_ray.data import demo
     from rlhf_ray.data.build import build_phase_data
@@ -441,11 +447,16 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
                   "reward.placement.num_cpus=0.1", "reward.placement.colocate_with=null",
                   "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=2",
                   "generation.placement.replicas=2", "generation.placement.num_cpus=0.25", "generation.engine=hf",
-                  "ppo.rollout_batch_size=8", "policy.micro_batch_size=16", "data.datasets=[{name: demo/arithmetic}]")
+                  "ppo.rollout_batch_size=4", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2",
+                  "policy.micro_batch_size=8", "data.datasets=[{name: demo/arithmetic}]")
     tokenizer = AutoTokenizer.from_pretrained(sft)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     with placed_trainer(job, tokenizer, data) as trainer:
-        pool = trainer.workers.pool
+        pool, workers = trainer.workers.pool, trainer.workers
+        scored_rows = []  # (role, rows) each role is asked to score, on the driver's side
+        submit = workers._split_submit
+        workers._split_submit = lambda group, method, batch, rows: (scored_rows.append((group.role, rows)),
+                                                                    submit(group, method, batch, rows))[1]
         for iteration in range(2):
             rows = data.train[iteration * 8:(iteration + 1) * 8]
             rollout = pool.collect(pool.submit([r["prompt_ids"] for r in rows], seed=iteration,
@@ -462,8 +473,21 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
             assert truth == [str(demo.parse_prompt(p).value) for p in prompts]  # each row's own ground truth
             scores = trainer.workers.reward_scores(batch_ref, len(truth))
             assert scores.tolist() == last_number_reward(prompts, answers, answer=truth)
+            if iteration == 0:
+                reference = workers._split_gather(workers.reference, "logprobs", submit(
+                    workers.reference, "logprobs", batch_ref, len(truth)))
+                reference = torch.cat(ray.get([r["ref"] for r in reference]))
+                scored_rows.clear()
+                scored = workers.score(rollout, trainer.weights.version)
+                kept, _ = informative_groups_first(scores, 2, 4)
+                assert scored_rows == [("reward", 16), ("reference", 8)] and scored.rows == 8
+                experience = ray.get(scored.experience)
+                assert experience.sequences.tolist() == batch.sequences[kept].tolist()
+                torch.testing.assert_close(experience.ref_logp, reference[kept], rtol=0, atol=1e-5)
+                assert scored.metrics["reward/mean"] == scores.mean().item()
             result = one_update(trainer, iteration, rollout)
             assert pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()
+            assert result["dynamic/sampled_groups"] == 8 and result["dynamic/trained_groups"] == 4  # filled
 
 
 def test_a_warmed_up_student_distils_from_the_teacher(tmp_path, stage_models, tiny_model):

@@ -17,6 +17,7 @@ from rlhf_ray.algorithms.experience import logprob_gap, make_experience, mismatc
 from rlhf_ray.algorithms.advantages import informative_groups_first
 from rlhf_ray.algorithms.diagnostics import correlation
 from rlhf_ray.algorithms.masked import masked_mean
+from rlhf_ray.algorithms.rewards import overlong_penalty
 from rlhf_ray.config.ppo import PPOSpec
 
 
@@ -46,6 +47,35 @@ class ExperienceWorker:
         self.packing_seconds = time.perf_counter() - start
         return batch
 
+    @ray.method(num_returns=2)
+    def keep_informative(self, batch: RolloutBatch, score_refs: list) -> tuple[RolloutBatch, dict]:
+        """Dynamic sampling, between the reward and the other roles: the rows of `rollout_batch_size` groups, those
+        whose scores differ first (algorithms.advantages.informative_groups_first; without `fill` only those), so the reference, the policy's
+        old log-probs and the critic score only the rows that train. Returns (the kept rows' batch, {"scores":
+        theirs, "rows": how many, "metrics": the sampled rollout's reward and answer metrics with dynamic/informative_groups (a share of
+        rollout_batch_size), dynamic/sampled_groups and dynamic/trained_groups}): the rollout's metrics describe every answer sampled, not the kept ones."""
+        scores = torch.cat(ray.get(score_refs))
+        rows, informative = informative_groups_first(scores, self.group_size, self.spec.rollout_batch_size,
+                                                     self.spec.dynamic_sampling.fill)
+        metrics = self.rollout_metrics(scores, batch) | {
+            "dynamic/informative_groups": informative / self.spec.rollout_batch_size,
+            "dynamic/sampled_groups": len(scores) / self.group_size, "dynamic/trained_groups": len(rows) / self.group_size}
+        return batch.select(rows), {"scores": scores[rows], "rows": len(rows), "metrics": metrics}
+
+    def rollout_metrics(self, scores: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
+        """Reward and answer metrics of a rollout's rows: reward/mean (the share right under a 0/1 rule),
+        reward/std, answer/length, reward/length_correlation, answer/ended, and with ppo.overlong_buffer
+        answer/overlong_penalty (the mean bonus added to the scores)."""
+        lengths = batch.action_mask.sum(-1)
+        metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
+                   "answer/length": lengths.float().mean().item(),
+                   "reward/length_correlation": correlation(scores, lengths),
+                   "answer/ended": batch.ended.float().mean().item()}
+        if self.spec.overlong_buffer:
+            metrics["answer/overlong_penalty"] = overlong_penalty(
+                lengths, self.max_answer_tokens, self.spec.overlong_buffer, self.spec.overlong_penalty).mean().item()
+        return metrics
+
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                    value_refs: list | None, scored_at: int = 0, keep_samples: int = 0,
                    teacher_logp_refs: list | None = None) -> dict:
@@ -64,18 +94,8 @@ class ExperienceWorker:
         start = time.perf_counter()
         targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
                                   self.group_size, self.max_answer_tokens, teacher_logp)
-        metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
-                   "answer/length": batch.action_mask.sum(-1).mean().item(),
-                   "reward/length_correlation": correlation(scores, batch.action_mask.sum(-1)),
-                   "answer/ended": batch.ended.float().mean().item()}
-        if targets.overlong_penalty is not None:
-            metrics["answer/overlong_penalty"] = targets.overlong_penalty.mean().item()
-        full = Experience.of(batch, dataclasses.replace(targets, overlong_penalty=None))
-        if self.spec.dynamic_sampling.enabled:
-            rows, informative = informative_groups_first(scores, self.group_size, self.spec.rollout_batch_size)
-            full = full.select(rows)
-            metrics |= {"dynamic/informative_groups": informative / self.spec.rollout_batch_size,
-                        "dynamic/sampled_groups": len(scores) / self.group_size}
+        metrics = self.rollout_metrics(scores, batch)
+        assembled = Experience.of(batch, targets)
         if teacher_logp is not None:  # the reverse KL(policy || teacher) per answer token, on the policy's samples
             metrics["distill/reverse_kl"] = masked_mean(old_logp - teacher_logp, batch.action_mask).item()
         if targets.kl is not None:  # else the policy reports it from its training forward (policy/kl)
@@ -90,7 +110,7 @@ class ExperienceWorker:
             ((batch.token_version.masked_fill(batch.action_mask == 0, -1).amax(-1) > batch.version).float().mean()
              .item()))
         metrics["compute/assembly_seconds"] = self.packing_seconds + time.perf_counter() - start
-        return {"ref": ray.put(full), "metrics": metrics, "rows": len(full), "samples": samples,
+        return {"ref": ray.put(assembled), "metrics": metrics, "rows": len(assembled), "samples": samples,
                 "token_versions": {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))}}
 
 

@@ -63,13 +63,16 @@ def reinforce_pp(rewards: torch.Tensor, action_mask: torch.Tensor, gamma: float 
     return masked_whiten(discounted_returns(rewards, action_mask, gamma), action_mask)
 
 
-def informative_groups_first(scores: torch.Tensor, group_size: int, groups: int) -> tuple[list[int], int]:
-    """Rows of `groups` groups (consecutive `group_size` rows answering one prompt) of a rollout: first the groups
-    whose scores differ (their advantages are not all zero), in order, then equal ones to fill. Returns (sorted row
+def informative_groups_first(scores: torch.Tensor, group_size: int, groups: int,
+                             fill: bool = True) -> tuple[list[int], int]:
+    """Rows of up to `groups` groups (consecutive `group_size` rows answering one prompt) of a rollout: first the
+    groups whose scores differ (their advantages are not all zero), in order, then, with `fill`, equal ones up to
+    `groups` (without it, one equal group only when none differs: never an empty batch). Returns (sorted row
     indices, how many of the chosen groups differ)."""
     by_group = scores.float().reshape(-1, group_size)
     differ = (by_group.max(-1).values > by_group.min(-1).values).tolist()
     informative = [g for g, d in enumerate(differ) if d]
     equal = [g for g, d in enumerate(differ) if not d]
-    chosen = sorted(informative[:groups] + equal[: max(0, groups - len(informative))])
+    fillers = max(0, groups - len(informative)) if fill else int(not informative)
+    chosen = sorted(informative[:groups] + equal[:fillers])
     return [g * group_size + i for g in chosen for i in range(group_size)], min(len(informative), groups)

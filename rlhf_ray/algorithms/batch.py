@@ -117,8 +117,6 @@ class PPOTargets:
     """[B, A]: the critic's values when the rollout was scored (GAE only)."""
     returns: torch.Tensor | None = None
     """[B, A]: value targets (GAE only)."""
-    overlong_penalty: torch.Tensor | None = None
-    """[B]: the overlong bonus added to each score (with ppo.overlong_buffer), for the metrics."""
 
 
 @dataclass(kw_only=True)

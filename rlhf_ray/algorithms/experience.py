@@ -128,4 +128,4 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
         advantages = masked_whiten(advantages, action_mask)
     return PPOTargets(advantages=advantages, ref_logp=ref_logp, rewards=rewards, old_logp=logp,
                       kl=None if kl is None else masked_mean(kl, action_mask, dim=-1),
-                      values=values if returns is not None else None, returns=returns, overlong_penalty=bonus)
+                      values=values if returns is not None else None, returns=returns)

@@ -42,6 +42,11 @@ class DynamicSamplingSpec(StrictModel):
     enabled: bool = False
     oversample: float = Field(2.0, ge=1)
     """Prompts sampled per prompt trained on."""
+    fill: bool = True
+    """When fewer than rollout_batch_size groups differ: true, equal groups fill the batch (every update the same
+    size); false, only the groups that differ train (at least one): a smaller update that costs less to score and
+    train. A filled group's advantages are zero, so it adds to the loss only through the KL term (and the token
+    mean's count); an iteration's optimizer steps are fewer when ppo.train_batch_size cuts fewer rows."""
 
 
 class PPOSpec(StrictModel):

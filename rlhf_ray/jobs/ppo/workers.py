@@ -237,7 +237,9 @@ class RoleWorkers:
 
     def score(self, rollout: Rollout, scored_at: int, keep_samples: int = 0) -> Scored:
         """Every role scores the rollout at once (reference log-probs, rewards, the policy's old log-probs where the
-        loss needs them, critic values), then the assembler turns them into experience. ResultsLost when a node
+        loss needs them, critic values), then the assembler turns them into experience. With dynamic sampling the
+        reward scores first and the others score only the groups kept (veRL's DAPO filters before its old-log-prob
+        and reference passes too): half the rows at `oversample: 2`. ResultsLost when a node
         took results the scoring needed (nothing changed yet: generate it again)."""
         try:
             return self._score(rollout, scored_at, keep_samples)
@@ -248,27 +250,37 @@ class RoleWorkers:
 
     def _score(self, rollout: Rollout, scored_at: int, keep_samples: int) -> Scored:
         (assembler,) = self.assembler.actors
-        batch = assembler.batch.remote(rollout.refs)
+        batch, rows = assembler.batch.remote(rollout.refs), rollout.samples
         scorers = {"reference": (self.reference, "logprobs"), "reward": (self.reward, "score"),
                    "teacher": (self.teacher, "logprobs")}
         scorers = {role: (group, method) for role, (group, method) in scorers.items() if group is not None}
-        calls = {role: self._split_submit(group, method, batch, rollout.samples)
-                 for role, (group, method) in scorers.items()}
+        results, kept = {}, None
+        if self.job.ppo.dynamic_sampling.enabled:  # the reward first: the other roles score only the kept groups
+            group, method = scorers.pop("reward")
+            results["reward"] = self._split_gather(group, method, self._split_submit(group, method, batch, rows))
+            batch, kept_ref = assembler.keep_informative.remote(batch, [r["ref"] for r in results["reward"]])
+            (kept,) = self.assembler.gather([kept_ref], "keep_informative")
+            rows = kept["rows"]
+        calls = {role: self._split_submit(group, method, batch, rows) for role, (group, method) in scorers.items()}
         if not self.job.old_logprobs_from_training:
             calls["policy"] = self.policy.submit("logprobs", batch)
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
-        results = {role: self._split_gather(group, method, calls[role]) for role, (group, method) in scorers.items()}
+        results |= {role: self._split_gather(group, method, calls[role]) for role, (group, method) in scorers.items()}
         if "policy" in calls:
             results["policy"] = self.policy.gather(calls["policy"], "logprobs")
         if self.critic is not None:
             results["critic"] = self.critic.gather(calls["critic"], "values")
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
+        if kept is not None:
+            parts["reward"] = [ray.put(kept["scores"])]
         (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
                                                                     parts.get("reference"), parts.get("critic"),
                                                                     scored_at, keep_samples, parts.get("teacher"))],
                                           "experience")
-        return Scored(out["ref"], out["rows"], out["metrics"],
+        # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
+        metrics = out["metrics"] | (kept["metrics"] if kept is not None else {})
+        return Scored(out["ref"], out["rows"], metrics,
                       {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
                       out["token_versions"])
 
