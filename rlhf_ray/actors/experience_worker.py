@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -19,6 +20,19 @@ from rlhf_ray.algorithms.diagnostics import correlation
 from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.algorithms.rewards import overlong_penalty
 from rlhf_ray.config.ppo import PPOSpec
+
+
+@dataclass
+class KeptGroups:
+    """What dynamic sampling kept of a rollout (ExperienceWorker.keep_informative), besides the kept rows' batch."""
+
+    scores: torch.Tensor
+    """[rows]: the reward of each kept row."""
+    rows: int
+    """Rows kept: whole groups."""
+    metrics: dict[str, float]
+    """The sampled rollout's reward and answer metrics (every answer sampled, not the kept ones), with
+    dynamic/informative_groups (a share of rollout_batch_size), dynamic/sampled_groups and dynamic/trained_groups."""
 
 
 class ExperienceWorker:
@@ -48,19 +62,19 @@ class ExperienceWorker:
         return batch
 
     @ray.method(num_returns=2)
-    def keep_informative(self, batch: RolloutBatch, score_refs: list) -> tuple[RolloutBatch, dict]:
+    def keep_informative(self, batch: RolloutBatch, score_refs: list) -> tuple[RolloutBatch, KeptGroups]:
         """Dynamic sampling, between the reward and the other roles: the rows of `rollout_batch_size` groups, those
-        whose scores differ first (algorithms.advantages.informative_groups_first; without `fill` only those), so the reference, the policy's
-        old log-probs and the critic score only the rows that train. Returns (the kept rows' batch, {"scores":
-        theirs, "rows": how many, "metrics": the sampled rollout's reward and answer metrics with dynamic/informative_groups (a share of
-        rollout_batch_size), dynamic/sampled_groups and dynamic/trained_groups}): the rollout's metrics describe every answer sampled, not the kept ones."""
+        whose scores differ first (algorithms.advantages.informative_groups_first; without `fill` only those), so
+        the reference, the policy's old log-probs and the critic score only the rows that train. Returns the kept
+        rows' batch (a second object-store result, never through the driver) and their KeptGroups."""
         scores = torch.cat(ray.get(score_refs))
         rows, informative = informative_groups_first(scores, self.group_size, self.spec.rollout_batch_size,
                                                      self.spec.dynamic_sampling.fill)
         metrics = self.rollout_metrics(scores, batch) | {
             "dynamic/informative_groups": informative / self.spec.rollout_batch_size,
-            "dynamic/sampled_groups": len(scores) / self.group_size, "dynamic/trained_groups": len(rows) / self.group_size}
-        return batch.select(rows), {"scores": scores[rows], "rows": len(rows), "metrics": metrics}
+            "dynamic/sampled_groups": len(scores) / self.group_size,
+            "dynamic/trained_groups": len(rows) / self.group_size}
+        return batch.select(rows), KeptGroups(scores[rows], len(rows), metrics)
 
     def rollout_metrics(self, scores: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
         """Reward and answer metrics of a rollout's rows: reward/mean (the share right under a 0/1 rule),

@@ -260,7 +260,7 @@ class RoleWorkers:
             results["reward"] = self._split_gather(group, method, self._split_submit(group, method, batch, rows))
             batch, kept_ref = assembler.keep_informative.remote(batch, [r["ref"] for r in results["reward"]])
             (kept,) = self.assembler.gather([kept_ref], "keep_informative")
-            rows = kept["rows"]
+            rows = kept.rows
         calls = {role: self._split_submit(group, method, batch, rows) for role, (group, method) in scorers.items()}
         if not self.job.old_logprobs_from_training:
             calls["policy"] = self.policy.submit("logprobs", batch)
@@ -273,13 +273,13 @@ class RoleWorkers:
             results["critic"] = self.critic.gather(calls["critic"], "values")
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         if kept is not None:
-            parts["reward"] = [ray.put(kept["scores"])]
+            parts["reward"] = [ray.put(kept.scores)]
         (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
                                                                     parts.get("reference"), parts.get("critic"),
                                                                     scored_at, keep_samples, parts.get("teacher"))],
                                           "experience")
         # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
-        metrics = out["metrics"] | (kept["metrics"] if kept is not None else {})
+        metrics = out["metrics"] | (kept.metrics if kept is not None else {})
         return Scored(out["ref"], out["rows"], metrics,
                       {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
                       out["token_versions"])
