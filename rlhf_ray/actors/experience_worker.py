@@ -92,13 +92,15 @@ class ExperienceWorker:
 
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                    value_refs: list | None, scored_at: int = 0, keep_samples: int = 0,
-                   teacher_logp_refs: list | None = None) -> dict:
+                   teacher_logp_refs: list | None = None, sampled_metrics: dict[str, float] | None = None) -> dict:
         """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
         "samples": the first `keep_samples` rows as token ids with their score and dataset columns,
         "token_versions": answer tokens per policy version that sampled them}. The metric
         compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
         and writes). `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
-        mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*)."""
+        mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*).
+        `sampled_metrics`: the rollout metrics dynamic sampling took over every sampled answer (KeptGroups.metrics),
+        reported instead of the kept rows' own."""
 
         def cat(refs):
             return torch.cat(ray.get(refs)) if refs else None
@@ -108,7 +110,7 @@ class ExperienceWorker:
         start = time.perf_counter()
         targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
                                   self.group_size, self.max_answer_tokens, teacher_logp)
-        metrics = self.rollout_metrics(scores, batch)
+        metrics = dict(sampled_metrics) if sampled_metrics is not None else self.rollout_metrics(scores, batch)
         assembled = Experience.of(batch, targets)
         if teacher_logp is not None:  # the reverse KL(policy || teacher) per answer token, on the policy's samples
             metrics["distill/reverse_kl"] = masked_mean(old_logp - teacher_logp, batch.action_mask).item()

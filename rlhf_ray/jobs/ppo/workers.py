@@ -274,13 +274,11 @@ class RoleWorkers:
         parts = {role: [r["ref"] for r in out] for role, out in results.items()}
         if kept is not None:
             parts["reward"] = [ray.put(kept.scores)]
-        (out,) = self.assembler.gather([assembler.experience.remote(batch, parts["reward"], parts.get("policy", []),
-                                                                    parts.get("reference"), parts.get("critic"),
-                                                                    scored_at, keep_samples, parts.get("teacher"))],
-                                          "experience")
         # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
-        metrics = out["metrics"] | (kept.metrics if kept is not None else {})
-        return Scored(out["ref"], out["rows"], metrics,
+        (out,) = self.assembler.gather([assembler.experience.remote(
+            batch, parts["reward"], parts.get("policy", []), parts.get("reference"), parts.get("critic"), scored_at,
+            keep_samples, parts.get("teacher"), kept.metrics if kept is not None else None)], "experience")
+        return Scored(out["ref"], out["rows"], out["metrics"],
                       {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
                       out["token_versions"])
 
