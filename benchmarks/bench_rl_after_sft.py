@@ -98,6 +98,8 @@ def kept() -> dict:
     found = {}
     for name, config in RECIPES.items():
         for file in sorted(RESULTS.glob(f"{name}-*.json")):
+            if file.stem.rsplit("-", 1)[0] != name:  # another recipe whose name starts with this one's
+                continue
             r = json.loads(file.read_text())
             if r["settings"] == recipe_settings(config):
                 found[(name, int(file.stem.rsplit("-", 1)[1]))] = r
