@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from rlhf_ray.actors.pool import EnginesLoaded
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
 from rlhf_ray.jobs.ppo.workers import Scored
@@ -58,9 +59,9 @@ class Pool:
         self.workers, self.finish_at_once = workers, finish_at_once
         self.group, self.loaded = [None], []  # one engine; the versions it loaded
 
-    def broadcast(self, refs: list, version: int) -> dict:
+    def broadcast(self, refs: list, version: int) -> EnginesLoaded:
         self.loaded.append(version)
-        return {"seconds": 0.0, "engine_seconds": 0.0}
+        return EnginesLoaded(0.0, 0.0)
 
     def submit(self, index: int) -> FakeRollout:
         self.workers.events.append(f"start {index}")

@@ -127,7 +127,7 @@ def test_weights_arrive_in_buckets_and_greedy_decoding_equals_the_learner(engine
     buckets = [b for i in range(0, len(named), 4) for b in pack(named[i: i + 4])]  # several buckets
     assert len(buckets) > 3
     (result,) = group.call("load_weights", [ray.put(b) for b in buckets], 7)
-    assert result["version"] == 7 and result["tensors"] == len(named)
+    assert result.version == 7 and result.tensors == len(named)
     assert group.call("get_version") == [7]
     samples = group.call("generate", prompts, 0, True)[0]
     assert len(samples) == len(prompts) and all(s["version"] == 7 for s in samples)

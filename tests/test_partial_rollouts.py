@@ -105,7 +105,7 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
     finally:
         plain.kill()
         held.kill()
-    assert result["version"] == 1
+    assert result.version == 1
     old = AutoModelForCausalLM.from_pretrained(sft_model).eval()
     assert any(len(s["answer_ids"]) > HOLD for s in samples), "no answer went on past the hold"
     for before, after in zip(straight, samples):

@@ -476,7 +476,7 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
             if iteration == 0:
                 reference = workers._split_gather(workers.reference, "logprobs", submit(
                     workers.reference, "logprobs", batch_ref, len(truth)))
-                reference = torch.cat(ray.get([r["ref"] for r in reference]))
+                reference = torch.cat(ray.get([r.ref for r in reference]))
                 scored_rows.clear()
                 scored = workers.score(rollout, trainer.weights.version)
                 kept, _ = informative_groups_first(scores, 2, 4)

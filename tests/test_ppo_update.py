@@ -10,13 +10,14 @@ from types import SimpleNamespace
 
 from rlhf_ray.jobs.ppo.trainer import PPOTrainer
 from rlhf_ray.jobs.ppo.weight_sync import WeightSync
+from rlhf_ray.learners.policy import SentWeights
 from rlhf_ray.jobs.ppo.workers import Trained
 from tests.ppo_standins import Group, Workers, feed
 
 
 class Policy:
-    def publish_weights(self, bucket_bytes: int, adapters_only: bool) -> dict:
-        return {"refs": [], "bytes": 8, "seconds": 0.0}
+    def publish_weights(self, bucket_bytes: int, adapters_only: bool) -> SentWeights:
+        return SentWeights(8, 0.0)
 
 
 def trainer_with(workers: Workers, train, critic_warmup: int = 0) -> PPOTrainer:

@@ -151,12 +151,13 @@ def test_weights_lost_with_the_policy_node_during_a_sync_end_the_attempt_as_that
     from types import SimpleNamespace
 
     from rlhf_ray.jobs.ppo.weight_sync import WeightSync
+    from rlhf_ray.learners.policy import SentWeights
 
     class Pool:
         def broadcast(self, refs, version):
             raise lost_with_node()
 
-    policy = SimpleNamespace(names=["policy-0"], call=lambda method, *a: [{"refs": [], "bytes": 1, "seconds": 0}])
+    policy = SimpleNamespace(names=["policy-0"], call=lambda method, *a: [SentWeights(1, 0.0)])
     weights = object.__new__(WeightSync)
     weights.workers = SimpleNamespace(policy=policy, pool=Pool())
     weights.version, weights.transport, weights.bucket_bytes, weights.adapters_only = 0, "object_store", 2**20, False

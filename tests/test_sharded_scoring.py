@@ -36,7 +36,7 @@ def _whole(cls, **kwargs) -> int:
 
 def _split_call(group, method, batch, rows):
     refs = [getattr(actor, method).remote(batch, lo, hi) for actor, (lo, hi) in zip(group.actors, row_bounds(rows, 2))]
-    return torch.cat([ray.get(out["ref"]) for out in group.gather(refs, method)])
+    return torch.cat([ray.get(out.ref) for out in group.gather(refs, method)])
 
 
 def test_two_replicas_hold_half_the_weights_each_and_score_like_one_process(sft_model, rm_model):
@@ -57,9 +57,9 @@ def test_two_replicas_hold_half_the_weights_each_and_score_like_one_process(sft_
                      tokens=TokenConventions.from_tokenizer(tokenizer, str(rm)))
     single_ref = ReferenceWorker(rank=0, world_size=1, **ref_kwargs)
     with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
-        want_logp = ray.get(ReferenceWorker.logprobs(single_ref, batch, 0, 3)["ref"])
+        want_logp = ray.get(ReferenceWorker.logprobs(single_ref, batch, 0, 3).ref)
         single_rm = RewardWorker(rank=0, world_size=1, **rm_kwargs)
-        want_scores = ray.get(RewardWorker.score(single_rm, batch, 0, 3)["ref"])
+        want_scores = ray.get(RewardWorker.score(single_rm, batch, 0, 3).ref)
         for cls, kwargs, method, want in ((ReferenceWorker, ref_kwargs, "logprobs", want_logp),
                                           (RewardWorker, rm_kwargs, "score", want_scores)):
             group, info = _sharded_group(cls, **kwargs)

@@ -104,7 +104,7 @@ def test_tensor_parallel_workers_copy_only_their_shards(small_model):
             actor_growth, *growth = memory.stop()
             report = ray.get(engine.__ray_call__.remote(lambda worker: worker.engine.last_load))
 
-            assert result["version"] == 3 and result["tensors"] == len(named)
+            assert result.version == 3 and result.tensors == len(named)
             assert report["chunks"] >= 2 and report["largest_chunk"] < 0.75 * model_bytes
             for pid, took in report["workers"].items():
                 assert took["copied"] == 0, f"worker {pid} copied staged pages for itself"

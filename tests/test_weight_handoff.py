@@ -99,6 +99,7 @@ def test_an_engine_replaced_during_a_handoff_gets_every_bucket_after_the_others(
     replacement takes the whole model once the handoff in progress is over; one replaced between syncs gets it
     at once. After a part marked last the driver asks for no more: the call that frees it is submitted, not waited
     for, and collected before the next handoff starts."""
+    from rlhf_ray.actors.generator import Loaded
     from rlhf_ray.jobs.ppo.weight_sync import WeightSync
     from rlhf_ray.models.weight_handoff import HandoffPart
 
@@ -134,7 +135,7 @@ def test_an_engine_replaced_during_a_handoff_gets_every_bucket_after_the_others(
             self.calls += 1
             if self.calls == 1:
                 self.on_replaced(1)  # what resilient_gather does when engine 1 dies during `take_weights`
-            return [{"seconds": 0.0}]
+            return [Loaded(0, 0, 0.0)]
 
     class Workers:
         policy, pool = Policy(), Pool()

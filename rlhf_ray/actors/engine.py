@@ -45,6 +45,27 @@ class Sample(TypedDict):
     """The answer ended with a stop id (False: cut at max_new_tokens)."""
 
 
+class VersionedSample(Sample):
+    """A sample with the policy versions that wrote it (every sample a generation worker returns)."""
+
+    versions: list[int]
+    """The policy version of each answer token (several with partial rollouts)."""
+    version: int
+    """The oldest of `versions` (the worker's version for an empty answer)."""
+
+
+class RolloutSample(VersionedSample, total=False):
+    """A sample as a generation worker returns it (GenerationWorker.generate and rollout); the fields below are
+    there only where the job has them."""
+
+    answer_mask: list[int]
+    """Multi-turn episodes: 1 on the policy's tokens, 0 on the environment's (tool output)."""
+    episode: dict[str, float]
+    """Multi-turn episodes: the episode's statistics (EPISODE_COLUMNS)."""
+    columns: dict
+    """`rollout` only: the prompt's dataset columns (and the episode's statistics), for reward functions."""
+
+
 class GenerationEngine(ABC):
     """One copy of the policy that samples. Implementations: `HFEngine` (transformers `generate`) and
     `VLLMEngine`."""

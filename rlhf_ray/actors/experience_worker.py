@@ -35,6 +35,22 @@ class KeptGroups:
     dynamic/informative_groups (a share of rollout_batch_size), dynamic/sampled_groups and dynamic/trained_groups."""
 
 
+@dataclass
+class Assembled:
+    """ExperienceWorker.experience's answer: where the experience is and what the driver reports of it."""
+
+    ref: object
+    """ObjectRef of the Experience batch (it never passes through the driver)."""
+    rows: int
+    """Its rows."""
+    metrics: dict[str, float]
+    """Reward, answer, KL and engine/learner mismatch metrics, compute/assembly_seconds."""
+    samples: list[dict]
+    """The first `keep_samples` rows: {prompt_ids, answer_ids, score, columns} (for samples.jsonl)."""
+    token_versions: dict[int, int]
+    """Answer tokens per policy version that sampled them."""
+
+
 class ExperienceWorker:
     def __init__(self, *, rank: int = 0, world_size: int = 1, ppo: dict, group_size: int, pad_token_id: int,
                  max_answer_tokens: int | None = None):
@@ -92,10 +108,9 @@ class ExperienceWorker:
 
     def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
                    value_refs: list | None, scored_at: int = 0, keep_samples: int = 0,
-                   teacher_logp_refs: list | None = None, sampled_metrics: dict[str, float] | None = None) -> dict:
-        """Per-role results (each a list of per-replica parts, in row order) -> {"ref": experience, "metrics",
-        "samples": the first `keep_samples` rows as token ids with their score and dataset columns,
-        "token_versions": answer tokens per policy version that sampled them}. The metric
+                   teacher_logp_refs: list | None = None, sampled_metrics: dict[str, float] | None = None
+                   ) -> Assembled:
+        """Per-role results (each a list of per-replica parts, in row order) -> the experience. The metric
         compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
         and writes). `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
         mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*).
@@ -126,8 +141,8 @@ class ExperienceWorker:
             ((batch.token_version.masked_fill(batch.action_mask == 0, -1).amax(-1) > batch.version).float().mean()
              .item()))
         metrics["compute/assembly_seconds"] = self.packing_seconds + time.perf_counter() - start
-        return {"ref": ray.put(assembled), "metrics": metrics, "rows": len(assembled), "samples": samples,
-                "token_versions": {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))}}
+        return Assembled(ray.put(assembled), len(assembled), metrics, samples,
+                         {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))})
 
 
 def mismatch_by_age(batch: RolloutBatch, learner_logp: torch.Tensor, scored_at: int) -> dict[str, float]:

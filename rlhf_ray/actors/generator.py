@@ -7,10 +7,11 @@ import contextlib
 import importlib
 import os
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_ray.actors.engine import build_engine
+from rlhf_ray.actors.engine import RolloutSample, build_engine
 from rlhf_ray.actors.partial_rollout import PartialRollouts, samples_of
 from rlhf_ray.actors.update_gate import HOLD_ENV, UpdateGate, hold_point
 from rlhf_ray.config.generation import GenerationSpec
@@ -20,6 +21,40 @@ from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.models.weight_buckets import unpack
 from rlhf_ray.models.weight_handoff import HandoffPart, received
 from rlhf_ray.memory.probe import PeakMemory
+
+
+@dataclass
+class RolloutPart:
+    """One engine's answer to `GenerationWorker.rollout`: its samples stay in the object store."""
+
+    ref: object
+    """ObjectRef of the samples (list[RolloutSample])."""
+    samples: int
+    keys: list
+    """The caller's key of each prompt answered, one per group in sample order."""
+    version: int
+    """The policy version of its oldest token."""
+    tokens: int
+    """Answer tokens generated (those the policy wrote: tool output excluded)."""
+    seconds: float
+    """Generation time."""
+    streamed: int = 0
+    """Partial rollouts: groups whose prompts another call brought."""
+    restarted: int = 0
+    """Partial rollouts: answers in flight started again meanwhile, their first token too old."""
+    episodes: dict[str, float] = field(default_factory=dict)
+    """Multi-turn episodes' totals (EPISODE_COLUMNS) over its samples; empty without an environment."""
+
+
+@dataclass
+class Loaded:
+    """An engine's answer to a weight update (load_weights, receive_weights, take_weights)."""
+
+    version: int
+    """The policy version it serves now."""
+    tensors: int
+    """Tensors loaded."""
+    seconds: float
 
 
 class GenerationWorker:
@@ -53,9 +88,9 @@ class GenerationWorker:
         return self.memory.peak()
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
-                 columns: list[dict] | None = None) -> list[dict]:
-        """Samples of `prompts` (see GenerationEngine.generate), each with `versions` (the policy version of each
-        answer token) and `version` (its oldest); with an environment, one multi-turn episode per sample
+                 columns: list[dict] | None = None) -> list[RolloutSample]:
+        """Samples of `prompts` (see GenerationEngine.generate) with the versions that wrote them; with an
+        environment, one multi-turn episode per sample
         (envs/episode.py), its prompt the environment's first messages and its statistics in `episode`. With
         partial rollouts a weight update gets the engine between tokens (between turns, for episodes)."""
         if self.episodes is not None:
@@ -76,13 +111,12 @@ class GenerationWorker:
         return self.version
 
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
-                keys: list[int] | None = None) -> dict:
+                keys: list[int] | None = None) -> RolloutPart:
         """`generate`, but the samples stay in the object store: the caller gets a reference and a summary, with
         the `keys` of the prompts answered (the caller's, one per prompt; default their positions), one per group
-        in sample order. Each sample carries its prompt's dataset
-        `columns` (for reward functions), and an episode's statistics. With partial rollouts (no environment) the
-        groups are the first to finish among those in flight, this call's prompts or other calls' (`streamed`
-        counts those; `restarted`: answers in flight started again meanwhile, their first token too old)."""
+        in sample order. Each sample carries its prompt's dataset `columns` (for reward functions), and an
+        episode's statistics. With partial rollouts (no environment) the groups are the first to finish among those
+        in flight, this call's prompts or other calls'."""
         import ray
 
         start = time.perf_counter()
@@ -99,13 +133,13 @@ class GenerationWorker:
                                              **s.get("episode", {})}} for s in samples]
             seconds = time.perf_counter() - start
         episodes = [s["episode"] for s in samples if "episode" in s]
-        return {"ref": ray.put(samples), "samples": len(samples), "keys": keys, **counts,
-                "version": min((s["version"] for s in samples), default=self.version),  # its oldest token's
-                "tokens": sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
-                "seconds": seconds,
-                "episodes": {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS} if episodes else {}}
+        return RolloutPart(ray.put(samples), len(samples), keys,
+                           version=min((s["version"] for s in samples), default=self.version),
+                           tokens=sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
+                           seconds=seconds, streamed=counts["streamed"], restarted=counts["restarted"],
+                           episodes={k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS} if episodes else {})
 
-    def load_weights(self, bucket_refs: list, version: int) -> dict:
+    def load_weights(self, bucket_refs: list, version: int) -> Loaded:
         """Fetch the buckets one by one from the object store and load them in place; then this engine serves
         policy `version`."""
         import ray
@@ -119,7 +153,7 @@ class GenerationWorker:
         with self._updating():
             tensors = self.engine.load_weights(stream())
             self.version = version
-        return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
+        return Loaded(version, tensors, time.perf_counter() - start)
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> int:
         from rlhf_ray.models.weight_transport import WeightBroadcast
@@ -127,15 +161,15 @@ class GenerationWorker:
         self.weight_broadcast = WeightBroadcast(host, port, rank, world_size, timeout_s)
         return rank
 
-    def receive_weights(self, version: int) -> dict:
+    def receive_weights(self, version: int) -> Loaded:
         """Load the buckets learner rank 0 broadcasts, as they arrive; then this engine serves `version`."""
         start = time.perf_counter()
         with self._updating():
             tensors = self.engine.load_weights(self.weight_broadcast.receive())
             self.version = version
-        return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
+        return Loaded(version, tensors, time.perf_counter() - start)
 
-    def take_weights(self, part: HandoffPart, version: int) -> dict:
+    def take_weights(self, part: HandoffPart, version: int) -> Loaded:
         """Load one part of a colocated handoff (transport ipc) from the learner's memory: its shared-memory files
         mapped, or its GPU buffers opened; this engine serves `version` once the driver has given it every part."""
         start = time.perf_counter()
@@ -144,7 +178,7 @@ class GenerationWorker:
             if part.cuda:
                 torch.cuda.synchronize()  # copied before the learner frees the buffers
             self.version = version
-        return {"version": version, "tensors": tensors, "seconds": time.perf_counter() - start}
+        return Loaded(version, tensors, time.perf_counter() - start)
 
     def _updating(self, last: bool = True):
         """The engine for a weight update: at once, or (partial_rollouts) when the running rollout pauses."""

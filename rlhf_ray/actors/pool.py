@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import ray
 
-from rlhf_ray.actors.engine import engine_env
+from rlhf_ray.actors.engine import RolloutSample, engine_env
 from rlhf_ray.models.support import resolve_engine
-from rlhf_ray.actors.generator import GenerationWorker
+from rlhf_ray.actors.generator import GenerationWorker, Loaded, RolloutPart
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.data.split import stable_seed
@@ -72,6 +72,26 @@ class Rollout:
     an environment."""
 
 
+@dataclass
+class EnginesLoaded:
+    """Every engine loaded the same weights (GenerationPool.broadcast)."""
+
+    seconds: float
+    """From the first engine's call to the last one's answer."""
+    engine_seconds: float
+    """The slowest engine's loading time."""
+
+
+@dataclass
+class PendingRollout:
+    """A rollout submitted to the engines (GenerationPool.submit), not yet collected."""
+
+    args: list[tuple]
+    """Each engine's call arguments (to ask a replacement engine again)."""
+    refs: list
+    """Each engine's call: an ObjectRef of its RolloutPart."""
+
+
 class GenerationPool:
     def __init__(self, group: ActorGroup, engine: str, budget: RestartBudget):
         self.group, self.engine, self.budget = group, engine, budget
@@ -120,7 +140,7 @@ class GenerationPool:
         return resilient_gather(self.group, method, per_rank_args, refs, self.budget, lambda rank: self.on_replaced(rank))
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False,
-                 columns: list[dict] | None = None) -> list[dict]:
+                 columns: list[dict] | None = None) -> list[RolloutSample]:
         """All samples, in prompt order, brought to the caller (evaluation; training uses `submit`). `columns`
         (one dict per prompt) reach the engines' environments, when there are any."""
         bounds, args = self._shards(prompts, seed, greedy)
@@ -132,46 +152,46 @@ class GenerationPool:
         return merged
 
     def submit(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
-               keys: list[int] | None = None) -> dict:
+               keys: list[int] | None = None) -> PendingRollout:
         """Start a rollout without waiting (async mode overlaps it with training); `collect` its result. `columns`
         (one dict per prompt) ride along with each prompt's samples; `keys` (one per prompt) name the prompts
         answered in the result."""
         bounds, args = self._shards(prompts, seed, False)
         args = [(*a[:2], None if columns is None else columns[bounds[i]: bounds[i + 1]],
                  None if keys is None else keys[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
-        return {"args": args,
-                "refs": [self.group.bound(actor, "rollout").remote(*a) for actor, a in zip(self.group.actors, args)]}
+        return PendingRollout(args, [self.group.bound(actor, "rollout").remote(*a)
+                                     for actor, a in zip(self.group.actors, args)])
 
-    def finished(self, pending: dict) -> bool:
+    def finished(self, pending: PendingRollout) -> bool:
         """Whether every engine has finished its part of a submitted rollout (`collect` would not wait)."""
-        done, _ = ray.wait(pending["refs"], num_returns=len(pending["refs"]), timeout=0)
-        return len(done) == len(pending["refs"])
+        done, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
+        return len(done) == len(pending.refs)
 
-    def collect(self, pending: dict) -> Rollout:
+    def collect(self, pending: PendingRollout) -> Rollout:
         """The submitted rollout, once every engine has answered its share (an engine that died meanwhile is
         replaced and answers again)."""
-        parts = self._call("rollout", pending["args"], pending["refs"])
-        return Rollout(refs=[p["ref"] for p in parts], version=min(p["version"] for p in parts),
-                       samples=sum(p["samples"] for p in parts), tokens=sum(p["tokens"] for p in parts),
-                       engine_seconds=max(p["seconds"] for p in parts),
-                       engine_busy_seconds=sum(p["seconds"] for p in parts),
-                       prompt_keys=[k for p in parts for k in p["keys"]],
-                       streamed_groups=sum(p["streamed"] for p in parts),
-                       restarted_answers=sum(p["restarted"] for p in parts),
-                       episodes={k: sum(p["episodes"][k] for p in parts if p.get("episodes"))
-                                 for k in EPISODE_COLUMNS if any(p.get("episodes") for p in parts)})
+        parts: list[RolloutPart] = self._call("rollout", pending.args, pending.refs)
+        return Rollout(refs=[p.ref for p in parts], version=min(p.version for p in parts),
+                       samples=sum(p.samples for p in parts), tokens=sum(p.tokens for p in parts),
+                       engine_seconds=max(p.seconds for p in parts),
+                       engine_busy_seconds=sum(p.seconds for p in parts),
+                       prompt_keys=[k for p in parts for k in p.keys],
+                       streamed_groups=sum(p.streamed for p in parts),
+                       restarted_answers=sum(p.restarted for p in parts),
+                       episodes={k: sum(p.episodes[k] for p in parts if p.episodes)
+                                 for k in EPISODE_COLUMNS if any(p.episodes for p in parts)})
 
-    def broadcast(self, bucket_refs: list, version: int) -> dict[str, float]:
+    def broadcast(self, bucket_refs: list, version: int) -> EnginesLoaded:
         """Every engine loads the same buckets (object refs; the driver never holds the tensors)."""
         start = time.perf_counter()
         self.weights = (bucket_refs, version)
-        results = self._call("load_weights", [(bucket_refs, version)] * len(self.group))
-        stale = [name for name, r in zip(self.group.names, results) if r["version"] != version]
+        results: list[Loaded] = self._call("load_weights", [(bucket_refs, version)] * len(self.group))
+        stale = [name for name, r in zip(self.group.names, results) if r.version != version]
         if stale:
             raise RuntimeError(f"{', '.join(stale)} did not reach policy version {version}")
-        return {"seconds": time.perf_counter() - start, "engine_seconds": max(r["seconds"] for r in results)}
+        return EnginesLoaded(time.perf_counter() - start, max(r.seconds for r in results))
 
-    def take(self, part, version: int, ranks: list[int] | None = None) -> list[dict]:
+    def take(self, part, version: int, ranks: list[int] | None = None) -> list[Loaded]:
         """Every engine (or those of `ranks`) loads one part of a colocated handoff from the learner's memory."""
         if ranks is None:
             return self._call("take_weights", [(part, version)] * len(self.group))

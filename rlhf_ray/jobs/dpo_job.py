@@ -71,7 +71,7 @@ class ReferenceScores:
         args = [(batch_ref, lo, hi) for lo, hi in row_bounds(2 * len(pairs), len(self.group))]
         refs = [actor.logprobs.remote(*a) for actor, a in zip(self.group.actors, args)]
         parts = resilient_gather(self.group, "logprobs", args, refs, self.budget)
-        token_logps = torch.cat(ray.get([part["ref"] for part in parts], timeout=self.group.call_timeout_s))
+        token_logps = torch.cat(ray.get([part.ref for part in parts], timeout=self.group.call_timeout_s))
         sums = pair_sequence_logps(token_logps, batch.action_mask)
         return torch.stack([sums["chosen"], sums["rejected"]], dim=1).double()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,6 +28,17 @@ from rlhf_ray.models.weight_handoff import HandoffPart, HandoffSender, Parameter
 
 EMA_FILE = "ema.pt"
 GATHER_BYTES = 2**28
+
+
+@dataclass
+class SentWeights:
+    """Policy rank 0's answer to `broadcast_weights` or `publish_weights`."""
+
+    bytes: int
+    """Bytes sent."""
+    seconds: float
+    refs: list = field(default_factory=list)
+    """publish_weights: ObjectRefs of the buckets, in order (empty for a broadcast: the engines have them)."""
 
 
 class PolicyLearner(PPOLearnerRank):
@@ -168,7 +180,7 @@ class PolicyLearner(PPOLearnerRank):
             self.weight_broadcast = WeightBroadcast(host, port, 0, world_size, timeout_s, self.take_listener(port))
         return self.rank == 0
 
-    def broadcast_weights(self, bucket_bytes: int, adapters_only: bool = False) -> dict | None:
+    def broadcast_weights(self, bucket_bytes: int, adapters_only: bool = False) -> SentWeights | None:
         """Rank 0 broadcasts the full weights to the engines, bucket by bucket (a collective under ZeRO-3: every
         rank gathers along)."""
         start = time.perf_counter()
@@ -177,9 +189,9 @@ class PolicyLearner(PPOLearnerRank):
             for _ in groups:
                 pass
             return None
-        return {"bytes": self.weight_broadcast.send(groups), "seconds": time.perf_counter() - start}
+        return SentWeights(self.weight_broadcast.send(groups), time.perf_counter() - start)
 
-    def publish_weights(self, bucket_bytes: int, adapters_only: bool = False) -> dict | None:
+    def publish_weights(self, bucket_bytes: int, adapters_only: bool = False) -> SentWeights | None:
         """Rank 0 puts the full weights in the object store as buckets and returns their refs, bytes and seconds;
         the engines fetch them from there. A collective under ZeRO-3: every rank calls it, groups of parameters
         are gathered in turn."""
@@ -191,7 +203,7 @@ class PolicyLearner(PPOLearnerRank):
             for bucket in pack(group):
                 refs.append(ray.put(bucket))
                 total += bucket.nbytes
-        return {"refs": refs, "bytes": total, "seconds": time.perf_counter() - start} if self.rank == 0 else None
+        return SentWeights(total, time.perf_counter() - start, refs) if self.rank == 0 else None
 
     def handoff_weights(self, bucket_bytes: int, adapters_only: bool = False) -> HandoffPart | None:
         """The next bucket of a colocated handoff (transport ipc) on rank 0, None on the others; the last one says

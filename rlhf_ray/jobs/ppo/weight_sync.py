@@ -99,22 +99,22 @@ class WeightSync:
             engines = pool.receive(self.version)
             sent = policy.gather(learner, "broadcast_weights")[0]
             loaded = pool.group.gather(engines, "receive_weights")
-            if stale := [n for n, r in zip(pool.group.names, loaded) if r["version"] != self.version]:
+            if stale := [n for n, r in zip(pool.group.names, loaded) if r.version != self.version]:
                 raise RuntimeError(f"{', '.join(stale)} did not reach policy version {self.version}")
             seconds = time.perf_counter() - start  # one pipelined transfer: all of it counts as gathering
-            return SyncResult(self.version, float(sent["bytes"]), seconds, seconds, sent["seconds"], seconds, 0.0)
+            return SyncResult(self.version, float(sent.bytes), seconds, seconds, sent.seconds, seconds, 0.0)
         published = policy.call("publish_weights", self.bucket_bytes, self.adapters_only)[0]
         gathered = time.perf_counter()
         try:
-            loaded = pool.broadcast(published["refs"], self.version)
+            loaded = pool.broadcast(published.refs, self.version)
         except Exception as err:
             if results_lost(err):  # the buckets went with their owner, policy rank 0 (its node died meanwhile)
                 raise ActorDiedError(f"{policy.names[0]} died during `publish_weights`: the engines could not "
                                      f"read the weights it had published ({err.cause})", policy.names[0],
                                      "publish_weights") from err
             raise
-        return SyncResult(self.version, float(published["bytes"]), time.perf_counter() - start, gathered - start,
-                          published["seconds"], loaded["seconds"], loaded["engine_seconds"])
+        return SyncResult(self.version, float(published.bytes), time.perf_counter() - start, gathered - start,
+                          published.seconds, loaded.seconds, loaded.engine_seconds)
 
     def unchanged(self, minibatches: Minibatches, trained: Trained) -> SyncResult:
         """An update that left the policy's weights as they were (the critic's warm-up, or every policy step skipped
@@ -158,7 +158,7 @@ class WeightSync:
                 break
             nbytes += part.nbytes
             loaded = pool.take(part, self.version, ranks)
-            engine_seconds += max(r["seconds"] for r in loaded)
+            engine_seconds += max(r.seconds for r in loaded)
             if part.last:
                 self.closing = policy.submit("handoff_weights", self.bucket_bytes, self.adapters_only)
                 break

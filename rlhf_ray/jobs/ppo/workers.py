@@ -233,7 +233,7 @@ class RoleWorkers:
     def reward_scores(self, batch_ref, rows: int) -> torch.Tensor:
         """The reward role's score of each row of a packed batch (evaluation's answers, a test's rollout)."""
         parts = self._split_gather(self.reward, "score", self._split_submit(self.reward, "score", batch_ref, rows))
-        return torch.cat(ray.get([p["ref"] for p in parts]))
+        return torch.cat(ray.get([p.ref for p in parts]))
 
     def score(self, rollout: Rollout, scored_at: int, keep_samples: int = 0) -> Scored:
         """Every role scores the rollout at once (reference log-probs, rewards, the policy's old log-probs where the
@@ -258,7 +258,7 @@ class RoleWorkers:
         if self.job.ppo.dynamic_sampling.enabled:  # the reward first: the other roles score only the kept groups
             group, method = scorers.pop("reward")
             results["reward"] = self._split_gather(group, method, self._split_submit(group, method, batch, rows))
-            batch, kept_ref = assembler.keep_informative.remote(batch, [r["ref"] for r in results["reward"]])
+            batch, kept_ref = assembler.keep_informative.remote(batch, [r.ref for r in results["reward"]])
             (kept,) = self.assembler.gather([kept_ref], "keep_informative")
             rows = kept.rows
         calls = {role: self._split_submit(group, method, batch, rows) for role, (group, method) in scorers.items()}
@@ -271,16 +271,16 @@ class RoleWorkers:
             results["policy"] = self.policy.gather(calls["policy"], "logprobs")
         if self.critic is not None:
             results["critic"] = self.critic.gather(calls["critic"], "values")
-        parts = {role: [r["ref"] for r in out] for role, out in results.items()}
+        parts = {role: [r.ref for r in out] for role, out in results.items()}
         if kept is not None:
             parts["reward"] = [ray.put(kept.scores)]
         # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
         (out,) = self.assembler.gather([assembler.experience.remote(
             batch, parts["reward"], parts.get("policy", []), parts.get("reference"), parts.get("critic"), scored_at,
             keep_samples, parts.get("teacher"), kept.metrics if kept is not None else None)], "experience")
-        return Scored(out["ref"], out["rows"], out["metrics"],
-                      {role: max(r["seconds"] for r in part) for role, part in results.items()}, out["samples"],
-                      out["token_versions"])
+        return Scored(out.ref, out.rows, out.metrics, {role: max(r.seconds for r in part)
+                                                       for role, part in results.items()}, out.samples,
+                      out.token_versions)
 
     # ---- training -------------------------------------------------------------------------------------------
     def train(self, minibatches: Minibatches, policy: bool = True) -> Trained:
