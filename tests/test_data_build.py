@@ -190,3 +190,22 @@ def test_a_prompt_template_rewraps_the_question_for_a_base_model(tok, conv, tmp_
     assert text.startswith("Question: What is ") and text.endswith("?\nAnswer:") and "Human" not in text
     plain = DataSpec(datasets=[DatasetSpec(name="demo/arithmetic")], split="0,0,1", max_prompt_len=64)
     assert build_phase_data(plain, tok, "ppo", seed=0, cache_dir=tmp_path, tokens=conv).cache_file != data.cache_file
+
+
+def test_eval_max_samples_keeps_the_first_held_out_samples_and_says_so(tiny_model, tmp_path):
+    """`train.eval_max_samples`: an SFT, RM or DPO job evaluates on the first N held-out samples of its phase (the
+    same ones every run), the training split untouched; the data report names the cut."""
+    from rlhf_ray.config import load_job
+    from rlhf_ray.jobs.supervised import prepared
+    from tests.conftest import ROOT
+
+    def sft(*overrides):
+        return load_job(ROOT / "configs/quickstart/sft.yaml",
+                        [f"model.path={tiny_model}", f"output_dir={tmp_path}", *overrides])
+
+    *_, whole, _ = prepared(sft(), "sft")
+    *_, cut, _ = prepared(sft("train.eval_max_samples=5"), "sft")
+    assert len(whole.eval) > 5 and cut.eval == whole.eval[:5] and cut.train == whole.train
+    assert cut.report["eval"] == f"{whole.report['eval']}; evaluated on the first 5 (train.eval_max_samples)"
+    *_, same, _ = prepared(sft(f"train.eval_max_samples={len(whole.eval)}"), "sft")
+    assert same.eval == whole.eval and same.report == whole.report

@@ -139,7 +139,8 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 @pytest.mark.usefixtures("shared_ray")
 def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reuses_finished_stages(tmp_path, caplog):
     """CI's short run of configs/recipes/smollm2-sft-ppo.yaml as `rlhf-ray pipeline` runs it (2 SFT steps, 2 PPO
-    iterations of 4 problems, small evaluations): SFT on the packaged model, then PPO from its output with a critic
+    iterations of 4 problems, small evaluations: SFT's on 8 of its 90 held-out problems, train.eval_max_samples):
+    SFT on the packaged model, then PPO from its output with a critic
     that starts from the SFT model (a new value head) and the last-number checker as reward. Every rollout sample
     logged to samples.jsonl carries the `answer` column of the problem in its prompt, its reward is the checker's
     verdict against that truth, and the iteration's mean reward is the mean of those verdicts: dropping the column
@@ -163,7 +164,7 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
     before = handoff_files()
     caplog.set_level(logging.INFO, logger="rlhf_ray.jobs.ppo.weight_sync")
     job = load_job(ROOT / "configs/recipes/smollm2-sft-ppo.yaml",
-                   [f"output_dir={tmp_path}", "sft.train.max_steps=2", "sft.data.eval_fraction=0.01",
+                   [f"output_dir={tmp_path}", "sft.train.max_steps=2", "sft.train.eval_max_samples=8",
                     "ppo.ppo.iterations=2", "ppo.ppo.rollout_batch_size=4", "ppo.ppo.train_batch_size=4",
                     "ppo.policy.micro_batch_size=4", "ppo.critic.micro_batch_size=4", "ppo.ppo.eval_prompts=8",
                     "ppo.ppo.eval_samples=0", "ppo.generation.sampling.max_new_tokens=32",
@@ -171,6 +172,7 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
                     "ppo.checkpoint.every_steps=0"])
     summary = run_pipeline(job)
     assert summary["sft"]["steps"] == 2 and summary["ppo"]["iterations"] == 2, summary
+    assert summary["sft"]["data_report"]["eval"].endswith("evaluated on the first 8 (train.eval_max_samples)")
     assert summary["ppo"]["task_accuracy_before"] is not None
     assert "weight sync: ipc" in caplog.text and not handoff_files() - before
 

@@ -115,6 +115,9 @@ class TrainSpec(TrainLoopSpec):
 
     train_on_prompt: bool = False
     """SFT: also compute the loss on prompt tokens (default: answer tokens only)."""
+    eval_max_samples: int | None = Field(None, ge=1)
+    """Evaluate on the first N held-out samples only (a quick run of a recipe whose held-out split is large: each
+    evaluation is a forward over every held-out sample). Unset: all of them."""
     packing: bool = False
     """SFT: pack several samples into one sequence."""
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -68,10 +69,15 @@ def resolved(job: _LearnerJob):
 
 
 def prepared(job: _SupervisedJob, phase: str, **data_options):
-    """`resolved`, plus the tokenised `phase` data (bad data fails here) and the number of optimizer steps."""
+    """`resolved`, plus the tokenised `phase` data (bad data fails here; held-out samples cut to
+    `train.eval_max_samples`) and the number of optimizer steps."""
     job, out, tokenizer, tokens = resolved(job)
     data = build_phase_data(job.data, tokenizer, phase, job.seed, job.data.cache_dir or out / "data_cache",
                             tokens=tokens, **data_options)
+    limit = job.train.eval_max_samples
+    if limit is not None and len(data.eval) > limit:
+        cut = f"{data.report['eval']}; evaluated on the first {limit} (train.eval_max_samples)"
+        data = dataclasses.replace(data, eval=data.eval[:limit], report={**data.report, "eval": cut})
     return job, out, tokens, data, total_steps(job, len(data.train))
 
 
