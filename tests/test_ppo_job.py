@@ -105,7 +105,9 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
     sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics.
     Without a KL term it runs with no reference (reference: null): nothing measures a KL, and nothing is missed.
-    Dynamic sampling without fill trains on the sampled groups whose scores differ, at most 8 of 16. The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
+    Dynamic sampling without fill trains on the sampled groups whose scores differ, at most 8 of 16, in optimizer
+    steps of 2 groups (configs/recipes/smollm2-sft-grpo.yaml's combination: as many steps as the kept groups
+    fill). The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
     ppo.eval_every a held-out evaluation between the first and last (reward beside rule accuracy)."""
     import json
 
@@ -116,7 +118,8 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
                   "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
                   "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
                   "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2",
-                  "ppo.dynamic_sampling.fill=false", "reference=null")
+                  "ppo.dynamic_sampling.fill=false", "ppo.train_batch_size=8", "policy.micro_batch_size=8",
+                  "reference=null")
     summary = run_ppo(job)
     assert summary["iterations"] == 2 and "reference" not in summary["peak_memory_gib"]
     lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
@@ -131,6 +134,7 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     # would index past the experience and fail the step)
     assert all(r["dynamic/sampled_groups"] == 16 and 0 <= r["dynamic/informative_groups"] <= 1 for r in steps)
     assert all(r["dynamic/trained_groups"] == max(1, round(8 * r["dynamic/informative_groups"])) for r in steps)
+    assert all(r["policy/steps_applied"] == math.ceil(r["dynamic/trained_groups"] / 2) for r in steps), steps
     for step in steps:  # answers of ~5 tokens pass the 4-token mark: each loses (length - 4) / 12
         assert -1.0 <= step["answer/overlong_penalty"] < 0, step
         # the mean of max(length - 4, 0) / 12 is at least what the mean length alone gives
