@@ -97,9 +97,7 @@ def run(name: str, seed: int, work: Path, overrides: list[str], tag: str | None 
 def kept() -> dict:
     found = {}
     for name, config in RECIPES.items():
-        for file in sorted(RESULTS.glob(f"{name}-*.json")):
-            if file.stem.rsplit("-", 1)[0] != name:  # another recipe whose name starts with this one's
-                continue
+        for file in sorted(RESULTS.glob(f"{name}-[0-9]*.json")):  # NAME-SEED (not distill-warmup-1 for distill)
             r = json.loads(file.read_text())
             if r["settings"] == recipe_settings(config):
                 found[(name, int(file.stem.rsplit("-", 1)[1]))] = r
