@@ -107,7 +107,8 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     Without a KL term it runs with no reference (reference: null): nothing measures a KL, and nothing is missed.
     Dynamic sampling without fill trains on the sampled groups whose scores differ, at most 8 of 16, in optimizer
     steps of 2 groups (configs/recipes/smollm2-sft-grpo.yaml's combination: as many steps as the kept groups
-    fill). The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
+    fill), with the old log-probs the engine returned (ppo.old_logprobs: engine): the policy runs no forward over
+    the rollout however many steps it takes. The reward-hacking diagnostics too: the reward's correlation with length every iteration, and with
     ppo.eval_every a held-out evaluation between the first and last (reward beside rule accuracy)."""
     import json
 
@@ -119,12 +120,13 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
                   "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
                   "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2",
                   "ppo.dynamic_sampling.fill=false", "ppo.train_batch_size=8", "policy.micro_batch_size=8",
-                  "reference=null")
+                  "reference=null", "ppo.old_logprobs=engine")
     summary = run_ppo(job)
     assert summary["iterations"] == 2 and "reference" not in summary["peak_memory_gib"]
     lines = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "policy/loss" in r]
     assert len(steps) == 2 and not any("kl/mean" in r or "policy/kl" in r for r in steps)
+    assert not any("compute/policy_seconds" in r or "generate/mismatch_kl" in r for r in steps)  # the engine's
     evals = [r for r in lines if "eval/reward" in r]
     assert [r["step"] for r in evals] == [0, 1, 2]  # before, every iteration, after
     assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals[1:])

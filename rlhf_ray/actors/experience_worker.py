@@ -122,6 +122,9 @@ class ExperienceWorker:
 
         scores, old_logp, ref_logp, values = cat(score_refs), cat(old_logp_refs), cat(ref_logp_refs), cat(value_refs)
         teacher_logp = cat(teacher_logp_refs)
+        learner_logp = old_logp  # the policy's own forward, when it ran one
+        if self.spec.old_logprobs == "engine":
+            old_logp = batch.engine_logp
         start = time.perf_counter()
         targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
                                   self.group_size, self.max_answer_tokens, teacher_logp)
@@ -131,10 +134,10 @@ class ExperienceWorker:
             metrics["distill/reverse_kl"] = masked_mean(old_logp - teacher_logp, batch.action_mask).item()
         if targets.kl is not None:  # else the policy reports it from its training forward (policy/kl)
             metrics["kl/mean"] = targets.kl.mean().item()
-        if old_logp is not None:  # else the policy measures it in its training forward
-            metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, old_logp, batch.action_mask)
-            metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, old_logp, batch.action_mask)
-            metrics |= mismatch_by_age(batch, old_logp, scored_at)
+        if learner_logp is not None:  # else the policy measures it in its training forward, or nobody (engine's)
+            metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, learner_logp, batch.action_mask)
+            metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, learner_logp, batch.action_mask)
+            metrics |= mismatch_by_age(batch, learner_logp, scored_at)
         samples = sample_rows(batch, scores, keep_samples)
         versions = batch.token_version[batch.action_mask.bool()]
         metrics["generate/multi_version_answers"] = (  # answers a weight update reached mid-generation

@@ -109,6 +109,14 @@ class PPOSpec(StrictModel):
     tis_cap), with pi_engine the probability the generation engine sampled it with and pi_learner the learner's
     (its old log-prob): the correction for the train/inference mismatch (generate/mismatch_kl) of engines in
     lower precision or, in async mode, with older weights. Off when unset; 2 is a common cap."""
+    old_logprobs: Literal["policy", "engine"] = "policy"
+    """Where the PPO ratio's old log-probs come from. `policy`: a forward of the policy learner over each rollout
+    (skipped when the rollout's only update sees the weights that sampled it: its training forward's then).
+    `engine`: the log-probs the generation engine returned with its samples, so no learner forward runs and the
+    reference (or critic) has the experience phase to itself; the ratio then also carries the engine/learner
+    numeric gap (generate/mismatch_kl under `policy`: near 0 for fp32 engines, larger for bf16 ones), and the
+    gap is no longer reported (it would be 0). The engine's are the log-probs it sampled from: at the sampling
+    temperature, and after top_p/top_k for vLLM (AReaL's recompute_logprob: false)."""
     overlong_buffer: int | None = Field(None, ge=1)
     """DAPO's soft overlong punishment: answers longer than generation.sampling.max_new_tokens - overlong_buffer
     tokens lose up to `overlong_penalty`, linearly, reaching it at max_new_tokens; off when unset."""
@@ -165,6 +173,10 @@ class PPOSpec(StrictModel):
         if self.critic_warmup >= self.iterations:
             raise FieldProblem("critic_warmup", f"{self.critic_warmup} warm-up iterations of {self.iterations} leave "
                                "the policy none to train in: lower it below ppo.iterations")
+        if self.old_logprobs == "engine" and self.tis_cap is not None:
+            raise FieldProblem("tis_cap", "with old_logprobs: engine the old log-probs are the engine's, so the "
+                               "truncated importance weights pi_learner/pi_engine are all 1: remove tis_cap (the PPO "
+                               "ratio already corrects for the engine), or set old_logprobs: policy")
         if self.mode == "sync" and self.rollouts_ahead != 1:
             raise FieldProblem("rollouts_ahead", "sync mode samples each rollout with the weights of the update "
                                "before it (one at a time); set ppo.mode: async to let generation run ahead")

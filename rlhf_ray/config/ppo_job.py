@@ -157,7 +157,14 @@ class PPOJob(JobBase):
         log-probs: the old log-probs are then its training forward's, detached, and no extra forward is run."""
         ppo = self.ppo
         one_step = ppo.mode == "sync" and ppo.ppo_epochs == 1 and self.train_batch_size == self.samples_per_iteration
-        return one_step and (ppo.kl_in_loss or ppo.kl_coef == 0) and ppo.advantage_estimator != "distill"
+        return (one_step and (ppo.kl_in_loss or ppo.kl_coef == 0) and ppo.advantage_estimator != "distill"
+                and ppo.old_logprobs == "policy")
+
+    @property
+    def policy_scores_rollouts(self) -> bool:
+        """True when the policy runs a forward over each rollout for its old log-probs: neither the engine's
+        (ppo.old_logprobs: engine) nor its training forward's (old_logprobs_from_training) serve."""
+        return self.ppo.old_logprobs == "policy" and not self.old_logprobs_from_training
 
     @model_validator(mode="after")
     def _checks(self) -> "PPOJob":

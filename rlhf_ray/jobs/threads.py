@@ -26,7 +26,7 @@ def phases(job: PPOJob) -> dict[str, list[str]]:
         (["reward"] if job.reward.is_model else [])
     if job.critic is not None:
         experience.append("critic")  # values
-    if not job.old_logprobs_from_training:
+    if job.policy_scores_rollouts:
         experience.append("policy")  # old log-probs
     return {"generation": ["generation"], "experience": experience,
             "train": ["policy"] + (["critic"] if job.critic is not None else [])}

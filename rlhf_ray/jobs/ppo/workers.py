@@ -262,7 +262,7 @@ class RoleWorkers:
             (kept,) = self.assembler.gather([kept_ref], "keep_informative")
             rows = kept.rows
         calls = {role: self._split_submit(group, method, batch, rows) for role, (group, method) in scorers.items()}
-        if not self.job.old_logprobs_from_training:
+        if self.job.policy_scores_rollouts:
             calls["policy"] = self.policy.submit("logprobs", batch)
         if self.critic is not None:
             calls["critic"] = self.critic.submit("values", batch)
