@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from rlhf_ray.actors.pool import EnginesLoaded
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
+from rlhf_ray.actors.experience_worker import Assembled
 from rlhf_ray.jobs.ppo.workers import Scored
 
 
@@ -88,9 +89,9 @@ class Workers:
 
     def score(self, rollout: FakeRollout, scored_at: int = 0, keep_samples: int = 0) -> Scored:
         self.events.append(f"put {rollout.index}")
-        return Scored(experience=rollout.index, rows=rollout.samples,
-                      metrics={"rollout": rollout.index, "compute/assembly_seconds": 0.0},
-                      role_seconds={"reward": 0.0})
+        experience = Assembled(ref=rollout.index, rows=rollout.samples, samples=[], token_versions={},
+                               metrics={"rollout": rollout.index, "compute/assembly_seconds": 0.0})
+        return Scored(experience, role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:
         self.events.append(f"train {taken.minibatches.meta.rollout_index}")

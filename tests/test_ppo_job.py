@@ -484,13 +484,13 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
                     workers.reference, "logprobs", batch_ref, len(truth)))
                 reference = torch.cat(ray.get([r.ref for r in reference]))
                 scored_rows.clear()
-                scored = workers.score(rollout, trainer.weights.version)
+                assembled = workers.score(rollout, trainer.weights.version).experience
                 kept, _ = informative_groups_first(scores, 2, 4)
-                assert scored_rows == [("reward", 16), ("reference", 8)] and scored.rows == 8
-                experience = ray.get(scored.experience)
+                assert scored_rows == [("reward", 16), ("reference", 8)] and assembled.rows == 8
+                experience = ray.get(assembled.ref)
                 assert experience.sequences.tolist() == batch.sequences[kept].tolist()
                 torch.testing.assert_close(experience.ref_logp, reference[kept], rtol=0, atol=1e-5)
-                assert scored.metrics["reward/mean"] == scores.mean().item()
+                assert assembled.metrics["reward/mean"] == scores.mean().item()
             result = one_update(trainer, iteration, rollout)
             assert pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()
             assert result["dynamic/sampled_groups"] == 8 and result["dynamic/trained_groups"] == 4  # filled

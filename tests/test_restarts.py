@@ -8,6 +8,7 @@ import ray
 
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError, results_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.actors.experience_worker import Assembled
 from rlhf_ray.jobs.ppo.workers import ResultsLost, Scored
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
 from tests.ppo_standins import FakeRollout, Workers, feed
@@ -66,7 +67,7 @@ class ScoringLosesResults(Workers):
         self.rollouts.append(rollout)
         if len(self.rollouts) <= self.losses:
             raise ResultsLost(str(lost_with_node()))
-        return Scored(rollout.index, rollout.samples, {"reward/mean": 1.0}, {})
+        return Scored(Assembled(rollout.index, rollout.samples, {"reward/mean": 1.0}, [], {}), {})
 
 
 def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_again():
@@ -75,7 +76,7 @@ def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_aga
     workers, first = ScoringLosesResults(losses=2), FakeRollout(4, 0)
     rollouts = feed(workers, ahead=0, redo_limit=3)
     rollouts.put(4, first, 0)
-    assert rollouts.puts[4].scored.metrics == {"reward/mean": 1.0}
+    assert rollouts.puts[4].scored.experience.metrics == {"reward/mean": 1.0}
     assert workers.rollouts[0] is first and workers.events == ["start 4", "start 4"]  # generated again, twice
     assert len(workers.rollouts) == 3
     with pytest.raises(ResultsLost, match="OwnerDiedError"):  # bounded: a node that keeps taking results

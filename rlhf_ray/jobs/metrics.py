@@ -121,7 +121,7 @@ def _keep_lines(path: Path, key: str, last: int) -> int:
 
 
 def write_samples(path: Path, iteration: int, samples: list[dict], tokenizer) -> None:
-    """Append rollout samples (Scored.samples: a rollout's first rows) as readable JSON lines: iteration, prompt,
+    """Append rollout samples (Assembled.samples: a rollout's first rows) as readable JSON lines: iteration, prompt,
     answer (special tokens kept, so a missing or doubled end-of-text shows), reward and the dataset columns it was
     scored with."""
     if not samples:

@@ -15,10 +15,10 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
     """`elapsed`: the iteration's wall time; `engines`: generation replicas; `restarts`: actors replaced so far;
     `learner_restarts`: times the job restarted every role after a learner rank died."""
     put, minibatches = taken.put, taken.minibatches
-    rollout, scored = put.rollout, put.scored
-    roles = {f"compute/{role}_seconds": seconds for role, seconds in scored.role_seconds.items()}
-    experience_compute = max(roles.values()) + scored.metrics["compute/assembly_seconds"]  # the roles run at once
-    line = {**scored.metrics, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
+    rollout, assembled = put.rollout, put.scored.experience
+    roles = {f"compute/{role}_seconds": seconds for role, seconds in put.scored.role_seconds.items()}
+    experience_compute = max(roles.values()) + assembled.metrics["compute/assembly_seconds"]  # the roles run at once
+    line = {**assembled.metrics, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
             **minibatches.stats,
             "compute/experience_seconds": experience_compute, "time/experience": put.seconds,
             "time/engine_generate": rollout.engine_seconds, "time/engine_busy": rollout.engine_busy_seconds,
@@ -37,7 +37,7 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
     if "policy/engine_logprob_gap" in line:
         line.setdefault("generate/logprob_gap", line["policy/engine_logprob_gap"])
         line.setdefault("generate/mismatch_kl", line["policy/engine_mismatch_kl"])
-    line |= token_staleness(scored.token_versions, minibatches.meta.version + minibatches.staleness)
+    line |= token_staleness(assembled.token_versions, minibatches.meta.version + minibatches.staleness)
     compute = rollout.engine_seconds + experience_compute + trained.seconds + line["compute/sync_seconds"]
     return line | {"time/generate_wait": taken.wait_seconds, "time/iteration": elapsed,
                    "time/orchestration_fraction": max(0.0, elapsed - compute) / elapsed,

@@ -150,10 +150,10 @@ class RolloutFeed:
                 rollout = self._collect(self._submit(index))
         if self.sleep_engines:
             self.workers.pool.sleep()  # engines are idle until the weight sync, which wakes them
-        meta = {"version": rollout.version, "samples": scored.rows, "rollout_index": index,
+        meta = {"version": rollout.version, "samples": scored.experience.rows, "rollout_index": index,
                 "prompt_indices": [key[1] for key in rollout.prompt_keys if isinstance(key, tuple)]}
         # (the feed's keys are (rollout, dataset index); a rollout submitted elsewhere, without keys, records none)
-        self.unanswered.append((index, self.workers.buffer.submit("put", [scored.experience], meta, version)))
+        self.unanswered.append((index, self.workers.buffer.submit("put", [scored.experience.ref], meta, version)))
         self.held = min(self.held + 1, self.capacity)
         self.puts[index] = Put(index, rollout, scored, time.perf_counter() - began)
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from rlhf_ray.actors.experience_worker import ExperienceWorker
+from rlhf_ray.actors.experience_worker import Assembled, ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, resilient_gather, results_lost
 from rlhf_ray.actors.pool import GenerationPool, Rollout
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
@@ -58,18 +58,11 @@ def learner_groups(job: PPOJob) -> tuple[str, ...]:
 class Scored:
     """A rollout scored into experience by every role."""
 
-    experience: object
-    """Reference to the experience batch in the object store."""
-    rows: int
-    """Its rows: the rollout's samples (fewer with dynamic sampling)."""
-    metrics: dict[str, float]
-    """The experience worker's: reward, answer length, KL to the reference, engine/learner log-prob gap."""
+    experience: Assembled
+    """The experience worker's answer: the batch's reference, its rows (the rollout's samples; fewer with dynamic
+    sampling), its metrics, its first `logging.samples_per_iteration` rows and its tokens per sampling version."""
     role_seconds: dict[str, float]
     """Compute seconds of each role (reference, reward, policy, critic), the slowest replica's."""
-    samples: list[dict] = field(default_factory=list)
-    """Its first `logging.samples_per_iteration` rows: token ids, score, dataset columns (for samples.jsonl)."""
-    token_versions: dict[int, int] = field(default_factory=dict)
-    """Answer tokens per policy version that sampled them (several versions: partial rollouts)."""
 
 
 @dataclass
@@ -278,9 +271,7 @@ class RoleWorkers:
         (out,) = self.assembler.gather([assembler.experience.remote(
             batch, parts["reward"], parts.get("policy", []), parts.get("reference"), parts.get("critic"), scored_at,
             keep_samples, parts.get("teacher"), kept.metrics if kept is not None else None)], "experience")
-        return Scored(out.ref, out.rows, out.metrics, {role: max(r.seconds for r in part)
-                                                       for role, part in results.items()}, out.samples,
-                      out.token_versions)
+        return Scored(out, {role: max(r.seconds for r in part) for role, part in results.items()})
 
     # ---- training -------------------------------------------------------------------------------------------
     def train(self, minibatches: Minibatches, policy: bool = True) -> Trained:
