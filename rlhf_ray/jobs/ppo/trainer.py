@@ -98,7 +98,8 @@ class PPOTrainer:
     def log(self, step: int, metrics: dict[str, float], taken: Taken) -> None:
         if step % self.job.logging.log_every_steps == 0:
             self.metrics.log(step, metrics)
-            write_samples(Path(self.job.output_dir) / SAMPLES_FILE, step, taken.put.scored.experience.samples, self.tokenizer)
+            write_samples(Path(self.job.output_dir) / SAMPLES_FILE, step, taken.put.scored.experience.samples,
+                          self.tokenizer)
         self.watch.iteration(step, metrics)
 
     def maybe_evaluate(self, step: int, progress: Progress) -> None:
