@@ -35,10 +35,12 @@ def ppo_stage(folder: Path, sft: Path | None, iterations: int) -> tuple[Path, li
     """The recipe's PPO stage as a job config in `folder`, and the overrides of a timing run from its SFT model
     (trained into `folder` first when `sft` is None): `iterations` iterations, no evaluation, no checkpoints, and
     the fixed batch these timings compare (8 prompts x 8 answers, all trained: the recipe has sampled 16 prompts
-    and trained only the groups that teach since 2026-12-01, a number of rows that varies by iteration)."""
+    and trained only the groups that teach since 2026-12-01, a number of rows that varies by iteration), with the
+    policy's own old log-probs (the recipe has taken the engine's since 2026-12-01)."""
     if sft is None:
         run_job("sft", stage_config(folder, "sft"), [f"output_dir={folder / 'sft'}"])
         sft = folder / "sft" / "model"
     return stage_config(folder, "ppo"), [f"policy.model.path={sft}", f"ppo.iterations={iterations}",
                                          "ppo.eval_prompts=0", "ppo.eval_every=0", "checkpoint.every_steps=0",
-                                         "ppo.dynamic_sampling.enabled=false", "ppo.train_batch_size=64"]
+                                         "ppo.dynamic_sampling.enabled=false", "ppo.train_batch_size=64",
+                                         "ppo.old_logprobs=policy"]
