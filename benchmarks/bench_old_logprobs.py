@@ -17,13 +17,11 @@ Run: python benchmarks/bench_old_logprobs.py [--sft SFT_MODEL] [--iterations 4] 
 from __future__ import annotations
 
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_grpo_stage import ppo_stage, timing_args  # noqa: E402
-from common import machine, publish, run_job, steady, today, versions  # noqa: E402
+from sft_grpo_stage import timed_variants, timing_args  # noqa: E402
+from common import machine, publish, steady, today, versions  # noqa: E402
 
 SECTION = "## Old log-probs from the engine"
 RUNS = {"policy forward (default)": [],
@@ -34,15 +32,8 @@ RUNS = {"policy forward (default)": [],
 
 def main() -> int:
     args = timing_args(__doc__)
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        config, overrides = ppo_stage(Path(tmp), args.sft, args.iterations)
-        for i, (label, extra) in enumerate(RUNS.items()):
-            began = time.perf_counter()
-            _, metrics = run_job("ppo", config, [f"output_dir={Path(tmp) / f'run{i}'}", *overrides,
-                                                 "ppo.train_batch_size=16", *extra])
-            print(f"{label}: {time.perf_counter() - began:.0f} s", flush=True)
-            runs[label] = [m for m in metrics if "time/iteration" in m]
+    runs = timed_variants(args.sft, args.iterations,
+                          {label: ["ppo.train_batch_size=16", *extra] for label, extra in RUNS.items()})
     return publish(render(runs, args.iterations), args.write, SECTION)
 
 

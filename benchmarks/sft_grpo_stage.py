@@ -4,6 +4,8 @@ it side by side (bench_minibatch_groups.py, bench_phase_threads.py)."""
 from __future__ import annotations
 
 import argparse
+import tempfile
+import time
 from pathlib import Path
 
 import yaml
@@ -44,3 +46,17 @@ def ppo_stage(folder: Path, sft: Path | None, iterations: int) -> tuple[Path, li
                                          "ppo.eval_prompts=0", "ppo.eval_every=0", "checkpoint.every_steps=0",
                                          "ppo.dynamic_sampling.enabled=false", "ppo.train_batch_size=64",
                                          "ppo.old_logprobs=policy"]
+
+
+def timed_variants(sft: Path | None, iterations: int, variants: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Each variant (label: overrides after the timing run's) of the recipe's PPO stage, one after the other, each
+    in a fresh process: label -> its iterations' metric lines."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        config, overrides = ppo_stage(Path(tmp), sft, iterations)
+        for i, (label, extra) in enumerate(variants.items()):
+            began = time.perf_counter()
+            _, metrics = run_job("ppo", config, [f"output_dir={Path(tmp) / f'run{i}'}", *overrides, *extra])
+            print(f"{label}: {time.perf_counter() - began:.0f} s", flush=True)
+            runs[label] = [m for m in metrics if "time/iteration" in m]
+    return runs
