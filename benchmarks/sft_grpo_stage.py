@@ -1,5 +1,5 @@
 """The PPO stage of configs/recipes/smollm2-sft-grpo.yaml as a job of its own, for the timing benchmarks that run
-it side by side (bench_minibatch_groups.py, bench_phase_threads.py)."""
+it side by side (bench_minibatch_groups.py, bench_phase_threads.py, bench_old_logprobs.py)."""
 
 from __future__ import annotations
 

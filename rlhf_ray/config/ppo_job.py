@@ -154,7 +154,8 @@ class PPOJob(JobBase):
     @property
     def old_logprobs_from_training(self) -> bool:
         """True when the policy's only update per rollout sees the weights that sampled it and the reward needs no
-        log-probs: the old log-probs are then its training forward's, detached, and no extra forward is run."""
+        log-probs: the old log-probs are then its training forward's, detached, and no extra forward is run (unless
+        ppo.old_logprobs asks for the engine's, which then serve instead)."""
         ppo = self.ppo
         one_step = ppo.mode == "sync" and ppo.ppo_epochs == 1 and self.train_batch_size == self.samples_per_iteration
         return (one_step and (ppo.kl_in_loss or ppo.kl_coef == 0) and ppo.advantage_estimator != "distill"
