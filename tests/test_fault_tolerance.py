@@ -27,6 +27,8 @@ from tests.test_ppo_job import ppo_job
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
+# No KL term, so no reference: a frozen model neither restarts nor resumes (one process less to start per run)
+NO_REFERENCE = ["reference=null", "ppo.kl_coef=0"]
 SMALL = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
          "critic.micro_batch_size=16", "checkpoint.every_steps=1", "checkpoint.keep_last=10"]
 
@@ -49,7 +51,7 @@ def two_engine_run(tmp_path, sft_model, rm_model, *overrides):
     from tests.conftest import placed_trainer
 
     job = ppo_job(tmp_path, sft_model, rm_model, "generation.placement.replicas=2",
-                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25", *overrides)
+                  "generation.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25", *NO_REFERENCE, *overrides)
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     data = build_phase_data(job.data, tokenizer, "ppo", job.seed, tmp_path / "cache")
     prompts = [r["prompt_ids"] for r in data.train[:32]]
@@ -145,7 +147,8 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
 
     # steps take well under a second here: the first run may checkpoint a step or two more before the critic dies,
     # so the job has iterations to spare after the restarted run's first checkpoint
-    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, "ppo.iterations=6", "cluster.learner_restarts=1")
+    job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, *NO_REFERENCE, "ppo.iterations=6",
+                  "cluster.learner_restarts=1")
     out, namespace = Path(job.output_dir), job.cluster.namespace
     restarted_step = []
 
@@ -235,7 +238,7 @@ def test_a_failed_job_prints_the_actor_and_its_first_error_and_logs_every_traceb
     out = tmp_path / "ppo"
     overrides = [f"policy.model.path={sft_model}", "reward.model.path=null",
                  "reward.function=tests.test_fault_tolerance:raising_reward", f"critic.model.path={rm_model}",
-                 f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false", *SMALL]
+                 f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false", *SMALL, *NO_REFERENCE]
     argv = ["ppo", "--config", str(ROOT / "configs/quickstart/ppo.yaml")] + [a for o in overrides for a in ("--set", o)]
     assert main(argv) == EXIT_JOB_FAILED
     err = capsys.readouterr().err

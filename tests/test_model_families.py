@@ -160,7 +160,7 @@ class TestEndToEnd:
         family's stop ids. (No SFT job per family: the SFT learner loads and steps the model as the policy learner
         does here; the family's SFT rows are test_conventions_follow_the_family's. The hf engine runs the learner's
         own transformers class, so one family's run of it stands for all; vLLM maps each family's weights its own
-        way, so every family runs it.)"""
+        way, so every family runs it. No KL term, so no reference: it would load the model as the reward does.)"""
         from rlhf_ray import cluster
         from rlhf_ray.data.build import build_phase_data
         from rlhf_ray.plan import ResourcePlan
@@ -171,7 +171,8 @@ class TestEndToEnd:
         common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
         ppo_job = load_job(ROOT / "configs/quickstart/ppo.yaml",
                            [f"policy.model.path={path}", f"reward.model.path={path}", f"output_dir={tmp_path / 'ppo'}",
-                            "critic=null", "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
+                            "critic=null", "reference=null", "ppo.kl_coef=0",
+                            "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
                             "generation.sampling.n_samples_per_prompt=2", f"generation.engine={engines[0]}",
                             "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=8", "policy.micro_batch_size=16",
                             "policy.optim.lr=0.01", *common])

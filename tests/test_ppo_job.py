@@ -235,13 +235,15 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
     universal format), PPO ends with the weights of an uninterrupted run. (A resume by the same ranks: the LoRA
     test below, weights to 1e-5, and test_multinode.py's lost learner node, losses and evaluations to 1e-4.) The
     runs warm the critic up for one iteration: that iteration trains the critic alone and leaves the policy, and
-    the engines' weights, at version 0."""
+    the engines' weights, at version 0. No KL term, so no reference (a resumed reference starting from the original
+    model, not the checkpoint, shows in test_multinode.py's numbers and test_fault_tolerance.py's resubmission)."""
     import torch
     from safetensors.torch import load_file
 
     sft, rm = stage_models
     common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
-              "critic.micro_batch_size=16", "ppo.critic_warmup=1"]  # iteration 1 trains the critic alone
+              "critic.micro_batch_size=16", "ppo.critic_warmup=1",  # iteration 1 trains the critic alone
+              "reference=null", "ppo.kl_coef=0"]
     straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
     lines = [json.loads(line) for line in (tmp_path / "a" / "ppo" / "metrics.jsonl").read_text().splitlines()]
     first, second = ([m for m in lines if m["step"] == step and "time/iteration" in m][0] for step in (1, 2))
@@ -252,7 +254,7 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
     regrouped = ppo_job(tmp_path / "b", sft, rm, *common, "policy.micro_batch_size=8", "critic.micro_batch_size=8",
                         "policy.placement.replicas=2", "critic.placement.replicas=2",
                         "policy.placement.num_cpus=0.25", "critic.placement.num_cpus=0.25",
-                        "reference.placement.num_cpus=0.125", "reward.placement.num_cpus=0.125")
+                        "reward.placement.num_cpus=0.125")
     resumed = run_ppo(regrouped)
     assert resumed["reward_before"] == before  # carried over from the checkpoint, not evaluated again at step 2
     # two runs' step-0 greedy evaluations have differed by 2e-4 (3.31584 vs 3.31562; the sampled one identical)
@@ -285,7 +287,8 @@ def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tm
               "critic.micro_batch_size=16", "policy.model.lora.rank=8", "policy.model.lora.alpha=16",
               "policy.model.lora.target_modules=[q_proj, v_proj]", "policy.optim.lr=0.005",
               "critic.model.lora.rank=8", "critic.model.lora.target_modules=[q_proj, v_proj]",
-              "generation.engine=vllm", "generation.vllm.dtype=fp32"]
+              "generation.engine=vllm", "generation.vllm.dtype=fp32",
+              "reference=null", "ppo.kl_coef=0"]  # no KL term: the adapters' run needs no frozen copy
     straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
     job = ppo_job(tmp_path / "b", sft, rm, *common)
     assert run_ppo(job, stop_after=2)["stopped_at_iteration"] == 2
@@ -377,7 +380,7 @@ def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_exper
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.rollouts_ahead=4", "ppo.buffer_capacity=3",
                   "ppo.max_staleness=1", "ppo.iterations=5", "ppo.rollout_batch_size=8", "ppo.eval_prompts=0",
-                  "policy.micro_batch_size=8", "critic.micro_batch_size=8")
+                  "policy.micro_batch_size=8", "critic.micro_batch_size=8", "reference=null", "ppo.kl_coef=0")
     assert run_ppo(job)["iterations"] == 5
     logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "experience/staleness" in m]
@@ -411,7 +414,7 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
                   "ppo.rollout_batch_size=8", f"ppo.iterations={iterations}", "ppo.eval_prompts=0", "critic=null",
                   "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",
                   "reward.placement.colocate_with=policy", "generation.sampling.max_new_tokens=8",
-                  "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0")
+                  "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0", "reference=null", "ppo.kl_coef=0")
     if stop_after:
         assert run_ppo(job, stop_after=stop_after)["stopped_at_iteration"] == stop_after
         from rlhf_ray.jobs.checkpoints import Checkpoints
