@@ -23,12 +23,10 @@ from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.functions import RewardFunctionError
 from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
 from tests.conftest import one_update
-from tests.test_ppo_job import ppo_job
+from tests.test_ppo_job import NO_REFERENCE, ppo_job
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
-# No KL term, so no reference: a frozen model neither restarts nor resumes (one process less to start per run)
-NO_REFERENCE = ["reference=null", "ppo.kl_coef=0"]
 SMALL = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
          "critic.micro_batch_size=16", "checkpoint.every_steps=1", "checkpoint.keep_last=10"]
 

@@ -22,6 +22,7 @@ from rlhf_ray.algorithms.batch import RolloutBatch
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.families import FAMILIES, build_family_model
 from tests.conftest import ROOT
+from tests.test_ppo_job import NO_REFERENCE
 
 NAMES = list(FAMILIES)
 SAMPLE = RawSample(" Human: Sort 3 1 2 Assistant:", " 1 2 3", " 3 2 1")
@@ -171,7 +172,7 @@ class TestEndToEnd:
         common = ["cluster.dashboard=false", "logging.progress=false", _data_override(name)]
         ppo_job = load_job(ROOT / "configs/quickstart/ppo.yaml",
                            [f"policy.model.path={path}", f"reward.model.path={path}", f"output_dir={tmp_path / 'ppo'}",
-                            "critic=null", "reference=null", "ppo.kl_coef=0",
+                            "critic=null", *NO_REFERENCE,
                             "reward.placement.colocate_with=policy", "ppo.advantage_estimator=grpo",
                             "generation.sampling.n_samples_per_prompt=2", f"generation.engine={engines[0]}",
                             "generation.vllm.dtype=fp32", "ppo.rollout_batch_size=8", "policy.micro_batch_size=16",

@@ -20,6 +20,10 @@ def stage_models(sft_model, rm_model):
     return sft_model, rm_model
 
 
+# No KL term, so no reference: for runs where a frozen model plays no part (one process less to start)
+NO_REFERENCE = ["reference=null", "ppo.kl_coef=0"]
+
+
 def ppo_job(tmp_path, sft, rm, *overrides):
     return load_job(ROOT / "configs/quickstart/ppo.yaml",
                     [f"policy.model.path={sft}", f"reward.model.path={rm}", f"output_dir={tmp_path / 'ppo'}",
@@ -243,7 +247,7 @@ def test_ppo_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, stage_mo
     sft, rm = stage_models
     common = ["ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "policy.micro_batch_size=16",
               "critic.micro_batch_size=16", "ppo.critic_warmup=1",  # iteration 1 trains the critic alone
-              "reference=null", "ppo.kl_coef=0"]
+              *NO_REFERENCE]
     straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
     lines = [json.loads(line) for line in (tmp_path / "a" / "ppo" / "metrics.jsonl").read_text().splitlines()]
     first, second = ([m for m in lines if m["step"] == step and "time/iteration" in m][0] for step in (1, 2))
@@ -288,7 +292,7 @@ def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tm
               "policy.model.lora.target_modules=[q_proj, v_proj]", "policy.optim.lr=0.005",
               "critic.model.lora.rank=8", "critic.model.lora.target_modules=[q_proj, v_proj]",
               "generation.engine=vllm", "generation.vllm.dtype=fp32",
-              "reference=null", "ppo.kl_coef=0"]  # no KL term: the adapters' run needs no frozen copy
+              *NO_REFERENCE]
     straight = run_ppo(ppo_job(tmp_path / "a", sft, rm, *common))
     job = ppo_job(tmp_path / "b", sft, rm, *common)
     assert run_ppo(job, stop_after=2)["stopped_at_iteration"] == 2
@@ -380,7 +384,7 @@ def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_exper
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.rollouts_ahead=4", "ppo.buffer_capacity=3",
                   "ppo.max_staleness=1", "ppo.iterations=5", "ppo.rollout_batch_size=8", "ppo.eval_prompts=0",
-                  "policy.micro_batch_size=8", "critic.micro_batch_size=8", "reference=null", "ppo.kl_coef=0")
+                  "policy.micro_batch_size=8", "critic.micro_batch_size=8", *NO_REFERENCE)
     assert run_ppo(job)["iterations"] == 5
     logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "experience/staleness" in m]
@@ -414,7 +418,7 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
                   "ppo.rollout_batch_size=8", f"ppo.iterations={iterations}", "ppo.eval_prompts=0", "critic=null",
                   "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",
                   "reward.placement.colocate_with=policy", "generation.sampling.max_new_tokens=8",
-                  "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0", "reference=null", "ppo.kl_coef=0")
+                  "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0", *NO_REFERENCE)
     if stop_after:
         assert run_ppo(job, stop_after=stop_after)["stopped_at_iteration"] == stop_after
         from rlhf_ray.jobs.checkpoints import Checkpoints
