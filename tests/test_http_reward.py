@@ -140,10 +140,11 @@ def test_config_takes_a_server_or_a_function_not_both(tmp_path, tiny_model):
 @pytest.mark.system
 def test_grpo_trains_with_a_reward_server(tmp_path, sft_model, rm_model):
     """demo/sort's rule served by the reference server; the reward actors call it for every rollout and the
-    held-out evaluation (the greedy reward is then the task accuracy, as with the function in process)."""
+    held-out evaluation (the greedy reward is then the task accuracy, as with the function in process). No KL
+    term, so no reference: it plays no part in how the reward reaches the job."""
     from rlhf_ray.data.demo_sort import score
     from rlhf_ray.jobs.ppo import run_ppo
-    from tests.test_ppo_job import ppo_job
+    from tests.test_ppo_job import NO_REFERENCE, ppo_job
 
     srv = make_server(score)
     url = serve_in_thread(srv)
@@ -151,7 +152,7 @@ def test_grpo_trains_with_a_reward_server(tmp_path, sft_model, rm_model):
         job = ppo_job(tmp_path, sft_model, rm_model, "ppo.advantage_estimator=grpo",
                       "generation.sampling.n_samples_per_prompt=4", "ppo.rollout_batch_size=8", "ppo.iterations=2",
                       "critic=null", "reward.model.path=null", f"reward.http.url={url}", "reward.http.batch_size=8",
-                      "reward.placement.colocate_with=policy", "ppo.eval_prompts=8", "ppo.kl_in_loss=true")
+                      "reward.placement.colocate_with=policy", "ppo.eval_prompts=8", *NO_REFERENCE)
         summary = run_ppo(job)
     finally:
         srv.shutdown()

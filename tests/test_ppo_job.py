@@ -351,7 +351,8 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.iterations=4", "ppo.rollout_batch_size=16",
                   "ppo.eval_prompts=8", "policy.micro_batch_size=8", "critic.micro_batch_size=8",
                   "ppo.ema.enabled=true", "ppo.ema.beta=0.5", "policy.max_tokens_per_micro_batch=120",
-                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5", "ppo.tis_cap=2.0")
+                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5", "ppo.tis_cap=2.0",
+                  *NO_REFERENCE)  # the EMA, the mix and the TIS weights need no KL term
     summary = run_ppo(job)
     assert summary["iterations"] == 4
     out = tmp_path / "ppo"
