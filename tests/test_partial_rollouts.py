@@ -252,6 +252,27 @@ def test_answers_left_in_flight_go_on_between_rollout_calls():
     assert [g.key for g in stream.in_flight] == [10]
 
 
+def test_closing_stops_the_answers_going_on_between_calls_before_the_engine_shuts_down():
+    """The job's end (GenerationWorker.close): an answer left in flight is being continued in the background;
+    closing stops it at its next token and returns with the engine free, and nothing generates afterwards."""
+    from rlhf_ray.actors.partial_rollout import Answer, Group, PartialRollouts
+    from rlhf_ray.config.generation import SamplingSpec
+
+    engine = Scripted(step_s=0.01)
+    stream = PartialRollouts(engine, SamplingSpec(max_new_tokens=64, n_samples_per_prompt=1), UpdateGate(), lambda: 0)
+    long = Group(0, [Answer([160], answer_ids=[1], logprobs=[-1.0], versions=[0])], key=7)  # 60 tokens to go
+    stream.in_flight = [long]
+    stream.rollout([[102]], seed=0, keys=[9])  # returns; the long answer goes on between calls
+    time.sleep(0.1)
+    assert len(engine.calls) == 2 and not long.answers[0].finished  # the rollout's round, then one between calls
+    began = time.perf_counter()
+    stream.close()
+    assert time.perf_counter() - began < 1 and stream.in_flight == []
+    drawn, calls = len(long.answers[0].answer_ids), len(engine.calls)
+    time.sleep(0.1)
+    assert len(long.answers[0].answer_ids) == drawn < 60 and len(engine.calls) == calls
+
+
 def test_the_engine_learner_mismatch_is_reported_by_the_age_of_each_tokens_sampler():
     """Answer tokens sampled 0, 1 and 2 versions before the learner that scored them: each age's mismatch is the
     KL over its own tokens only (the old weights' drift adds to the numeric gap), and an age without tokens is

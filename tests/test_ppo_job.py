@@ -319,9 +319,18 @@ def test_lora_ppo_syncs_folded_weights_resumes_and_exports_merged_and_adapter(tm
 def test_lora_adapter_sync_sends_only_the_adapters_and_vllm_applies_them(tmp_path, stage_models):
     """generation.weight_sync.lora: adapter: each sync moves the adapters alone (32 KiB here against the model's
     2 MiB) and vLLM applies them: after each sync the engine samples exactly the learner's distribution (mismatch
-    ~0 in fp32) while the policy moves away from the reference."""
-    import json
+    ~0 in fp32) while the policy moves away from the reference. At the job's end the engine leaves nothing outside
+    its process: neither the adapter's folder (in /dev/shm: memory) nor vLLM's rendezvous file."""
+    import tempfile
+    from pathlib import Path
 
+    from rlhf_ray.actors.vllm_engine import ADAPTER_PREFIX
+
+    def left_outside() -> set:
+        return {p for d in {"/dev/shm", tempfile.gettempdir()} for pattern in (ADAPTER_PREFIX + "*", "vllm_dist_*")
+                for p in Path(d).glob(pattern)}
+
+    before = left_outside()
     sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.iterations=3", "ppo.rollout_batch_size=16", "ppo.eval_prompts=0",
                   "policy.micro_batch_size=16", "critic.micro_batch_size=16", "policy.model.lora.rank=8",
@@ -334,6 +343,7 @@ def test_lora_adapter_sync_sends_only_the_adapters_and_vllm_applies_them(tmp_pat
     assert [m["sync/bytes"] for m in steps] == [adapter_bytes] * 3
     assert steps[-1]["policy/kl"] > 1e-3  # the adapters moved the policy ...
     assert all(abs(m["generate/mismatch_kl"]) < 1e-5 for m in steps)  # ... and the engine samples it
+    assert not left_outside() - before
 
 
 def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):

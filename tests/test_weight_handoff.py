@@ -13,7 +13,8 @@ import sys
 import torch
 
 from rlhf_ray.models.weight_buckets import whole_layers
-from rlhf_ray.models.weight_handoff import PREFIX, HandoffSender, ParameterFile, received, remove_stale_files
+from rlhf_ray.models.shared_tensors import remove_orphans
+from rlhf_ray.models.weight_handoff import PREFIX, HandoffSender, ParameterFile, received
 
 
 class Tiny(torch.nn.Module):
@@ -74,15 +75,20 @@ def test_parameters_train_in_shared_memory_and_another_process_reads_them_in_pla
     train_step(model, optimizer)  # the mapping outlives the file name: the learner trains on
 
 
-def test_files_of_dead_writers_are_swept_and_those_of_live_ones_kept(tmp_path):
+def test_files_and_folders_of_dead_writers_are_swept_and_those_of_live_ones_kept(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True).stdout.strip()
     stale, live, other = (tmp_path / f"{PREFIX}{dead}-params-x", tmp_path / f"{PREFIX}{os.getpid()}-params-y",
-                          tmp_path / "unrelated")
+                          tmp_path / f"{PREFIX}-unrelated")
     for path in (stale, live, other):
         path.write_bytes(b"x")
-    remove_stale_files([str(tmp_path)])
-    assert not stale.exists() and live.exists() and other.exists()
+    stale_folder = tmp_path / f"rlhf-ray-adapter-{dead}-z"  # an engine's LoRA adapter folder
+    stale_folder.mkdir()
+    (stale_folder / "adapter_model.safetensors").write_bytes(b"x")
+    remove_orphans(str(tmp_path), PREFIX)
+    assert not stale.exists() and live.exists() and other.exists() and stale_folder.exists()
+    remove_orphans(str(tmp_path), "rlhf-ray-adapter-")
+    assert not stale_folder.exists() and live.exists()
 
 
 def test_buckets_never_split_a_decoder_layer():

@@ -87,6 +87,10 @@ class GenerationEngine(ABC):
         engine may check that nothing is missing); False: one part of an update that comes in several calls,
         each holding whole layers."""
 
+    def close(self) -> None:
+        """Release what the engine holds outside its process (files, shared memory) before the process is killed at
+        the job's end. Nothing by default."""
+
 
 def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions, engine: str) -> GenerationEngine:
     """The engine named by `engine` ("hf" or "vllm"; `resolve_engine` turns "auto" into one of them)."""

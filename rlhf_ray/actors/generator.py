@@ -193,3 +193,9 @@ class GenerationWorker:
     def sleep(self) -> None:
         """Release engine memory until the next generate or weight load (vLLM on GPUs; a no-op elsewhere)."""
         getattr(self.engine, "sleep", lambda: None)()
+
+    def close(self) -> None:
+        """The job's end: the engine releases what it holds outside this process (the process is killed next)."""
+        if self.partial is not None:
+            self.partial.close()
+        self.engine.close()

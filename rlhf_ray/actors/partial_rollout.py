@@ -105,6 +105,14 @@ class PartialRollouts:
                 self.restarted, self.between_seconds = 0, 0.0
         return done, counts, seconds
 
+    def close(self) -> None:
+        """The job's end: the answers in flight are dropped and this waits for the engine's turn (a drive between
+        calls stops at its next round), so the engine can shut down with nothing generating on it."""
+        with self.changed:
+            self.in_flight = []
+        with self._turn():
+            pass
+
     @contextmanager
     def _turn(self, joining: list[Group] = ()) -> Iterator[int]:
         """The engine for one call, in arrival order: its groups (a rollout's) join the answers in flight at once,

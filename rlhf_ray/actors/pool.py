@@ -6,6 +6,7 @@ references of the last broadcast) and given its prompts again, within the job's 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ own."""
 ROLLOUTS_AT_ONCE = 16
 """With partial rollouts, the rollout calls an engine takes in at once (its threads: each joins its prompts to the
 answers in flight, then waits for its turn to drive the engine); more queue at Ray."""
+CLOSE_TIMEOUT_S = 10
+"""How long the job's end waits for the engines to shut down before it kills them anyway."""
 
 
 def with_model_len(job) -> "GenerationSpec":
@@ -209,3 +212,11 @@ class GenerationPool:
 
     def versions(self) -> list[int]:
         return self.group.call("get_version")
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """End every engine: each first releases what it holds outside its process (vLLM's files and shared
+        memory, `GenerationEngine.close`), then every process is killed, those that are dead, hung or slower than
+        `timeout_s` too."""
+        with contextlib.suppress(Exception):
+            self.group.call("close", timeout=timeout_s)
+        self.group.kill()

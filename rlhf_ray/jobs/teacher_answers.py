@@ -109,7 +109,7 @@ def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None
                 log.info("sampled %d/%d prompts", start + len(chunk), len(rows))
         finally:
             if pool is not None:
-                pool.group.kill()
+                pool.close()
             cluster.remove(placements)
     lines, unfinished, count = [], 0, 0
     for sample in samples:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +48,35 @@ def staging_dir(nbytes: int) -> str:
         if stats.f_bavail * stats.f_frsize >= 2 * nbytes:
             return shm
     return tempfile.gettempdir()
+
+
+def owned_prefix(prefix: str) -> str:
+    """`prefix` + this process's pid + '-': a file or folder named so is removed by `remove_orphans` once its process
+    is gone (a process killed by a signal, as Ray kills actors, cannot remove its own)."""
+    return f"{prefix}{os.getpid()}-"
+
+
+def remove_orphans(directory: str, prefix: str) -> None:
+    """Remove the files and folders in `directory` named by `owned_prefix(prefix)` whose process is gone."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            if (found := re.match(re.escape(prefix) + r"(\d+)-", name)) and not _alive(int(found.group(1))):
+                path = os.path.join(directory, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def views(buffer, toc: SharedTensors) -> Iterator[Named]:

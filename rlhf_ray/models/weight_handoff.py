@@ -17,19 +17,18 @@ import atexit
 import contextlib
 import mmap
 import os
-import re
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_ray.models.shared_tensors import SharedTensors, TensorFile, aligned, mapped, staging_dir
+from rlhf_ray.models.shared_tensors import (SharedTensors, TensorFile, aligned, mapped, owned_prefix,
+                                            remove_orphans, staging_dir)
 from rlhf_ray.models.weight_buckets import Named, dtype_runs, flatten, split_flat
 
 PREFIX = "rlhf-ray-handoff-"
-"""Files of the handoff are named PREFIX + the writer's pid + '-': a later learner removes those of dead writers
-(a process killed by a signal cannot remove its own)."""
+"""Files of the handoff are named `owned_prefix(PREFIX)`: a later learner removes those of dead writers."""
 
 
 @dataclass(frozen=True)
@@ -58,26 +57,6 @@ class HandoffPart:
     """The sync's last part: the driver asks for no more (its closing call frees this one without waiting)."""
 
 
-def remove_stale_files(directories: Iterable[str]) -> None:
-    """Remove handoff files whose writer process is gone."""
-    for directory in directories:
-        with contextlib.suppress(OSError):
-            for name in os.listdir(directory):
-                if (found := re.match(re.escape(PREFIX) + r"(\d+)-", name)) and not _alive(int(found.group(1))):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(directory, name))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class ParameterFile:
     """A module's parameters moved into one file in shared memory: each parameter's `data` becomes a view into
     the file's mapping, so the optimizer's in-place updates land there and readers see them."""
@@ -90,8 +69,8 @@ class ParameterFile:
             end = offsets[-1] + p.numel() * p.element_size()
         self.nbytes = max(end, 1)
         directory = staging_dir(self.nbytes)
-        remove_stale_files([directory])
-        fd, self.path = tempfile.mkstemp(prefix=f"{PREFIX}{os.getpid()}-params-", dir=directory)
+        remove_orphans(directory, PREFIX)
+        fd, self.path = tempfile.mkstemp(prefix=f"{owned_prefix(PREFIX)}params-", dir=directory)
         try:
             os.ftruncate(fd, self.nbytes)
             self.buffer = mmap.mmap(fd, self.nbytes, access=mmap.ACCESS_WRITE)  # shared with every mapper
@@ -140,7 +119,7 @@ class HandoffSender:
                     continue
                 if copy is None:
                     copy = TensorFile(staging_dir(sum(t.numel() * t.element_size() for _, t in group)),
-                                      prefix=f"{PREFIX}{os.getpid()}-")
+                                      prefix=owned_prefix(PREFIX))
                 copy.add(name, tensor, "for an engine on this node")
             files = []
             if in_place:

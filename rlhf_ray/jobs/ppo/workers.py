@@ -200,13 +200,15 @@ class RoleWorkers:
     def kill(self) -> None:
         """Kill every actor of the run. Before its placement groups go: an actor killed by the removal of its group
         keeps holding its name, so a restarted run could not take it again; the experience and buffer actors
-        live in no group at all. First the policy's file in shared memory (transport ipc) is removed: a killed
-        process cannot remove it (a later learner would, as the file of a dead one)."""
+        live in no group at all. First the policy's file in shared memory (transport ipc) is removed and the engines
+        shut down (GenerationPool.close: vLLM's files, the adapter folder): a killed process cannot remove them (a
+        later learner or engine removes those named after a dead process)."""
         if self.policy is not None:
             with contextlib.suppress(Exception):  # dead or hung: the next learner on the node sweeps the file
                 self.policy.call("release_shared_memory", timeout=10)
+        self.pool.close()
         for group in (self.policy, self.critic, self.reference, self.teacher, self.reward, self.assembler,
-                      self.buffer, self.pool.group):
+                      self.buffer):
             if group is not None:
                 group.kill()
 
