@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 from pathlib import Path
 
 import psutil
@@ -61,8 +62,9 @@ def file_hash(path: Path) -> str:
 
 def settings_hash(recipe_text: str, overrides: list[str]) -> str:
     """The first 12 hex digits of the SHA-256 of a recipe's settings with `--set` overrides applied, as the CLI
-    applies them: which configuration a kept result ran. Comments and layout do not change it; a run of an
-    earlier recipe file whose overrides made it today's recipe has today's recipe's hash."""
+    applies them: which configuration a kept result ran. Comments and layout do not change it, nor the spelling of
+    a number (YAML reads `1e-5` as a string, `1.0e-5` as a float; the config models read both as the float); a run
+    of an earlier recipe file whose overrides made it today's recipe has today's recipe's hash."""
     import json
 
     import yaml
@@ -70,7 +72,22 @@ def settings_hash(recipe_text: str, overrides: list[str]) -> str:
     from rlhf_ray.config.loader import ConfigSource
 
     source = ConfigSource(yaml.safe_load(recipe_text), "recipe").override(overrides)
-    return _sha12(json.dumps(source.data, sort_keys=True).encode())
+    return _sha12(json.dumps(_numbers_read(source.data), sort_keys=True).encode())
+
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+
+
+def _numbers_read(value):
+    """`value` with every string that spells a number replaced by that number."""
+    if isinstance(value, dict):
+        return {k: _numbers_read(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers_read(v) for v in value]
+    if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+        number = float(value)
+        return int(number) if number.is_integer() and not any(c in value for c in ".eE") else number
+    return value
 
 
 def today() -> str:

@@ -58,3 +58,11 @@ def test_distillation_goal_is_met_only_when_on_policy_needs_fewer_teacher_tokens
     assert verdict(14_000, None, 17_000) == "met"              # off-policy spent more and did not get there
     # on-policy reached it after more teacher tokens than the whole off-policy run had: no comparison yet
     assert verdict(30_000, None, 17_000).startswith("not decided")
+
+
+def test_a_number_spelled_as_yaml_reads_it_or_as_an_override_is_one_setting():
+    """`--set ppo.policy.optim.lr=1e-5` (YAML: the string '1e-5') ran what a recipe's `lr: 1.0e-5` holds."""
+    assert settings_hash(NOW, ["ppo.policy.optim.lr=1e-5"]) == \
+        settings_hash(NOW.replace("policy: {micro_batch_size: 8}", "policy: {micro_batch_size: 8, optim: {lr: 1.0e-5}}"), [])
+    assert settings_hash(NOW, ["ppo.policy.optim.lr=1e-5"]) != settings_hash(NOW, ["ppo.policy.optim.lr=2e-5"])
+    assert settings_hash(NOW, ["data.split='3,3,4'"]) != settings_hash(NOW, ["data.split='3,3,5'"])
