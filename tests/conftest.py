@@ -82,6 +82,14 @@ def rm_model(tmp_path_factory, sft_model) -> Path:
     return _quick_stage("rm", tmp_path_factory.mktemp("stages"), sft_model)
 
 
+def left_on_the_node(*patterns: str) -> set[Path]:
+    """Files and folders matching `patterns` in /dev/shm and the temporary folder: what jobs leave outside their
+    output_dir (compare a set taken before a job with one taken after)."""
+    import tempfile
+
+    return {p for d in {"/dev/shm", tempfile.gettempdir()} for pattern in patterns for p in Path(d).glob(pattern)}
+
+
 @contextlib.contextmanager
 def placed_trainer(job, tokenizer, data, tokens=None):
     """A PPOTrainer on its roles, placed on the job's cluster (an embedded Ray unless one is connected), as run_ppo

@@ -321,14 +321,11 @@ def test_lora_adapter_sync_sends_only_the_adapters_and_vllm_applies_them(tmp_pat
     2 MiB) and vLLM applies them: after each sync the engine samples exactly the learner's distribution (mismatch
     ~0 in fp32) while the policy moves away from the reference. At the job's end the engine leaves nothing outside
     its process: neither the adapter's folder (in /dev/shm: memory) nor vLLM's rendezvous file."""
-    import tempfile
-    from pathlib import Path
-
     from rlhf_ray.actors.vllm_engine import ADAPTER_PREFIX
+    from tests.conftest import left_on_the_node
 
     def left_outside() -> set:
-        return {p for d in {"/dev/shm", tempfile.gettempdir()} for pattern in (ADAPTER_PREFIX + "*", "vllm_dist_*")
-                for p in Path(d).glob(pattern)}
+        return left_on_the_node(ADAPTER_PREFIX + "*", "vllm_dist_*")
 
     before = left_outside()
     sft, rm = stage_models

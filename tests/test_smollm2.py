@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_ray.config import load_job
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.sources import ModelSourceError, check_gguf, packaged_gguf
-from tests.conftest import ROOT
+from tests.conftest import ROOT, left_on_the_node
 from tests.tiny_gguf import GGUFSpec, write_tiny_gguf
 
 
@@ -149,8 +149,6 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
     behind. Run again, the pipeline reuses both finished stages instead of training again."""
     import json
     import logging
-    import tempfile
-    from pathlib import Path
 
     from rlhf_ray.config.data import DatasetSpec
     from rlhf_ray.data.answers import last_number_reward
@@ -159,7 +157,7 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
     from rlhf_ray.models.weight_handoff import PREFIX
 
     def handoff_files() -> set:
-        return {p for d in {"/dev/shm", tempfile.gettempdir()} for p in Path(d).glob(PREFIX + "*")}
+        return left_on_the_node(PREFIX + "*")
 
     before = handoff_files()
     caplog.set_level(logging.INFO, logger="rlhf_ray.jobs.ppo.weight_sync")

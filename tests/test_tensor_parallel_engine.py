@@ -10,10 +10,8 @@ memory grew by ~1.3 chunks (80 MiB of a 99 MiB model), now by ~0.45 (27 MiB: vLL
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -31,6 +29,7 @@ from rlhf_ray.config.placement import ClusterSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.tiny import build_tiny_model
 from rlhf_ray.models.weight_buckets import pack
+from tests.conftest import left_on_the_node
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
 
@@ -83,8 +82,7 @@ def test_tensor_parallel_workers_copy_only_their_shards(small_model):
     learner = AutoModelForCausalLM.from_pretrained(small_model).eval()
     model_bytes = sum(p.numel() * p.element_size() for p in learner.parameters())
     def left_outside() -> set:  # vLLM's rendezvous file and shared-memory queues, the weight chunks
-        return {p for d in {"/dev/shm", tempfile.gettempdir()} for pattern in ("vllm_dist_*", "psm_*", "rlhf-ray-*")
-                for p in Path(d).glob(pattern)}
+        return left_on_the_node("vllm_dist_*", "psm_*", "rlhf-ray-*")
 
     before = left_outside()
     with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
