@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rlhf_ray import orphan_guard
@@ -278,6 +278,26 @@ def place(plan: ResourcePlan, nodes: list[dict[str, float]], timeout_s: float) -
         raise
     log.info("placed %d placement group(s): %s", len(pgs), ", ".join(f"rlhf_ray/{n}" for n in pgs))
     return pgs
+
+
+def nodes_with_room(plan: ResourcePlan, nodes: Callable[[], list[dict[str, float]]], timeout_s: float,
+                    poll_s: float = 1.0) -> list[dict[str, float]]:
+    """The cluster's nodes (`nodes()`, asked again each `poll_s`) once `plan` fits them, for placing a job again
+    after it lost a node: the node that replaces it (an autoscaler's, KubeRay's) joins seconds to minutes later, so
+    the restart waits for it up to `timeout_s` before it gives up with ClusterTooSmall. A first placement does not
+    wait: a plan that cannot fit fails at once (place)."""
+    deadline = time.monotonic() + timeout_s
+    problems = plan.check_fits(current := nodes())
+    if problems:
+        log.warning("the cluster cannot hold the plan now (a lost node not replaced yet?); waiting up to %g s "
+                    "(cluster.startup_timeout_s) for nodes to join: %s", timeout_s, "; ".join(problems))
+    while problems and time.monotonic() < deadline:
+        time.sleep(poll_s)
+        problems = plan.check_fits(current := nodes())
+    if problems:
+        raise ClusterTooSmall(problems + [f"no node that would make room joined within {timeout_s:g} s "
+                                          "(cluster.startup_timeout_s) after the job lost one"])
+    return current
 
 
 def _wait_ready(pgs: dict, timeout_s: float) -> None:

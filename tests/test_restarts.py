@@ -185,3 +185,19 @@ def test_the_end_of_a_job_kills_engines_that_cannot_shut_down():
 
     GenerationPool(Engines(), "vllm", RestartBudget(0)).close(timeout_s=3)
     assert calls == [("close", 3), "kill"]
+
+
+def test_a_placement_after_a_lost_node_waits_for_a_node_to_join_then_gives_up_naming_the_wait():
+    """A restart after a lost node used to meet the cluster before the replacement node joined and stop with
+    ClusterTooSmall (seen in CI's multi-node test); now it waits for room, up to cluster.startup_timeout_s."""
+    from rlhf_ray.cluster import ClusterTooSmall, nodes_with_room
+    from rlhf_ray.config.placement import PlacementSpec
+    from rlhf_ray.plan import ResourcePlan
+
+    plan = ResourcePlan.from_roles({"policy": PlacementSpec(num_cpus=0.75), "generation": PlacementSpec(num_cpus=0.75)})
+    one, two = [{"CPU": 1.0}], [{"CPU": 1.0}, {"CPU": 1.0}]
+    answers = [one, one, two]
+    assert nodes_with_room(plan, lambda: answers.pop(0), timeout_s=30, poll_s=0.01) == two and answers == []
+    assert nodes_with_room(plan, lambda: two, timeout_s=0.01) == two  # room at once: no wait
+    with pytest.raises(ClusterTooSmall, match=r"(?s)needs 1.5 CPUs.*no node that would make room joined within 0.05 s"):
+        nodes_with_room(plan, lambda: one, timeout_s=0.05, poll_s=0.01)

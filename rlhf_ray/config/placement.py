@@ -71,7 +71,8 @@ class ClusterSpec(StrictModel):
     call_timeout_s: float = Field(1800.0, gt=0)
     """Longest wait for any one remote call before the actor is reported as hung."""
     startup_timeout_s: float = Field(300.0, gt=0)
-    """Longest wait for placement groups and actors to start."""
+    """Longest wait for placement groups and actors to start, and, when a restart places the job again after it
+    lost a node, for a node to join in its place."""
     max_actor_restarts: int = Field(3, ge=0)
     """Stateless actors (generation engines, reference, reward) that die or hang are replaced on their bundle and
     their work re-issued, this many times per job; then the job fails."""

@@ -5,6 +5,7 @@ the rank; the job then starts every actor again from its newest complete checkpo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -91,8 +92,13 @@ def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..
             job = adapt(job, handle.nodes())
         plan = ResourcePlan.from_roles(job.placement_roles())
 
+        placings = itertools.count()
+
         def placed(restarts: int) -> T:
-            placements = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
+            # placed again after a lost node: wait for its replacement rather than fail at once
+            nodes = (handle.nodes() if next(placings) == 0 else
+                     cluster.nodes_with_room(plan, handle.nodes, job.cluster.startup_timeout_s))
+            placements = cluster.place(plan, nodes, job.cluster.startup_timeout_s)
             try:
                 return attempt(job, placements, plan, restarts)
             finally:
