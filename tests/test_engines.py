@@ -109,6 +109,33 @@ def test_sampling_logprobs_match_the_learner(engine, prompts, sft_model):
         torch.testing.assert_close(torch.tensor(s["logprobs"]), want, rtol=0, atol=LOGPROB_TOLERANCE)
 
 
+def test_logprobs_are_those_of_the_distribution_sampled_from(engine, prompts, sft_model):
+    """With sampling that reshapes the distribution (top_k, min_new_tokens), an answer's log-probs are those of
+    the distribution its tokens were drawn from: softmax(logits / T) with end-of-text barred before
+    min_new_tokens and all but the k likeliest tokens removed, on both engines (vLLM's processed log-probs). The
+    hf engine reported the unprocessed softmax(logits / T) instead: the same config gave a train/inference
+    mismatch of ~1.2 nats per token on vLLM and ~0 on hf (ppo.tis_cap and ppo.old_logprobs: engine read them)."""
+    from rlhf_ray.config.generation import SamplingSpec
+
+    group, tokenizer = engine
+    top_k, least = 5, 6
+    sampling = SamplingSpec(temperature=TEMPERATURE, top_k=top_k, min_new_tokens=least, max_new_tokens=MAX_NEW,
+                            n_samples_per_prompt=N)
+    samples = ray.get(group.actors[0].__ray_call__.remote(
+        lambda worker: worker.engine.generate(prompts, sampling, 3)), timeout=300)
+    learner = AutoModelForCausalLM.from_pretrained(sft_model).eval()
+    for s in samples:
+        assert len(s["answer_ids"]) >= least
+        seq = torch.tensor([s["prompt_ids"] + s["answer_ids"]])
+        with torch.no_grad():
+            logits = learner(seq).logits[0, len(s["prompt_ids"]) - 1:-1].float() / TEMPERATURE
+        logits[:least, tokenizer.eos_token_id] = -float("inf")
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits[logits < kth] = -float("inf")
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s["answer_ids"])[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(s["logprobs"]), want, rtol=0, atol=LOGPROB_TOLERANCE)
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["streamed", "layer-chunks"])
 def test_weights_arrive_in_buckets_and_greedy_decoding_equals_the_learner(engine, prompts, sft_model, chunked):
     """layer-chunks: vLLM reloads the weights in several calls of whole layers, as a tensor-parallel engine (workers

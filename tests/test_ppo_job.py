@@ -22,6 +22,11 @@ def stage_models(sft_model, rm_model):
 
 # No KL term, so no reference: for runs where a frozen model plays no part (one process less to start)
 NO_REFERENCE = ["reference=null", "ppo.kl_coef=0"]
+# GRPO scored by the demo task's rule beside the policy: no critic and no reward model (two processes less), for
+# runs whose subject is not the critic or the reward model
+RULE_GRPO = ["ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4", "ppo.rollout_batch_size=8",
+             "critic=null", "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",
+             "reward.placement.colocate_with=policy"]
 
 
 def ppo_job(tmp_path, sft, rm, *overrides):
@@ -75,11 +80,8 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     import json
 
     sft, rm = stage_models
-    job = ppo_job(tmp_path, sft, rm, "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
-                  "ppo.rollout_batch_size=8", "ppo.iterations=3", "critic=null", "reward.model.path=null",
-                  "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
-                  "ppo.kl_in_loss=true", "ppo.kl_estimator=k3", "ppo.kl_coef=0.5", "policy.optim.lr=1e-3",
-                  "logging.timeline=true")
+    job = ppo_job(tmp_path, sft, rm, *RULE_GRPO, "ppo.iterations=3", "ppo.kl_in_loss=true", "ppo.kl_estimator=k3",
+                  "ppo.kl_coef=0.5", "policy.optim.lr=1e-3", "logging.timeline=true")
     assert job.critic is None and "critic" not in job.placement_roles()
     assert job.old_logprobs_from_training
     summary = run_ppo(job)
@@ -117,10 +119,8 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     import json
 
     sft, rm = stage_models
-    job = ppo_job(tmp_path, sft, rm, "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
-                  "ppo.rollout_batch_size=8", "ppo.iterations=2", "critic=null", "reward.model.path=null",
-                  "reward.function=rlhf_ray.data.demo_sort:score", "reward.placement.colocate_with=policy",
-                  "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28", "ppo.loss_aggregation=seq_mean_token_mean",
+    job = ppo_job(tmp_path, sft, rm, *RULE_GRPO, "ppo.iterations=2", "ppo.kl_coef=0.0", "ppo.clip_ratio_high=0.28",
+                  "ppo.loss_aggregation=seq_mean_token_mean",
                   "generation.sampling.max_new_tokens=16", "ppo.overlong_buffer=12", "ppo.eval_prompts=8",
                   "ppo.eval_every=1", "ppo.dynamic_sampling.enabled=true", "ppo.dynamic_sampling.oversample=2",
                   "ppo.dynamic_sampling.fill=false", "ppo.train_batch_size=8", "policy.micro_batch_size=8",
@@ -329,8 +329,8 @@ def test_lora_adapter_sync_sends_only_the_adapters_and_vllm_applies_them(tmp_pat
 
     before = left_outside()
     sft, rm = stage_models
-    job = ppo_job(tmp_path, sft, rm, "ppo.iterations=3", "ppo.rollout_batch_size=16", "ppo.eval_prompts=0",
-                  "policy.micro_batch_size=16", "critic.micro_batch_size=16", "policy.model.lora.rank=8",
+    job = ppo_job(tmp_path, sft, rm, "ppo.iterations=3", "ppo.eval_prompts=0", *RULE_GRPO,
+                  "policy.micro_batch_size=16", "policy.model.lora.rank=8",
                   "policy.model.lora.target_modules=[q_proj, v_proj]", "policy.optim.lr=0.005",
                   "generation.engine=vllm", "generation.vllm.dtype=fp32", "generation.weight_sync.lora=adapter")
     run_ppo(job)
@@ -343,9 +343,15 @@ def test_lora_adapter_sync_sends_only_the_adapters_and_vllm_applies_them(tmp_pat
     assert not left_outside() - before
 
 
-def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
-    import json
-
+def test_async_generation_ahead_fills_evicts_and_refuses_stale_experience_with_ema_ptx_and_tis(tmp_path,
+                                                                                              stage_models):
+    """Four rollouts ahead, a buffer of three, staleness bound 1. The first five rollouts are sampled by the
+    starting weights and all are put by the second update (an engine takes a weight update only after the rollouts
+    queued before it), however generation and scoring interleave: four entries after one take do not fit in three
+    (an eviction), and the second update takes one of the three, leaving starting-weight experience that is two
+    versions old at the third update (refused). Every update still trains within the bound. The same run keeps an
+    EMA of the policy, mixes a pretraining loss in (ptx) and weights each token by its truncated importance ratio
+    (TIS), which experience one version old needs; none of these needs a KL term, so it runs with no reference."""
     import torch
     from safetensors.torch import load_file
 
@@ -355,52 +361,36 @@ def test_async_ppo_with_ema_and_pretraining_mix(tmp_path, stage_models):
     text = tmp_path / "plain.txt"
     text.write_text("\n".join(f"The number {i} comes before {i + 1}. Sorting puts small numbers first." for i in range(200)))
     preprocess([text], sft, tmp_path / "corpus", max_len=32, workers=1)
-    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.iterations=4", "ppo.rollout_batch_size=16",
-                  "ppo.eval_prompts=8", "policy.micro_batch_size=8", "critic.micro_batch_size=8",
-                  "ppo.ema.enabled=true", "ppo.ema.beta=0.5", "policy.max_tokens_per_micro_batch=120",
-                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5", "ppo.tis_cap=2.0",
-                  *NO_REFERENCE)  # the EMA, the mix and the TIS weights need no KL term
-    summary = run_ppo(job)
-    assert summary["iterations"] == 4
-    out = tmp_path / "ppo"
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in logged if "experience/staleness" in m]
-    assert len(steps) == 4
-    # iteration 0 was sampled by the starting weights; every later batch by the weights one update older
-    assert [m["experience/staleness"] for m in steps] == [0, 1, 1, 1]
-    assert all(m["buffer/refused_stale"] == 0 for m in steps)
-    assert all(m["policy/ptx_loss"] > 0 for m in steps)
-    # off-policy correction: the first batch was sampled by the weights the learner has (engine and learner agree
-    # up to float noise); later ones by weights one update older, which the mismatch and the TIS weights show
-    # (measured: mismatch 2e-9 then 7e-4, 4e-3, 2e-4; mean weight 1 - 1e-9 then 0.998, 0.983, 0.999)
-    assert steps[0]["generate/mismatch_kl"] < 1e-6 and abs(steps[0]["policy/tis_weight"] - 1) < 1e-5
-    assert all(m["generate/mismatch_kl"] > 100 * steps[0]["generate/mismatch_kl"] for m in steps[1:])
-    assert all(abs(m["policy/tis_weight"] - 1) > 1e-4 for m in steps[1:])
-    final, ema, start = (load_file(str(p / "model.safetensors")) for p in (out / "model", out / "model_ema", sft))
-    key = "model.layers.0.mlp.up_proj.weight"
-    assert not torch.equal(ema[key], final[key]) and not torch.equal(ema[key], start[key])  # an average of both
-
-
-def test_async_generation_ahead_of_training_fills_evicts_and_refuses_stale_experience(tmp_path, stage_models):
-    """Four rollouts ahead, a buffer of three, staleness bound 1. The first five rollouts are sampled by the
-    starting weights and all are put by the second update (an engine takes a weight update only after the rollouts
-    queued before it), however generation and scoring interleave: four entries after one take do not fit in three
-    (an eviction), and the second update takes one of the three, leaving starting-weight experience that is two
-    versions old at the third update (refused). Every update still trains within the bound."""
-    import json
-
-    sft, rm = stage_models
     job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", "ppo.rollouts_ahead=4", "ppo.buffer_capacity=3",
                   "ppo.max_staleness=1", "ppo.iterations=5", "ppo.rollout_batch_size=8", "ppo.eval_prompts=0",
-                  "policy.micro_batch_size=8", "critic.micro_batch_size=8", *NO_REFERENCE)
+                  "policy.micro_batch_size=8", "critic.micro_batch_size=8", "ppo.ema.enabled=true",
+                  "ppo.ema.beta=0.5", "policy.max_tokens_per_micro_batch=120",
+                  f"ppo.pretrain_data=[{tmp_path / 'corpus'}]", "ppo.ptx_coef=0.5", "ppo.tis_cap=2.0",
+                  *NO_REFERENCE)
     assert run_ppo(job)["iterations"] == 5
-    logged = [json.loads(line) for line in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
+    out = tmp_path / "ppo"
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in logged if "experience/staleness" in m]
     assert len(steps) == 5 and [m["policy_version"] for m in steps] == [1, 2, 3, 4, 5]
     assert all(m["experience/staleness"] <= 1 for m in steps)
     assert steps[-1]["buffer/evicted"] >= 1 and steps[-1]["buffer/refused_stale"] >= 1
     assert steps[-1]["buffer/put"] >= 6  # more experience was made than trained on
     assert all(m["buffer/entries"] <= 3 for m in steps)
+    assert all(m["policy/ptx_loss"] > 0 for m in steps)
+    # off-policy correction: the first batch was sampled and scored by the weights the learner has (engine and
+    # learner agree up to float noise, TIS weights 1); a batch sampled by weights one version older than those that
+    # scored it (its old log-probs) differs, which the mismatch and the TIS weights show. Measured: mismatch ~1e-9
+    # on batches scored before the next update, 1e-5 to 2e-5 on those scored after it (at least the batch of the
+    # third update: the starting weights' are refused there, and the batch sampled by the first update's weights
+    # is scored while the second trains), mean weight 1 +- 1e-3 there.
+    assert steps[0]["experience/staleness"] == 0
+    assert steps[0]["generate/mismatch_kl"] < 1e-7 and abs(steps[0]["policy/tis_weight"] - 1) < 1e-6
+    disagree = [m for m in steps if m["generate/mismatch_kl"] > 1e-6]
+    assert disagree and all(m["experience/staleness"] == 1 for m in disagree), steps
+    assert all(abs(m["policy/tis_weight"] - 1) > 1e-5 for m in disagree), [m["policy/tis_weight"] for m in steps]
+    final, ema, start = (load_file(str(p / "model.safetensors")) for p in (out / "model", out / "model_ema", sft))
+    key = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(ema[key], final[key]) and not torch.equal(ema[key], start[key])  # an average of both
 
 
 @pytest.mark.parametrize("engine,iterations,stop_after", [
@@ -421,11 +411,8 @@ def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, sta
 
     monkeypatch.setenv(HOLD_ENV, "3:5")
     sft, rm = stage_models
-    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", *engine, "generation.partial_rollouts=true",
-                  "ppo.advantage_estimator=grpo", "generation.sampling.n_samples_per_prompt=4",
-                  "ppo.rollout_batch_size=8", f"ppo.iterations={iterations}", "ppo.eval_prompts=0", "critic=null",
-                  "reward.model.path=null", "reward.function=rlhf_ray.data.demo_sort:score",
-                  "reward.placement.colocate_with=policy", "generation.sampling.max_new_tokens=8",
+    job = ppo_job(tmp_path, sft, rm, "ppo.mode=async", *engine, "generation.partial_rollouts=true", *RULE_GRPO,
+                  f"ppo.iterations={iterations}", "ppo.eval_prompts=0", "generation.sampling.max_new_tokens=8",
                   "generation.sampling.min_new_tokens=8", "ppo.tis_cap=2.0", *NO_REFERENCE)
     if stop_after:
         assert run_ppo(job, stop_after=stop_after)["stopped_at_iteration"] == stop_after

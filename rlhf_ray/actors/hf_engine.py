@@ -49,7 +49,7 @@ class HFEngine(GenerationEngine):
         ids, mask, width = batch["input_ids"], batch["attention_mask"], batch["input_ids"].shape[1]
         most, least = [m for m, _ in limits], [m for _, m in limits]
         kwargs = dict(do_sample=not greedy, max_new_tokens=max(most), eos_token_id=list(self.tokens.stop_ids),
-                      pad_token_id=self.tokens.pad_id, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=self.tokens.pad_id, output_scores=True, return_dict_in_generate=True,
                       repetition_penalty=sampling.repetition_penalty)
         if len(set(least)) == 1:
             kwargs["min_new_tokens"] = least[0]
@@ -62,9 +62,10 @@ class HFEngine(GenerationEngine):
             kwargs["stopping_criteria"] = StoppingCriteriaList([watch])
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **kwargs)
         answers = result.sequences[:, width:].cpu()
-        temperature = 1.0 if greedy else sampling.temperature
-        logits = torch.stack(result.logits, dim=1).float().cpu() / temperature
-        logprobs = torch.log_softmax(logits, -1).gather(-1, answers.unsqueeze(-1)).squeeze(-1)
+        # the scores each token was drawn from: the logits after every processor (temperature, top-k / top-p,
+        # the minimum length, the repetition penalty), as vLLM's processed log-probs
+        scores = torch.stack(result.scores, dim=1).float().cpu()
+        logprobs = torch.log_softmax(scores, -1).gather(-1, answers.unsqueeze(-1)).squeeze(-1)
         rows: list[Sample] = []
         for row, (index, prompt) in enumerate(chunk):
             answer, finished = self.tokens.cut(answers[row, :most[row]].tolist())

@@ -116,7 +116,8 @@ class PPOSpec(StrictModel):
     reference (or critic) has the experience phase to itself; the ratio then also carries the engine/learner
     numeric gap (generate/mismatch_kl under `policy`: near 0 for fp32 engines, larger for bf16 ones), and the
     gap is no longer reported (it would be 0). The engine's are the log-probs it sampled from: at the sampling
-    temperature, and after top_p/top_k for vLLM (RLinf's algorithm.recompute_logprobs: false)."""
+    temperature, after top_p/top_k, min_new_tokens and repetition_penalty, on both engines (RLinf's
+    algorithm.recompute_logprobs: false)."""
     overlong_buffer: int | None = Field(None, ge=1)
     """DAPO's soft overlong punishment: answers longer than generation.sampling.max_new_tokens - overlong_buffer
     tokens lose up to `overlong_penalty`, linearly, reaching it at max_new_tokens; off when unset."""
