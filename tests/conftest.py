@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.clean_exit import pytest_sessionfinish, pytest_unconfigure  # noqa: F401 (hooks: the process ends there)
+
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -30,3 +30,41 @@ def test_a_passed_tests_tmp_path_is_removed_and_a_failed_ones_kept(tmp_path):
     assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
     left = sorted(p.parent.name for p in temp_root.rglob("weights.bin"))
     assert left == ["test_fails0"], left
+
+
+CRASHES_IN_FINALIZATION = '''
+import os, signal
+
+
+class CrashOnTeardown:
+    """A module global whose teardown crashes, as a C extension's thread once did after every test had passed."""
+
+    def __del__(self, kill=os.kill, pid=os.getpid(), signal=signal.SIGSEGV):  # bound now: teardown clears modules
+        kill(pid, signal)
+
+
+LEFT_FOR_TEARDOWN = CrashOnTeardown()
+
+
+def test_passes():
+    pass
+'''
+
+
+def test_the_run_exits_with_pytests_status_whatever_the_interpreters_teardown_does(tmp_path):
+    """tests/clean_exit.py: the process ends after pytest's last hook with pytest's status (0 here, 1 with a failed
+    test), not with a crash in Python's module teardown (-11: SIGSEGV, without the hooks)."""
+    (tmp_path / "test_teardown.py").write_text(CRASHES_IN_FINALIZATION)
+    (tmp_path / "test_fails.py").write_text("def test_fails():\n    assert False\n")
+
+    def run(*files: str, plugin: bool = True) -> int:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path),
+             "-p", "no:cacheprovider", "-p", "no:randomly", *(["-p", "tests.clean_exit"] if plugin else []), "-q",
+             *(str(tmp_path / f) for f in files)],
+            cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+            timeout=120).returncode
+
+    assert run("test_teardown.py", plugin=False) == -11  # the crash this guards against
+    assert run("test_teardown.py") == 0
+    assert run("test_teardown.py", "test_fails.py") == 1
