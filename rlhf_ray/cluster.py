@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rlhf_ray import orphan_guard
+from rlhf_ray.actors.group import ray_name
 from rlhf_ray.config.placement import ClusterSpec
 from rlhf_ray.plan import ResourcePlan
 
@@ -261,7 +262,8 @@ def _init_remote(ray, address: str, namespace: str, runtime_env: dict | None, qu
 
 
 def place(plan: ResourcePlan, nodes: list[dict[str, float]], timeout_s: float) -> dict:
-    """One placement group per plan group, named `rlhf_ray/<group>`, all ready; nothing left behind on failure."""
+    """One placement group per plan group, named `<job tag>/<group>` (actors.group.job_names), all ready; nothing
+    left behind on failure."""
     problems = plan.check_fits(nodes)
     if problems:
         raise ClusterTooSmall(problems)
@@ -271,12 +273,12 @@ def place(plan: ResourcePlan, nodes: list[dict[str, float]], timeout_s: float) -
     try:
         for g in plan.placements:
             pgs[g.name] = placement_group([dict(b) for b in g.bundles], strategy=g.strategy,
-                                          name=f"rlhf_ray/{g.name}")
+                                          name=ray_name(g.name))
         _wait_ready(pgs, timeout_s)
     except BaseException:
         remove(pgs)
         raise
-    log.info("placed %d placement group(s): %s", len(pgs), ", ".join(f"rlhf_ray/{n}" for n in pgs))
+    log.info("placed %d placement group(s): %s", len(pgs), ", ".join(ray_name(n) for n in pgs))
     return pgs
 
 
@@ -306,7 +308,7 @@ def _wait_ready(pgs: dict, timeout_s: float) -> None:
     refs = {pg.ready(): name for name, pg in pgs.items()}
     _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
     if pending:
-        names = ", ".join(f"rlhf_ray/{refs[r]}" for r in pending)
+        names = ", ".join(ray_name(refs[r]) for r in pending)
         raise PlacementTimeout(f"placement group(s) {names} not ready within {timeout_s:g} s: the cluster has "
                                "the resources on paper but not free now (other jobs?), or nodes are still joining; "
                                "see `ray status`. They have been removed.")
@@ -320,4 +322,60 @@ def remove(pgs: dict) -> None:
         try:
             remove_placement_group(pg)
         except Exception as e:  # already removed, or Ray already shut down
-            log.warning("could not remove placement group rlhf_ray/%s: %s", name, e)
+            log.warning("could not remove placement group %s: %s", ray_name(name), e)
+
+
+def _paths_here(paths: list[str], folder: str, marker: str, token: str) -> dict:
+    """On one node: which of `paths` are missing or unreadable, and whether `folder` is the driver's (its marker
+    file holds `token`) and writable."""
+    try:
+        with open(os.path.join(folder, marker), encoding="utf-8") as handle:
+            same = handle.read() == token
+    except OSError:
+        same = False
+    return {"unreadable": [p for p in paths if not os.access(p, os.R_OK)], "same_folder": same,
+            "writable": os.access(folder, os.W_OK | os.X_OK)}
+
+
+def check_paths_on_nodes(asks: dict[str, list[str]], folder: str, timeout_s: float) -> dict[str, dict]:
+    """Node id -> what `_paths_here` found there, for each node in `asks` (node id -> paths to check). A small task
+    runs on each node (no CPU reserved, so it runs beside full placement groups); `folder` is the job's output
+    folder, given a marker file here first so each node can tell whether it sees the same folder."""
+    import uuid
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    token = uuid.uuid4().hex
+    marker = f".rlhf_ray-node-check-{token[:8]}"
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, marker)
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(token)
+    task = ray.remote(num_cpus=0, max_retries=0)(_paths_here)
+    try:
+        refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                .remote(paths, folder, marker, token) for node, paths in asks.items()}
+        done, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        if pending:
+            late = [node_address(n) for n, r in refs.items() if r in pending]
+            raise TimeoutError(f"the pre-flight check of the job's inputs did not answer within {timeout_s:g} s "
+                               f"(cluster.startup_timeout_s) on node(s) {', '.join(late)}")
+        return {node: ray.get(ref) for node, ref in refs.items()}
+    finally:
+        os.remove(path)
+
+
+def node_address(node_id: str) -> str:
+    """The address of a node (its id's first 8 characters when it is not alive)."""
+    import ray
+
+    return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), node_id[:8])
+
+
+def nodes_of(placement_group, bundles: list[int]) -> set[str]:
+    """The ids of the nodes that `bundles` of a ready placement group were placed on."""
+    from ray.util.placement_group import placement_group_table
+
+    where = placement_group_table(placement_group)["bundles_to_node_id"]
+    return {where[b] for b in bundles}

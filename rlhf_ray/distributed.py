@@ -46,6 +46,45 @@ def on_gpu() -> bool:
     return torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") != "cpu"
 
 
+def interface_of(address: str) -> str:
+    """The name of this host's network interface that holds `address` (exactly, else within its subnet: 127.0.0.2 is
+    on `lo`). Raises naming the interfaces there are, for an address this host does not have."""
+    import ipaddress
+
+    import psutil
+
+    ip = ipaddress.ip_address(address)
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    found = {name: [a for a in addrs if a.family == family] for name, addrs in psutil.net_if_addrs().items()}
+    for name, addrs in found.items():
+        if any(ipaddress.ip_address(a.address.split("%")[0]) == ip for a in addrs):
+            return name
+    for name, addrs in found.items():
+        for a in addrs:
+            if a.netmask and ip in ipaddress.ip_network(f"{a.address.split('%')[0]}/{a.netmask}", strict=False):
+                return name
+    have = ", ".join(f"{n} {'/'.join(a.address for a in addrs)}" for n, addrs in found.items() if addrs)
+    raise RuntimeError(f"no network interface of this host holds its Ray node address {address} (interfaces: "
+                       f"{have}); start the Ray node with --node-ip-address set to one of them")
+
+
+def bind_to_node_address() -> dict[str, str]:
+    """Make the process groups this process forms (gloo, NCCL's sockets) use the interface of this node's Ray
+    address. Left alone, gloo advertises the address the host name resolves to, which on many machines is 127.0.1.1
+    or 127.0.0.1 (Debian's and Ubuntu's /etc/hosts): ranks on two hosts then tell each other to connect to loopback
+    and the rendezvous fails. A variable the user set is kept. Returns what was set."""
+    import ray
+
+    address = ray.util.get_node_ip_address()
+    name = interface_of(address)
+    wanted = {"GLOO_SOCKET_IFNAME": name}
+    if on_gpu() and not address.startswith("127."):
+        wanted["NCCL_SOCKET_IFNAME"] = f"={name}"  # '=': this interface exactly, not every one starting so
+    chosen = {k: v for k, v in wanted.items() if not os.environ.get(k)}
+    os.environ.update(chosen)
+    return chosen
+
+
 def listen(host: str) -> socket.socket:
     """A listening socket on `host` (this node's Ray address: 127.0.0.1 on a local cluster) and a free port, for
     a rendezvous store to take over. torch's TCPStore given only a host and port listens on every interface."""
@@ -110,6 +149,7 @@ def init_process_group(rank: int, world_size: int, master_addr: str, master_port
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+    bind_to_node_address()
     if on_gpu():
         torch.cuda.set_device(0)
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -203,7 +203,7 @@ class ResourcePlan:
         table.add_column("strategy", no_wrap=True)
         for g in self.placements:
             roles = "\n".join(f"{r}: {format_resources(self.slots[r].per_replica)}" for r in g.roles)
-            table.add_row(f"rlhf_ray/{g.name}", roles, f"{len(g.bundles)} x {format_resources(g.bundles[0])}",
+            table.add_row(g.name, roles, f"{len(g.bundles)} x {format_resources(g.bundles[0])}",
                           g.strategy)
         return table
 

@@ -254,3 +254,15 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("slowest 12 test files")
     for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:12]:
         terminalreporter.write_line(f"{seconds:8.1f}s  {path}")
+
+
+def job_actor(name: str, namespace: str):
+    """The live actor `name` (`policy-0`) of the job running now: jobs name their actors `<job tag>/<name>`
+    (actors.group.job_names), and a test runs one job at a time."""
+    import ray
+
+    found = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == namespace and a["name"].endswith(f"/{name}")]
+    if not found:
+        raise ValueError(f"no live actor named <job>/{name} in namespace {namespace}")
+    return ray.get_actor(found[-1], namespace=namespace)

@@ -109,11 +109,40 @@ def test_actor_names_listed_in_namespace(echo, cluster):
     assert ray.get_runtime_context().namespace == cluster.namespace == "rlhf_ray_test"
 
 
+def test_jobs_sharing_a_cluster_name_their_actors_and_placement_groups_apart(echo, cluster):
+    """Two runs of one job (the same role, the same output folder) on one cluster, while a third group of that role
+    already lives (`echo`): each run's actors and placement group carry its own tag, so neither waits on nor
+    adopts the others' (before, the second `echo-0` waited out its start timeout on the first's name)."""
+    from ray.util.placement_group import placement_group_table
+
+    from rlhf_ray.actors.group import job_names, job_tag
+
+    runs = []
+    for _ in range(2):
+        with job_names(job_tag("sft", "/runs/shared-out/")) as tag:
+            plan = ResourcePlan.from_roles({"echo": PlacementSpec(replicas=1, num_cpus=0.25)})
+            pgs = place(plan, cluster.nodes(), timeout_s=30)
+            group = ActorGroup(Echo, "echo", 1, placement_group=pgs["echo"], num_cpus=0.25, call_timeout_s=30,
+                               start_timeout_s=5)
+            runs.append((tag, pgs, group))
+    try:
+        (a, pgs_a, group_a), (b, pgs_b, group_b) = runs
+        assert a != b and a.startswith("sft-shared-out-") and b.startswith("sft-shared-out-")
+        assert group_a.names == group_b.names == ["echo-0"]  # messages keep the short names
+        assert [r[3] for r in group_a.call("whoami") + group_b.call("whoami")] == [f"{a}/echo-0", f"{b}/echo-0"]
+        assert {f"{a}/echo-0", f"{b}/echo-0", "echo-0"} <= set(ray.util.list_named_actors())
+        assert placement_group_table(pgs_a["echo"])["name"] == f"{a}/echo"
+    finally:
+        for _, pgs, group in runs:
+            group.kill()
+            remove(pgs)
+
+
 def test_remote_exception_names_actor_and_keeps_traceback(echo):
     with pytest.raises(RemoteCallError) as e:
         echo.call("fail_on", 1)
     msg = str(e.value)
-    assert msg.startswith("echo-1 raised in `fail_on`")
+    assert msg.startswith("echo-1 raised in `fail_on` on node 127.0.0.1:\n")  # the host whose files it read
     assert "ValueError: rank 1 says no" in msg and ", in fail_on" in msg  # the remote traceback text
     assert "\x1b[" not in msg  # no terminal colour codes in logs
     assert isinstance(e.value.cause, ValueError) and e.value.actor == "echo-1"
@@ -181,7 +210,7 @@ def test_placement_timeout_names_group_and_cleans_up(cluster):
 
     before = live()
     plan = ResourcePlan.from_roles({"critic": PlacementSpec(replicas=2, num_cpus=2)})
-    with pytest.raises(PlacementTimeout, match="rlhf_ray/critic not ready within 1 s"):
+    with pytest.raises(PlacementTimeout, match="placement group.s. critic not ready within 1 s"):
         place(plan, [{"CPU": 8.0}], timeout_s=1)  # nodes that lie: the check passes, Ray cannot place it
     assert live() == before
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -256,18 +257,41 @@ def test_async_mode_needs_a_staleness_bound_of_at_least_one(write_yaml):
     assert load_job(write_yaml(PPO), ["ppo.mode=async"]).ppo.max_staleness == 1
 
 
+def test_relative_paths_are_made_absolute_once_against_the_working_directory(write_yaml, tmp_path, monkeypatch):
+    """Every actor, on whatever node, gets the path the driver checked: relative paths (output_dir, model and
+    tokenizer folders, dataset files, corpora) are resolved against the working directory when the config is
+    validated; hub ids, packaged GGUF files and a GGUF file inside a model folder are left as they are."""
+    (tmp_path / "models" / "mine").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    job = load_job(write_yaml("kind: sft\noutput_dir: runs/a\nmodel: {path: models/mine, tokenizer: org/tok}\n"
+                              "data: {datasets: [{name: custom, path: ./data/../d.jsonl, format: {}}], "
+                              "cache_dir: ~/cache}\n"))
+    assert job.output_dir == str(tmp_path / "runs/a") and job.model.path == str(tmp_path / "models/mine")
+    assert job.model.tokenizer == "org/tok"  # a hub id: nothing here by that name
+    assert job.data.datasets[0].path == str(tmp_path / "d.jsonl")
+    assert job.data.cache_dir == str(Path.home() / "cache")
+    assert load_job(write_yaml("kind: sft\nmodel: {path: HuggingFaceTB/SmolLM2-135M}\n")).model.path == \
+        "HuggingFaceTB/SmolLM2-135M"
+    gguf = load_job(write_yaml("kind: sft\nmodel: {path: models/mine, gguf_file: m.gguf}\n")).model
+    assert (gguf.path, gguf.gguf_file) == (str(tmp_path / "models/mine"), "m.gguf")  # relative to path
+    assert load_job(write_yaml("kind: sft\nmodel: {gguf_file: m.gguf}\n")).model.gguf_file == str(tmp_path / "m.gguf")
+    assert load_job(write_yaml("kind: sft\nmodel: {gguf_file: package:smollm2}\n")).model.gguf_file == \
+        "package:smollm2"
+
+
 def test_pipeline_wires_stage_outputs_into_ppo():
     job = load_job(ROOT / "configs/quickstart/pipeline.yaml")
     assert isinstance(job, PipelineJob)
-    assert job.sft.output_dir == "outputs/quickstart/sft"
-    assert job.ppo.policy.model.path == f"outputs/quickstart/sft/{FINAL_MODEL_DIR}"
+    here = Path.cwd()  # relative paths are resolved against the working directory, once (config/paths.py)
+    assert job.sft.output_dir == str(here / "outputs/quickstart/sft")
+    assert job.ppo.policy.model.path == str(here / f"outputs/quickstart/sft/{FINAL_MODEL_DIR}")
     assert job.rm.model.path == job.ppo.policy.model.path  # the reward model starts from the SFT model
     assert job.ppo.reference.model.path == job.ppo.policy.model.path
-    assert job.ppo.reward.model.path == f"outputs/quickstart/rm/{FINAL_MODEL_DIR}"
+    assert job.ppo.reward.model.path == str(here / f"outputs/quickstart/rm/{FINAL_MODEL_DIR}")
     assert job.ppo.critic is not None and job.ppo.critic.model.path == job.ppo.reward.model.path
     assert job.ppo.seed == job.seed and job.ppo.cluster == job.cluster
     given = load_job(ROOT / "configs/quickstart/pipeline.yaml", ["rm.model.path=my/rm-base"])
-    assert given.rm.model.path == "my/rm-base"  # a path given is kept
+    assert given.rm.model.path == "my/rm-base"  # a hub id is kept
 
 
 def test_a_pipeline_without_a_reward_model_starts_its_critic_from_the_sft_model():
@@ -455,7 +479,7 @@ def test_a_warmup_stage_trains_the_student_on_the_teachers_answers_and_ppo_start
     # a student named in the warm-up is the one it trains; ppo's policy still starts from the warm-up's model
     job = load_job(write_yaml(f"kind: pipeline\nsft: {{model: {{path: m}}}}\nwarmup: {{model: {{path: small}}}}\n"
                               f"{ppo}critic: null, teacher: {{}}, ppo: {{advantage_estimator: distill}}}}\n"))
-    assert job.warmup.model.path == "small" and job.ppo.policy.model.path == "outputs/run/warmup/model"
+    assert job.warmup.model.path == "small" and job.ppo.policy.model.path == str(Path.cwd() / "outputs/run/warmup/model")
     (problem,) = problems_of(write_yaml(f"kind: pipeline\nsft: {{model: {{path: m}}}}\nwarmup: {{}}\n{ppo}critic: null, "
                                         "teacher: {}, ppo: {advantage_estimator: distill}, generation: {environment: "
                                         "{path: rlhf_ray.envs.calculator:CalculatorEnv}}}\n"))

@@ -22,7 +22,7 @@ import torch
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.functions import RewardFunctionError
 from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
-from tests.conftest import one_update
+from tests.conftest import job_actor, one_update
 from tests.test_ppo_job import NO_REFERENCE, ppo_job
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
@@ -116,7 +116,7 @@ def test_killed_or_hung_engine_and_reward_actor_are_replaced_and_their_work_reis
 
 def kill_after_checkpoints(out: Path, name: str, namespace: str, count: int = 1) -> None:
     wait_for(lambda: len(complete_checkpoints(out)) >= count, f"{count} checkpoint(s) in {out}")
-    ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    ray.kill(job_actor(name, namespace), no_restart=True)
 
 
 def wait_for(condition, what: str, timeout_s: float = 300) -> None:
@@ -156,7 +156,7 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
         restarted_step.append(first_restarted_step(out))
         wait_for(lambda: any(int(Checkpoints.state(p)["step"]) >= restarted_step[0] for p in complete_checkpoints(out)),
                  f"checkpoint of step {restarted_step[0]}")
-        ray.kill(ray.get_actor("policy-0", namespace=namespace), no_restart=True)
+        ray.kill(job_actor("policy-0", namespace), no_restart=True)
 
     killer = threading.Thread(target=kill_critic_then_policy, daemon=True)
     killer.start()

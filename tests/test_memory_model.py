@@ -4,6 +4,7 @@ for model states, and how activations and logits scale."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -211,4 +212,4 @@ def test_the_plan_and_memory_tables_read_at_80_columns_in_a_log(capsys):
     assert len(rows["generation"].split()) == 9  # the role and its 8 numbers, one line
     assert "assumed:" in tables and "  policy: 8.03B bf16, ZeRO-3 over 2, micro-batch 4 x 2048 tokens, checkpointed" \
         in tables
-    assert any(line.startswith("rlhf_ray/generation   generation: CPU 8, GPU 1") for line in tables)
+    assert any(re.match(r"generation +generation: CPU 8, GPU 1", line) for line in tables)

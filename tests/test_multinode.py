@@ -18,6 +18,7 @@ import pytest
 import ray
 
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from tests.conftest import job_actor
 from tests.test_ppo_job import ppo_job
 
 pytestmark = pytest.mark.system
@@ -71,7 +72,7 @@ def node_of(name: str, namespace: str, timeout: float = 300) -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            actor = ray.get_actor(name, namespace=namespace)
+            actor = job_actor(name, namespace)
             return ray.get(actor.__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id()),
                            timeout=60)
         except (ValueError, ray.exceptions.RayActorError):

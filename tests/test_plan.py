@@ -173,7 +173,7 @@ def test_render_lists_groups_roles_and_totals():
     console = Console(record=True, width=140)
     console.print(ResourcePlan.from_roles(eight_gpu_recipe()).render())
     text = console.export_text()
-    for s in ("rlhf_ray/policy", "reference: CPU 1, GPU 0.5", "4 x CPU 3, GPU 1", "PACK", "CPU 24, GPU 8"):
+    for s in ("policy", "reference: CPU 1, GPU 0.5", "4 x CPU 3, GPU 1", "PACK", "CPU 24, GPU 8"):
         assert s in text, s
 
 

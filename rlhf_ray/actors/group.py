@@ -6,10 +6,14 @@ only debuggable when the error says which rank never answered.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+import os
 import re
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
@@ -18,6 +22,34 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlhf_ray.actors.actor_logs import log_file, logging_to_file
 
 log = logging.getLogger(__name__)
+
+
+_JOB: contextvars.ContextVar[str] = contextvars.ContextVar("job_tag", default="")
+
+
+def job_tag(kind: str, output_dir: str) -> str:
+    """A name for one run of a job, unique on the cluster and readable on the dashboard: its kind, its output
+    folder's name and a random suffix (`sft-quickstart-sft-3f9a2c`)."""
+    folder = re.sub(r"[^A-Za-z0-9_.-]+", "-", os.path.basename(os.path.normpath(output_dir))).strip("-.")
+    return f"{kind}-{folder or 'run'}-{uuid.uuid4().hex[:6]}"
+
+
+@contextlib.contextmanager
+def job_names(tag: str) -> Iterator[str]:
+    """Within the block, the Ray names of the actors and placement groups a job creates start with `tag/`
+    (`sft-quickstart-sft-3f9a2c/learner-0`), so two jobs on one cluster never meet: none waits on, adopts or kills
+    the other's actors. Inside the job, messages keep the short names (`learner-0`)."""
+    token = _JOB.set(tag)
+    try:
+        yield tag
+    finally:
+        _JOB.reset(token)
+
+
+def ray_name(name: str) -> str:
+    """The cluster-wide name of the running job's actor or placement group `name`."""
+    tag = _JOB.get()
+    return f"{tag}/{name}" if tag else name
 
 
 class ActorCallTimeout(RuntimeError):
@@ -49,6 +81,7 @@ class RemoteCallError(RuntimeError):
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_TASK_IP = re.compile(r"\bip=([0-9A-Fa-f.:]+)")
 
 
 def _raise_for(name: str, what: str, err: Exception) -> None:
@@ -56,7 +89,10 @@ def _raise_for(name: str, what: str, err: Exception) -> None:
         raise ActorDiedError(f"{name} died during `{what}`: {_ANSI.sub('', str(err))}", name, what) from err
     if isinstance(err, ray.exceptions.RayTaskError):
         cause = getattr(err, "cause", None)
-        raise RemoteCallError(f"{name} raised in `{what}`:\n{_ANSI.sub('', str(err))}", name, cause, what) from err
+        ip = _TASK_IP.search(str(err))  # Ray's header `ray::Cls.method() (pid=.., ip=..)`; the dual class drops .ip
+        node = f" on node {ip.group(1)}" if ip else ""  # which host's files, memory, devices
+        raise RemoteCallError(f"{name} raised in `{what}`{node}:\n{_ANSI.sub('', str(err))}", name, cause,
+                              what) from err
     raise RemoteCallError(f"{name} failed in `{what}`: {type(err).__name__}: {err}", name, err, what) from err
 
 
@@ -117,6 +153,8 @@ class ActorGroup:
         self.call_timeout_s = call_timeout_s
         self.start_timeout_s = start_timeout_s
         self.names = [f"{role}-{rank}" for rank in range(replicas)]
+        self.ray_names = [ray_name(name) for name in self.names]
+        """The names on the cluster (and the dashboard): the job's tag first, when it runs within job_names."""
         self.thread_of = {method: name for name, methods in (threads or {}).items() for method in methods}
         """Methods that run in a thread of their own (a Ray concurrency group, one call at a time unless
         `concurrent` gives the group more), beside the actor's other calls: `threads` maps the thread's name to its
@@ -138,7 +176,8 @@ class ActorGroup:
 
     def _spawn_named(self, rank: int, timeout: float):
         """_spawn, waiting while the name is still held by a killed predecessor (a replaced replica, or the
-        actors of a job's previous attempt): Ray releases a name once it has marked the old actor dead."""
+        actors of this job's previous attempt): Ray releases a name once it has marked the old actor dead. Other
+        jobs' actors have other names (job_names)."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -150,7 +189,7 @@ class ActorGroup:
 
     def _spawn(self, rank: int):
         args, kwargs, num_cpus, num_gpus, placement_group, bundle_indices, env_vars, ray_options = self._spawn_args
-        opts: dict[str, Any] = {"name": self.names[rank], "num_cpus": num_cpus, "num_gpus": num_gpus, **ray_options}
+        opts: dict[str, Any] = {"name": self.ray_names[rank], "num_cpus": num_cpus, "num_gpus": num_gpus, **ray_options}
         if placement_group is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=bundle_indices[rank],

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from string import Formatter
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.paths import PathField
 
 TEMPLATE_KEYWORDS = ("dschat", "raw", "chat_template")
 
@@ -94,7 +95,7 @@ class DatasetSpec(StrictModel):
 
     name: str
     """Registry name (exact; the error lists the registered ones), `custom`, or, with `format`, a hub id."""
-    path: str | None = None
+    path: Annotated[str | None, PathField()] = None
     """Local file or folder to read instead of the hub: a json / jsonl / parquet file, a folder of such files
     named by split (train.jsonl, test.jsonl, ...), or a folder written by `save_to_disk`."""
     weight: float = Field(1.0, gt=0)
@@ -165,7 +166,7 @@ class DataSpec(StrictModel):
     overlong: Literal["trim_prompt", "drop"] = "trim_prompt"
     """A sample longer than its limit with its end-of-text token: trim its prompt from the left, or drop it.
     The answer and its end-of-text are never cut. Either way it is counted in the data report."""
-    cache_dir: str | None = None
+    cache_dir: Annotated[str | None, PathField()] = None
     """Tokenised cache; default `<output_dir>/data_cache`."""
 
     @field_validator("split")

@@ -3,9 +3,9 @@ is config/ppo_job.py, the pipeline config/pipeline_job.py, the list of kinds con
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.data import DataSpec
@@ -13,6 +13,7 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.dpo import DPOSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
+from rlhf_ray.config.paths import PathField
 from rlhf_ray.config.placement import ClusterSpec, PlacementSpec, colocation_root
 from rlhf_ray.config.pretrain import PretrainDataSpec, batch_counts
 from rlhf_ray.config.run import CheckpointSpec, LoggingSpec
@@ -56,13 +57,23 @@ class JobBase(StrictModel):
 
     kind: str
     """Job kind: pretrain, sft, rm, dpo, ppo or pipeline. Picks which model validates the rest of the file."""
-    output_dir: str = "outputs/run"
+    output_dir: Annotated[str, PathField()] = "outputs/run"
     """Everything the job writes: the final model in `model/`, checkpoints, logs, `summary.json`."""
     seed: int = 1234
     """Seeds data order, splits, initialisation and sampling."""
     cluster: ClusterSpec = Field(default_factory=ClusterSpec)
     logging: LoggingSpec = Field(default_factory=LoggingSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    _origin: tuple = PrivateAttr(default=())
+    """(the ConfigSource it was read from, its fields' prefix there: `ppo` for a pipeline's PPO stage), set by the
+    loader, for errors found once the job runs (on another node) to point at the YAML line."""
+
+    def where(self, loc: tuple[str, ...]) -> str:
+        """`file:line` (or the `--set`) that gave field `loc` of this job, and the field's full name."""
+        if not self._origin:
+            return f"{'.'.join(loc)}"
+        source, prefix = self._origin
+        return f"{source.where(prefix + loc)}: {'.'.join(prefix + loc)}"
 
     def placement_roles(self) -> dict[str, PlacementSpec]:
         """Role name -> placement, for the resource plan."""

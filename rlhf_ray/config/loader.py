@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field, TypeAdapter, ValidationError
 from rlhf_ray.config.base import FieldProblem
 from rlhf_ray.config.jobs import JobBase
 from rlhf_ray.config.kinds import JOB_KINDS
+from rlhf_ray.config.paths import with_absolute_paths
 
 Loc = tuple[str, ...]
 
@@ -193,6 +194,7 @@ def load_job(path: str | Path, overrides: list[str] | None = None, expect: str |
 
 
 def validate_job(source: ConfigSource, expect: str | None = None) -> JobBase:
+    """The job `source` describes, its relative paths made absolute against the working directory."""
     kind = source.data.get("kind", expect)
     if kind is None:
         raise ConfigError([f"{source.where(())}: kind: missing; set kind to one of {', '.join(JOB_KINDS)}"])
@@ -205,9 +207,13 @@ def validate_job(source: ConfigSource, expect: str | None = None) -> JobBase:
                            f"{expect}; use `rlhf-ray {kind} --config {source.origin}`"])
     model = JOB_KINDS[kind]
     try:
-        return model.model_validate({**source.data, "kind": kind})
+        job = model.model_validate({**source.data, "kind": kind})
     except ValidationError as exc:
         raise ConfigError([_describe(model, err, source) for err in exc.errors()]) from None
+    job = with_absolute_paths(job)  # every node reads the paths the driver checked (config/paths.py)
+    for prefix, stage in job.named_stages().items():
+        stage._origin = (source, (prefix,) if prefix else ())
+    return job
 
 
 def job_schema() -> dict[str, Any]:

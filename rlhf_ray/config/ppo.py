@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.paths import PathField
 
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "distill"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
@@ -128,7 +129,7 @@ class PPOSpec(StrictModel):
     max_new_tokens), before any estimator sees the score (gae, grpo, rloo and reinforce_pp alike)."""
     ptx_coef: float = Field(27.8, ge=0)
     """Weight of the pretraining-mix loss (InstructGPT's gamma), used when `pretrain_data` is set."""
-    pretrain_data: list[str] = Field(default_factory=list)
+    pretrain_data: Annotated[list[str], PathField()] = Field(default_factory=list)
     """mmap corpus prefixes (PREFIX.bin/.idx) for the pretraining-mix loss; empty disables it."""
     ema: EmaSpec = Field(default_factory=EmaSpec)
     dynamic_sampling: DynamicSamplingSpec = Field(default_factory=DynamicSamplingSpec)

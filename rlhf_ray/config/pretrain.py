@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from fractions import Fraction
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.paths import PathField
 
 
 class CorpusSpec(StrictModel):
     """One mmap corpus: PREFIX.bin + PREFIX.idx, as `rlhf-ray preprocess --out PREFIX` writes them."""
 
-    path: str
+    path: Annotated[str, PathField()]
     """The corpus prefix (without .bin / .idx)."""
     weight: float = Field(1.0, gt=0)
     """Share of every global batch, relative to the other corpora's weights: the counts per batch are

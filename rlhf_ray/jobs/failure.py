@@ -21,6 +21,7 @@ from pathlib import Path
 import ray
 
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError
+from rlhf_ray.config import ConfigError
 
 CHAINED = re.compile(r"\n\s*\n(?:During handling of the above exception, another exception occurred:|"
                      r"The above exception was the direct cause of the following exception:)\s*\n\s*\n")
@@ -72,7 +73,7 @@ def failures_reported(output_dir: str | Path):
     """Inside, a job's exception becomes JobFailed, its tracebacks written to `<output_dir>/logs/error.log`."""
     try:
         yield
-    except JobFailed:
+    except (JobFailed, ConfigError):  # a refusal found once the job reached its nodes: the config's to fix
         raise
     except Exception as exc:  # noqa: BLE001 - every failure of the job is reported the same way
         raise JobFailed(report_failure(exc, Path(output_dir))) from exc

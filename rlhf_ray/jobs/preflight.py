@@ -7,7 +7,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import re
 import struct
 from pathlib import Path
 from typing import Iterator
@@ -19,11 +18,11 @@ from rlhf_ray.config import ConfigError, ConfigSource, JobBase
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR
 from rlhf_ray.config.pipeline_job import ANSWERS_FILE
 from rlhf_ray.config.model import ModelSpec
+from rlhf_ray.config.paths import looks_local
 from rlhf_ray.memory.budget import check_memory, written_shapes
 from rlhf_ray.plan import ResourcePlan, describe_nodes, nodes_from_shape
 
 Loc = tuple[str, ...]
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 
 
 def stages(job: JobBase) -> list[tuple[Loc, JobBase]]:
@@ -278,10 +277,9 @@ def _missing_problem(path: str, what: str) -> str | None:
     """A path that does not exist here: fine if it is a hub id (fetched later), else missing."""
     from huggingface_hub import constants
 
-    local_looking = path.startswith((".", "/", "~")) or path.count("/") > 1 or not _HUB_ID.match(path) or (
-        "/" in path and Path(path.split("/")[0]).is_dir())
-    if local_looking:
-        return f"no such folder {path!r} (relative to {Path.cwd()}); fix the path, or build the {what} first"
+    if looks_local(path, Path.cwd()):
+        return (f"no such folder {path!r}; fix the path (a relative one is taken from the working directory), or "
+                f"build the {what} first")
     if constants.HF_HUB_OFFLINE:
         from huggingface_hub import try_to_load_from_cache
 
@@ -411,3 +409,73 @@ def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]
     if show:
         out.print(f"checked against {which}: {describe_nodes(nodes)}")
     return problems
+
+
+# ---- on each node the job was placed on ----------------------------------------------------------------------
+def node_inputs(job: JobBase) -> dict[str, list[tuple[Loc, str]]]:
+    """Role -> (field, absolute path) of every local file or folder that role's actors read on their own node:
+    model and tokenizer folders (generation engines load the policy's), mmap corpora. Hub ids are not files."""
+    reads: dict[str, list[tuple[Loc, str]]] = {}
+
+    def add(role: str, loc: Loc, path: str | None) -> None:
+        if path and os.path.isabs(path):
+            reads.setdefault(role, []).append((loc, path))
+
+    for loc, spec in model_specs(job):
+        roles = [loc[-2] if len(loc) >= 2 else "learner"]
+        if loc == ("policy", "model"):
+            roles.append("generation")
+        if loc == ("model",) and getattr(job, "dpo", None) is not None and not job.dpo.reference.model.is_set:
+            roles.append("reference")  # the DPO reference starts from the trained model
+        for role in roles:
+            add(role, loc + ("path",), spec.path)
+            add(role, loc + ("tokenizer",), spec.tokenizer)
+    for i, prefix in enumerate(getattr(getattr(job, "ppo", None), "pretrain_data", None) or []):
+        for suffix in (".bin", ".idx"):
+            add("policy", ("ppo", "pretrain_data", str(i)), prefix + suffix)
+    for i, corpus in enumerate(getattr(getattr(job, "data", None), "corpora", None) or []):
+        for suffix in (".bin", ".idx"):
+            add("learner", ("data", "corpora", str(i), "path"), corpus.path + suffix)
+    return reads
+
+
+def check_on_nodes(job: JobBase, plan: ResourcePlan, placements: dict, timeout_s: float) -> None:
+    """On a cluster of more than one node, after the job's placement groups are ready and before any actor starts:
+    each role's inputs (node_inputs) are checked on every node its replicas were placed on, and the output_dir
+    from every node that hosts the job (each actor writes its log there, learners their checkpoints). A path that
+    passed on the driver's host can be missing on another; a folder that is local to each host is a different
+    folder on each. Raises ConfigError naming the node, the field and its line, and the fix."""
+    import ray
+
+    from rlhf_ray import cluster
+
+    if sum(1 for n in ray.nodes() if n.get("Alive")) < 2:
+        return
+    inputs = node_inputs(job)
+    role_nodes = {role: cluster.nodes_of(placements[slot.placement], list(range(slot.replicas)))
+                  for role, slot in plan.slots.items()}
+    asks: dict[str, list[str]] = {}
+    for role, nodes in role_nodes.items():
+        for node in nodes:
+            asks.setdefault(node, [])
+            asks[node] += [path for _, path in inputs.get(role, []) if path not in asks[node]]
+    found = cluster.check_paths_on_nodes(asks, job.output_dir, timeout_s)
+    problems = []
+    for node, seen in found.items():
+        address = cluster.node_address(node)
+        for role, nodes in role_nodes.items():
+            for loc, path in inputs.get(role, []) if node in nodes else []:
+                if path in seen["unreadable"]:
+                    problems.append(f"{job.where(loc)}: {path} is missing or unreadable on node {address}, where "
+                                    f"the {role} role was placed (the driver's host has it); put it on storage every "
+                                    "node mounts at the same path, or copy it to that path on every node")
+        if not seen["same_folder"]:
+            problems.append(f"{job.where(('output_dir',))}: {job.output_dir} on node {address} is not the folder "
+                            "the driver writes to (a file written there by the driver is not seen on that node), "
+                            "and the job's actors there write into it (logs, checkpoints, models): set output_dir "
+                            "to shared storage every node mounts at the same path (NFS, a KubeRay volume)")
+        elif not seen["writable"]:
+            problems.append(f"{job.where(('output_dir',))}: {job.output_dir} is not writable on node {address} "
+                            "by the user its Ray node runs as; give that user write access")
+    if problems:
+        raise ConfigError(problems)

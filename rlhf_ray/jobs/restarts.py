@@ -13,8 +13,9 @@ from typing import Callable, TypeVar
 
 from rlhf_ray import cluster
 from rlhf_ray.actors.actor_logs import actor_logs
-from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, node_lost
+from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, job_names, job_tag, node_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
+from rlhf_ray.jobs.preflight import check_on_nodes
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
@@ -83,11 +84,15 @@ def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..
     placement groups, again after each learner restart (with_learner_restarts); the placement groups are removed
     after every attempt and the metrics logger is closed at the end. The attempt kills the actors it started (before
     the placement groups go). Unless `logging.verbose`, the actors' own output goes to <output_dir>/logs/ (one file
-    per actor), not to the job's terminal.
+    per actor), not to the job's terminal. The job's actors and placement groups are named after this run
+    (actors.group.job_names), so jobs sharing a cluster never meet, and every attempt of this one finds its own.
     `adapt(job, nodes)`, given, returns the job fitted to the cluster's nodes before the plan is made."""
     quiet = not job.logging.verbose
     with cluster.connect(job.cluster, quiet=quiet) as handle, \
-            actor_logs(Path(job.output_dir) / "logs" if quiet else None):
+            actor_logs(Path(job.output_dir) / "logs" if quiet else None), \
+            job_names(job_tag(job.kind, job.output_dir)) as tag:
+        log.info("job %s: its actors and placement groups are named %s/... on the cluster (and the dashboard)",
+                 tag, tag)
         if adapt is not None:
             job = adapt(job, handle.nodes())
         plan = ResourcePlan.from_roles(job.placement_roles())
@@ -100,6 +105,7 @@ def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..
                      cluster.nodes_with_room(plan, handle.nodes, job.cluster.startup_timeout_s))
             placements = cluster.place(plan, nodes, job.cluster.startup_timeout_s)
             try:
+                check_on_nodes(job, plan, placements, job.cluster.startup_timeout_s)  # before any actor starts
                 return attempt(job, placements, plan, restarts)
             finally:
                 cluster.remove(placements)

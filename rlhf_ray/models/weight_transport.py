@@ -37,8 +37,9 @@ class WeightBroadcast:
         """Rank 0 (the learner) serves the process group's store on `listener`, a socket bound to `host` only."""
         import torch.distributed as dist
 
-        from rlhf_ray.distributed import rendezvous_store
+        from rlhf_ray.distributed import bind_to_node_address, rendezvous_store
 
+        bind_to_node_address()
         self.rank = rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         timeout = datetime.timedelta(seconds=timeout_s)
