@@ -88,7 +88,7 @@ def test_weight_sync_reads_in_place_where_engines_sit_with_the_policy_and_over_n
     """Engines on policy rank 0's node (CPU) or GPU (fractional bundles, configs/recipes/opt-1.3b-single-gpu.yaml)
     read its memory (ipc); one GPU shared by fractional bundles cannot host an NCCL group, so an explicit
     `collective` is refused there by name, and an explicit `ipc` where an engine is elsewhere."""
-    from rlhf_ray.jobs.ppo.weight_sync import choose_transport
+    from rlhf_ray.jobs.ppo.weight_sync import choose_transport, why_transport
     from rlhf_ray.models.weight_transport import gpus_shared
 
     one_gpu = {"policy-0": ("node-a", [0]), "generation-0": ("node-a", [0])}
@@ -106,6 +106,10 @@ def test_weight_sync_reads_in_place_where_engines_sit_with_the_policy_and_over_n
                ("two_nodes_cpu", two_nodes_cpu), ("half_shared", half_shared)]}
     assert chosen == {"one_gpu": "ipc", "own_gpus": "collective", "tensor_parallel": "object_store", "cpu": "ipc",
                       "two_nodes_cpu": "object_store", "half_shared": "object_store"}
+    assert why_transport("object_store", "auto", two_nodes_cpu) == (
+        "generation-1 on another node than policy-0 (ipc shares memory within one node), and not every member has a "
+        "GPU of its own for a collective")
+    assert why_transport("ipc", "auto", cpu) == "every engine is on the node of policy-0"
     assert choose_transport("object_store", cpu) == "object_store"
     assert choose_transport("collective", two_nodes_cpu) == "collective"  # gloo: sharing a CPU is fine
     with pytest.raises(ValueError, match=r"weight_sync.transport: collective .*policy-0 and generation-0 share GPU 0"):

@@ -173,3 +173,63 @@ def test_a_server_that_is_down_is_named_before_the_job_starts(tmp_path, tiny_mod
                   "reward.http.retries=0", "cluster.address=127.0.0.1:9")  # Ray is never reached
     with pytest.raises(RemoteRewardError, match=r"reward.http.url: the check before the job .*127.0.0.1:9/score"):
         run_ppo(job)
+
+
+def self_signed(folder, address: str = "127.0.0.1"):
+    """A certificate for `address` (its own CA) and its key, as PEM files in `folder`: (cert, key)."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, address)])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(address))]), False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = folder / "server.pem", folder / "server.key"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+def test_a_server_that_wants_a_token_over_https_scores_with_it_and_refuses_without_it(tmp_path, monkeypatch):
+    """Between machines: the reference server requires a bearer token and serves https; the job reads the token
+    from an environment variable (or a file) where it starts and checks the server's certificate with ca_file. A
+    missing or wrong token is refused at once (no retries), naming the URL and the status."""
+    from rlhf_ray.actors.http_reward import credentials
+
+    cert, key = self_signed(tmp_path)
+    srv = make_server(length_score, token="s3cret", tls=(str(cert), str(key)))
+    url = serve_in_thread(srv)
+    try:
+        assert url.startswith("https://127.0.0.1:")
+        monkeypatch.setenv("REWARD_TOKEN", "s3cret")
+        spec = HttpRewardSpec(url=url, token_env="REWARD_TOKEN", ca_file=str(cert), retries=3)
+        assert HttpReward(spec, **credentials(spec))(["p"], ["four"]) == [4.0]
+        (tmp_path / "token").write_text("s3cret\n")
+        spec = HttpRewardSpec(url=url, token_file=str(tmp_path / "token"), ca_file=str(cert))
+        assert HttpReward(spec, **credentials(spec))(["p"], ["four"]) == [4.0]
+        for token, sent in ((None, "without a token"), ("guess", "with the token from reward.http")):
+            reward = HttpReward(HttpRewardSpec(url=url, ca_file=str(cert), retries=3), token=token, ca=cert.read_text())
+            with pytest.raises(RemoteRewardError, match=rf"POST {url} .*refused the request {sent} \(HTTP 401"):
+                reward(["p"], ["four"])
+            assert reward.requests == 1  # not retried
+        with pytest.raises(RemoteRewardError, match="CERTIFICATE_VERIFY_FAILED"):  # not the CA it trusts
+            HttpReward(HttpRewardSpec(url=url, retries=0), token="s3cret")(["p"], ["four"])
+        monkeypatch.delenv("REWARD_TOKEN")
+        with pytest.raises(RemoteRewardError, match="token_env: the environment variable REWARD_TOKEN is not set"):
+            credentials(HttpRewardSpec(url=url, token_env="REWARD_TOKEN"))
+        with pytest.raises(ValueError, match="token_env or token_file, not both"):
+            HttpRewardSpec(url=url, token_env="A", token_file="f")
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -7,14 +7,20 @@ The protocol is one JSON POST per batch of answers:
 
 A batch that times out, cannot connect or gets a non-2xx reply is sent again (`retries` times, waiting 0.5 s, 1 s,
 2 s...); after the last try the job fails naming the URL, the batch and the last error. A reply that is not one
-finite score per answer fails at once. There is never a silent 0. `python -m rlhf_ray.reward_server` serves any
-reward function this way (the reference server, used by the tests on 127.0.0.1).
+finite score per answer fails at once, and so does a refused token (HTTP 401 or 403). There is never a silent 0.
+`python -m rlhf_ray.reward_server` serves any reward function this way (the reference server).
+
+Between machines: an https URL, and a bearer token (`Authorization: Bearer ...`) read on the driver's host from
+`token_env` or `token_file` and handed to the reward actors with their arguments (not their environment, which the
+dashboard shows).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -27,12 +33,39 @@ class RemoteRewardError(RuntimeError):
     """The reward server did not give one finite score per answer, after the retries where retrying can help."""
 
 
+def credentials(spec: HttpRewardSpec) -> dict[str, str | None]:
+    """The bearer token (token_env or token_file) and the CA certificate (ca_file) `spec` names, read here, on the
+    driver's host: HttpReward's keyword arguments. Nothing named: None each."""
+    token = ca = None
+    if spec.token_env:
+        token = os.environ.get(spec.token_env, "").strip()
+        if not token:
+            raise RemoteRewardError(f"reward.http.token_env: the environment variable {spec.token_env} is not set "
+                                    "(or empty) where the job starts; export it there")
+    for field, path in (("token_file", spec.token_file), ("ca_file", spec.ca_file)):
+        if path is None:
+            continue
+        try:
+            text = open(path, encoding="utf-8").read().strip()
+        except OSError as exc:
+            raise RemoteRewardError(f"reward.http.{field}: cannot read {path}: {exc}") from None
+        if not text:
+            raise RemoteRewardError(f"reward.http.{field}: {path} is empty")
+        token, ca = (text, ca) if field == "token_file" else (token, text)
+    return {"token": token, "ca": ca}
+
+
 class HttpReward:
     """Callable like a reward function: `scores = reward(prompts, answers, **columns)`."""
 
-    def __init__(self, spec: HttpRewardSpec):
+    def __init__(self, spec: HttpRewardSpec, token: str | None = None, ca: str | None = None):
+        """`token`, `ca`: from credentials(spec), read where the job starts."""
         self.spec = spec
         self.requests = 0  # sent, retries included (for tests and logs)
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+        self.tls = ssl.create_default_context(cadata=ca) if spec.url.startswith("https://") else None
 
     def check(self) -> None:
         """An empty batch, once: a server that is down, unreachable or replies with something else than
@@ -56,13 +89,16 @@ class HttpReward:
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
             self.requests += 1
-            request = urllib.request.Request(self.spec.url, data=body, method="POST",
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(self.spec.url, data=body, method="POST", headers=self.headers)
             try:
-                with urllib.request.urlopen(request, timeout=self.spec.timeout_s) as reply:
+                with urllib.request.urlopen(request, timeout=self.spec.timeout_s, context=self.tls) as reply:
                     payload = reply.read()
             except urllib.error.HTTPError as exc:
                 last = f"HTTP {exc.code} {exc.reason}: {exc.read()[:200].decode(errors='replace')}"
+                if exc.code in (401, 403):  # retrying cannot help
+                    sent = "with the token from reward.http" if "Authorization" in self.headers else "without a token"
+                    raise RemoteRewardError(f"{where}: the server refused the request {sent} ({last}); set "
+                                            "reward.http.token_env or token_file to the server's token")
                 continue
             except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
                 reason = getattr(exc, "reason", exc)

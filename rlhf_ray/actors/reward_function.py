@@ -17,15 +17,18 @@ from rlhf_ray.functions import RewardFunctionError, column_arguments, load_funct
 
 
 class RewardFunctionWorker:
-    def __init__(self, *, rank: int, world_size: int, function: str | None, tokenizer: str, http: dict | None = None):
-        """`function`: an import path; or `http`: a HttpRewardSpec as a dict (a reward server, called alike).
+    def __init__(self, *, rank: int, world_size: int, function: str | None, tokenizer: str, http: dict | None = None,
+                 http_credentials: dict | None = None):
+        """`function`: an import path; or `http`: a HttpRewardSpec as a dict (a reward server, called alike), with
+        the token and CA the driver read for it (http_reward.credentials).
         `tokenizer`: the policy's tokenizer folder, used only to decode (without importing transformers where
         its tokenizer.json suffices: rlhf_ray/data/decoding.py)."""
         if http is not None:
             from rlhf_ray.actors.http_reward import HttpReward
             from rlhf_ray.config.ppo_job import HttpRewardSpec
 
-            self.name, self.function = http["url"], HttpReward(HttpRewardSpec.model_validate(http))
+            self.name, self.function = http["url"], HttpReward(HttpRewardSpec.model_validate(http),
+                                                               **(http_credentials or {}))
         else:
             self.name, self.function = function, load_function(function)
         self.tokenizer = TextDecoder(tokenizer)

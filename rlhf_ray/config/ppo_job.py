@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
@@ -12,6 +12,7 @@ from rlhf_ray.config.deepspeed import DeepSpeedSpec
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
+from rlhf_ray.config.paths import PathField
 from rlhf_ray.config.placement import PlacementSpec
 from rlhf_ray.config.ppo import CRITIC_FREE, PPOSpec
 from rlhf_ray.config.jobs import JobBase, check_global_batch
@@ -79,6 +80,21 @@ class HttpRewardSpec(StrictModel):
     1 s, 2 s ... between them); then the job fails naming the URL and the batch."""
     concurrency: int = Field(4, ge=1)
     """Requests in flight at once from each reward replica."""
+    token_env: str | None = None
+    """Name of an environment variable, on the driver's host, that holds a bearer token for the server (sent as
+    `Authorization: Bearer ...`; the token itself never goes in the YAML or a log line)."""
+    token_file: Annotated[str | None, PathField()] = None
+    """A file, on the driver's host, whose content is the bearer token (instead of token_env)."""
+    ca_file: Annotated[str | None, PathField()] = None
+    """For an https URL whose certificate is not signed by a CA this host trusts: the CA (PEM) to check it with."""
+
+    @model_validator(mode="after")
+    def _one_token_source(self) -> "HttpRewardSpec":
+        if self.token_env and self.token_file:
+            raise FieldProblem("token_file", "give the token one way: token_env or token_file, not both")
+        if self.ca_file and not self.url.startswith("https://"):
+            raise FieldProblem("ca_file", f"a CA file checks an https server's certificate, but url is {self.url}")
+        return self
 
 
 class RewardRoleSpec(InferenceRoleSpec):

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 
-from rlhf_ray.actors.http_reward import HttpReward
+from rlhf_ray.actors.http_reward import HttpReward, credentials
 from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import build_phase_data
 from rlhf_ray.data.registry import data_rule
@@ -51,7 +51,7 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
         episode = dict.fromkeys(EPISODE_COLUMNS, 0) if job.generation.environment else {}  # the engines add these
         column_arguments(load_function(job.reward.function), [{**r["columns"], **episode} for r in data.train[:1]])
     if job.reward.http:  # a server that is down or speaks another protocol fails here, before Ray starts
-        HttpReward(job.reward.http).check()
+        HttpReward(job.reward.http, **credentials(job.reward.http)).check()
     rule = accuracy_rule(job, data.eval[: job.ppo.eval_prompts][:1])
     metrics = MetricsLogger(out, job.logging, run_name=f"ppo-{out.name}")
     checkpoints = Checkpoints(out, job.checkpoint.keep_last)

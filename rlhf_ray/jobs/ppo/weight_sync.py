@@ -66,6 +66,21 @@ def choose_transport(requested: str, members: dict[str, tuple[str, list]]) -> st
     return "object_store"
 
 
+def why_transport(transport: str, requested: str, members: dict[str, tuple[str, list]]) -> str:
+    """Why choose_transport chose `transport`, for the job's log."""
+    (learner, (node, _)), *engines = members.items()
+    if requested != "auto":
+        return "set in generation.weight_sync.transport"
+    if transport == "ipc":
+        return f"every engine is on the node of {learner}"
+    elsewhere = [name for name, (n, _) in engines if n != node]
+    where = (f"{', '.join(elsewhere)} on another node than {learner} (ipc shares memory within one node)"
+             if elsewhere else f"the engines on other GPUs than {learner}'s")
+    if transport == "collective":
+        return f"{where}, every member on a GPU of its own"
+    return f"{where}, and not every member has a GPU of its own for a collective"
+
+
 def _node_and_gpus(_actor) -> tuple[str, list]:
     """Run in an actor (`__ray_call__`): its node id and the GPU ids Ray assigned it."""
     return ray.get_runtime_context().get_node_id(), ray.get_gpu_ids()
@@ -76,8 +91,9 @@ class WeightSync:
         self.job, self.workers, self.version = job, workers, version
         spec = job.generation.weight_sync
         self.bucket_bytes, self.adapters_only = int(spec.bucket_mb * 2**20), spec.lora == "adapter"
-        self.transport = choose_transport(spec.transport, self._places())
-        log.info("weight sync: %s", self.transport)
+        places = self._places()
+        self.transport = choose_transport(spec.transport, places)
+        log.info("weight sync: %s (%s)", self.transport, why_transport(self.transport, spec.transport, places))
         self.behind: set[int] | None = None  # ipc: engines replaced during a handoff, given the weights after it
         self.closing: list | None = None  # ipc: the call that frees the last part, not waited for
         if self.transport == "collective":

@@ -16,6 +16,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from rlhf_ray.actors.http_reward import credentials
 from rlhf_ray.actors.experience_worker import Assembled, ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, resilient_gather, results_lost
 from rlhf_ray.actors.pool import GenerationPool, Rollout
@@ -158,8 +159,9 @@ class RoleWorkers:
         its own: its answers are then decoded and re-tokenised for it)."""
         if not job.reward.is_model:
             http = job.reward.http.model_dump() if job.reward.http else None
+            secrets = credentials(job.reward.http) if job.reward.http else None  # arguments: not on the dashboard
             return self._inference_group(RewardFunctionWorker, "reward", job.reward.placement, slot,
-                                         function=job.reward.function, http=http,
+                                         function=job.reward.function, http=http, http_credentials=secrets,
                                          tokenizer=job.policy.model.tokenizer_path)
         rm_tokenizer = load_tokenizer(job.reward.model)
         bridge = None if same_tokenizer(tokenizer, rm_tokenizer) else job.policy.model.tokenizer_path
