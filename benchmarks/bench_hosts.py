@@ -92,6 +92,11 @@ def render(results: dict, args) -> str:
         mb = r["bytes"] / 1e6
         lines.append(f"| {name} | {r['transport']} | {mb:.0f} | {r['sync']:.2f} | {mb / r['sync']:.0f} | "
                      f"{r['load']:.2f} | {r['iteration']:.1f} | {r['sync'] / base['sync']:.2f}x |")
+    two = results["two hosts"]
+    lines += ["", f"Crossing hosts, the sync took {two['sync'] / base['sync']:.2f}x the one-host object store's time "
+                  f"({two['sync']:.2f} against {base['sync']:.2f} s for {two['bytes'] / 1e6:.0f} MB), "
+                  f"{two['sync'] / two['iteration']:.0%} of an iteration; the transport chosen without a setting "
+                  "is in the second column, as the job logs it."]
     return "\n".join(lines) + "\n"
 
 
