@@ -35,7 +35,7 @@ def test_gloo_is_told_the_interface_and_a_users_choice_is_kept(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
-    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # unset for the function; monkeypatch restores the original after
     assert distributed.bind_to_node_address() == {"GLOO_SOCKET_IFNAME": "lo"}
 
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"

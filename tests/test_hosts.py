@@ -34,7 +34,9 @@ def hosts():
     if (why := unavailable()) is not None:
         pytest.skip(f"real hosts need network namespaces: {why}")
     root = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))  # short: Ray's socket paths live under it
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+    # fresh machines: nothing of this process's Ray or interface settings (a test may have left GLOO_SOCKET_IFNAME)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS",
+                                                             "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), PATH=f"{BIN}:{env.get('PATH', '')}")
     made = Hosts(root, env)
     try:
