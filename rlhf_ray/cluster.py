@@ -325,7 +325,18 @@ def remove(pgs: dict) -> None:
             log.warning("could not remove placement group %s: %s", ray_name(name), e)
 
 
-def _paths_here(paths: list[str], folder: str, marker: str, token: str) -> dict:
+@dataclass(frozen=True)
+class PathsSeen:
+    """What one node sees of a job's paths (check_paths_on_nodes)."""
+
+    unreadable: list[str]
+    """The paths asked about that are missing or unreadable there."""
+    same_folder: bool
+    """The output folder there is the driver's (the marker the driver wrote is in it)."""
+    writable: bool
+
+
+def _paths_here(paths: list[str], folder: str, marker: str, token: str) -> PathsSeen:
     """On one node: which of `paths` are missing or unreadable, and whether `folder` is the driver's (its marker
     file holds `token`) and writable."""
     try:
@@ -333,11 +344,10 @@ def _paths_here(paths: list[str], folder: str, marker: str, token: str) -> dict:
             same = handle.read() == token
     except OSError:
         same = False
-    return {"unreadable": [p for p in paths if not os.access(p, os.R_OK)], "same_folder": same,
-            "writable": os.access(folder, os.W_OK | os.X_OK)}
+    return PathsSeen([p for p in paths if not os.access(p, os.R_OK)], same, os.access(folder, os.W_OK | os.X_OK))
 
 
-def check_paths_on_nodes(asks: dict[str, list[str]], folder: str, timeout_s: float) -> dict[str, dict]:
+def check_paths_on_nodes(asks: dict[str, list[str]], folder: str, timeout_s: float) -> dict[str, PathsSeen]:
     """Node id -> what `_paths_here` found there, for each node in `asks` (node id -> paths to check). A small task
     runs on each node (no CPU reserved, so it runs beside full placement groups); `folder` is the job's output
     folder, given a marker file here first so each node can tell whether it sees the same folder."""

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 """What a Hugging Face hub id looks like: `name` or `org/name`."""
 PACKAGE_PREFIX = "package:"
-"""A GGUF file a Python package ships (`package:smollm2`): not a path."""
+"""`gguf_file: "package:NAME"` in a config names a model a Python package ships (models/packaged.py): not a path."""
 
 
 @dataclass(frozen=True)

@@ -465,16 +465,16 @@ def check_on_nodes(job: JobBase, plan: ResourcePlan, placements: dict, timeout_s
         address = cluster.node_address(node)
         for role, nodes in role_nodes.items():
             for loc, path in inputs.get(role, []) if node in nodes else []:
-                if path in seen["unreadable"]:
+                if path in seen.unreadable:
                     problems.append(f"{job.where(loc)}: {path} is missing or unreadable on node {address}, where "
                                     f"the {role} role was placed (the driver's host has it); put it on storage every "
                                     "node mounts at the same path, or copy it to that path on every node")
-        if not seen["same_folder"]:
+        if not seen.same_folder:
             problems.append(f"{job.where(('output_dir',))}: {job.output_dir} on node {address} is not the folder "
                             "the driver writes to (a file written there by the driver is not seen on that node), "
                             "and the job's actors there write into it (logs, checkpoints, models): set output_dir "
                             "to shared storage every node mounts at the same path (NFS, a KubeRay volume)")
-        elif not seen["writable"]:
+        elif not seen.writable:
             problems.append(f"{job.where(('output_dir',))}: {job.output_dir} is not writable on node {address} "
                             "by the user its Ray node runs as; give that user write access")
     if problems:

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf_ray.config.paths import PACKAGE_PREFIX  # one definition, where configs read paths
+
 MODELS_DIR_ENV = "RLHF_RAY_MODELS_DIR"
 """Where GGUF models are assembled and imported: one folder shared by every run on the machine, or on storage every
 node mounts (default: `~/.cache/rlhf_ray` for assembled files, `<output_dir>/models` for a job's imports)."""
@@ -46,8 +48,6 @@ PACKAGED: dict[str, PackagedModel] = {
 """Package-shipped models by the name configs use (`gguf_file: "package:NAME"`, `init-model --from NAME`)."""
 
 
-PACKAGE_PREFIX = "package:"
-"""`gguf_file: "package:NAME"` in a config names a packaged model."""
 
 
 def packaged_model(gguf_file: str) -> PackagedModel | None:
