@@ -20,15 +20,33 @@ def test_correlation_of_reward_and_length():
     assert correlation(torch.tensor([2.0, 2.0, 2.0, 2.0]), lengths) == 0.0  # a constant reward: no relation
 
 
-def test_reward_up_while_accuracy_down_is_a_hacking_sign():
-    before = {"reward": 1.0, "task_accuracy": 0.5, "sampled_reward": 0.5, "sampled_task_accuracy": 0.4}
-    honest = {"reward": 1.5, "task_accuracy": 0.6, "sampled_reward": 0.8, "sampled_task_accuracy": 0.5}
-    assert reward_hacking_signs(before, honest) == []
-    hacked = {"reward": 1.5, "task_accuracy": 0.3, "sampled_reward": 0.8, "sampled_task_accuracy": 0.5}
-    (sign,) = reward_hacking_signs(before, hacked)
-    assert sign.startswith("greedy answers: reward 1.000 -> 1.500") and "0.500 -> 0.300" in sign
-    assert reward_hacking_signs({"reward": 1.0}, {"reward": 9.0}) == []  # no rule accuracy: nothing to compare
-    assert reward_hacking_signs(before, before | {"reward": 1.01, "task_accuracy": 0.49}) == []  # within margin
+def evals(*points):
+    """(iteration, greedy reward, greedy check) -> the history Diagnostics keeps."""
+    return [(step, {"reward": r, "task_accuracy": c}) for step, r, c in points]
+
+
+def test_reward_rising_while_the_check_falls_over_consecutive_evaluations_is_a_hacking_sign():
+    honest = evals((0, 1.0, 0.5), (3, 1.5, 0.6), (6, 1.8, 0.7))
+    assert reward_hacking_signs(honest, evaluations=2) == []
+    # rose together to 6, then parted: the reward kept rising, the check fell at 9 and at 12
+    parted = evals((0, 1.0, 0.5), (3, 1.5, 0.6), (6, 1.8, 0.7), (9, 2.0, 0.6), (12, 2.3, 0.4))
+    (sign,) = reward_hacking_signs(parted, evaluations=2)
+    assert sign.answers == "greedy" and sign.parted_at == 6 and sign.steps == (6, 9, 12)
+    assert sign.describe() == ("greedy answers: at iterations 6, 9, 12 the reward went 1.800 -> 2.000 -> 2.300 "
+                               "while the held-out check went 0.700 -> 0.600 -> 0.400")
+    assert reward_hacking_signs(parted[:4], evaluations=2) == []  # one evaluation of parting is not yet a trend
+    assert [s.parted_at for s in reward_hacking_signs(parted[:4], evaluations=1)] == [6]
+    assert reward_hacking_signs(parted, evaluations=0) == []  # off
+    # the run is followed back as far as it goes: parted at 3 when 6 already diverged
+    longer = evals((0, 1.0, 0.5), (3, 1.5, 0.6), (6, 1.8, 0.5), (9, 2.0, 0.4), (12, 2.3, 0.3))
+    assert reward_hacking_signs(longer, evaluations=2)[0].parted_at == 3
+    # a pause in the reward's rise ends the run; moves within the margin do not count
+    assert reward_hacking_signs(evals((0, 1.0, 0.5), (3, 1.5, 0.4), (6, 1.5, 0.3), (9, 1.6, 0.2)), 2) == []
+    assert reward_hacking_signs(evals((0, 1.0, 0.5), (3, 1.01, 0.49), (6, 1.02, 0.48)), 2) == []
+    assert reward_hacking_signs([(0, {"reward": 1.0}), (3, {"reward": 9.0}), (6, {"reward": 20.0})], 2) == []
+    # sampled answers are watched on their own
+    sampled = [(s, {"sampled_reward": e["reward"], "sampled_task_accuracy": e["task_accuracy"]}) for s, e in parted]
+    assert [s.answers for s in reward_hacking_signs(sampled, 2)] == ["sampled"]
 
 
 def test_entropy_collapse_is_relative_to_the_first_value():
@@ -36,15 +54,21 @@ def test_entropy_collapse_is_relative_to_the_first_value():
     assert not entropy_collapsed(0.0, 0.0, ratio=0.1)
 
 
-def test_the_job_warns_once_for_each_sign(caplog):
-    watch = Diagnostics({"reward": 1.0, "task_accuracy": 0.5}, entropy_ratio=0.1)
+def test_the_job_warns_once_for_each_sign_naming_where_reward_and_check_parted(caplog):
+    watch = Diagnostics({"reward": 1.0, "task_accuracy": 0.5}, entropy_ratio=0.1, evaluations=2,
+                        check="my.module:gold")
     with caplog.at_level(logging.WARNING, logger="rlhf_ray.jobs.alerts"):
         for step, entropy in enumerate([2.0, 1.0, 0.1, 0.05], start=1):
             watch.iteration(step, {"policy/entropy": entropy})
-        assert watch.evaluation(5, {"reward": 2.0, "task_accuracy": 0.2}) == {"eval/reward_hacking_signs": 1.0}
-        assert watch.evaluation(6, {"reward": 2.0, "task_accuracy": 0.1}) == {"eval/reward_hacking_signs": 1.0}
+        assert watch.evaluation(2, {"reward": 1.5, "task_accuracy": 0.6}) == {"eval/reward_hacking_signs": 0.0}
+        assert watch.evaluation(4, {"reward": 2.0, "task_accuracy": 0.4}) == {"eval/reward_hacking_signs": 0.0}
+        assert watch.evaluation(6, {"reward": 2.5, "task_accuracy": 0.2}) == {"eval/reward_hacking_signs": 1.0,
+                                                                             "eval/parted_at": 2.0}
+        assert watch.evaluation(8, {"reward": 3.0, "task_accuracy": 0.1})["eval/parted_at"] == 2.0
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2
     assert "iteration 3: policy entropy 0.1000 is below 0.10 x its first value 2.0000" in warnings[0]
-    assert "iteration 5: possible reward over-optimisation" in warnings[1]
-    assert Diagnostics({"reward": 1.0}, 0.1).evaluation(2, {"reward": 3.0}) == {}  # no rule: no metric
+    assert warnings[1].startswith("iteration 6: possible reward over-optimisation (reward hacking): the reward keeps "
+                                  "rising while the held-out check (my.module:gold) falls; they parted after "
+                                  "iteration 2: greedy answers: at iterations 2, 4, 6")
+    assert Diagnostics({"reward": 1.0}, 0.1).evaluation(2, {"reward": 3.0}) == {}  # no check: no metric

@@ -51,7 +51,7 @@ def test_disabled_progress_writes_nothing_and_durations_read_well():
     assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
 
 
-def test_the_latest_held_out_accuracy_shows_with_the_iteration_it_was_measured_at():
+def test_the_latest_held_out_reward_and_check_show_with_the_iteration_they_were_measured_at():
     out = io.StringIO()
     progress = Progress(total=10, start=0, samples_per_iteration=32, stream=out)
     progress.evaluated(0, {"reward": 0.1})  # no rule: nothing to show
@@ -61,5 +61,6 @@ def test_the_latest_held_out_accuracy_shows_with_the_iteration_it_was_measured_a
     progress.evaluated(2, {"reward": 0.2, "task_accuracy": 0.25})
     progress.update(3, METRICS)
     lines = out.getvalue().splitlines()
-    assert "acc" not in lines[0]
-    assert "reward 0.412  acc 0.170 (iter 0)  kl" in lines[1] and "acc 0.250 (iter 2)" in lines[2]
+    assert "held-out" not in lines[0]
+    assert "reward 0.412  held-out reward 0.100 check 0.170 (iter 0)  kl" in lines[1]
+    assert "held-out reward 0.200 check 0.250 (iter 2)" in lines[2]

@@ -31,13 +31,13 @@ def rendered(page: Path) -> str:
 def fake_run(folder: Path, rewards: list[float], finished: bool = True) -> Path:
     """A PPO run folder as a job writes it: metrics.jsonl (the evaluation at step 0 and the end) and summary.json."""
     folder.mkdir(parents=True)
-    rows = [{"step": 0, "eval/task_accuracy": 0.2}]
+    rows = [{"step": 0, "eval/reward": 0.1, "eval/task_accuracy": 0.2}]
     rows += [{"step": i + 1, "reward/mean": r, "kl/mean": 0.01 * i, "policy/entropy": 1.0 - 0.1 * i,
               "answer/length": 20 + i, "time/generate_wait": 2.0, "time/experience": 0.5, "time/train": 3.0,
               "time/sync": 0.2} for i, r in enumerate(rewards)]
     text = "\n".join(json.dumps(r) for r in rows) + "\n"
     if finished:
-        rows.append({"step": len(rewards), "eval/task_accuracy": 0.35})
+        rows.append({"step": len(rewards), "eval/reward": 0.4, "eval/task_accuracy": 0.35})
         text = "\n".join(json.dumps(r) for r in rows) + "\n"
         (folder / "summary.json").write_text(json.dumps({"iterations": len(rewards), "task_accuracy_before": 0.2,
                                                          "task_accuracy_after": 0.35, "seconds": 61.5}))
@@ -54,13 +54,13 @@ def test_several_runs_side_by_side_in_one_page_and_its_plots(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     pngs = sorted(p.name for p in (tmp_path / "both" / "report").glob("*.png"))
     assert pngs == ["KL_to_the_reference.png", "answer_length__tokens.png", "entropy.png",
-                    "held_out_task_accuracy.png", "reward.png", "time_per_iteration__s.png"]
+                    "held_out_check.png", "held_out_reward.png", "reward.png", "time_per_iteration__s.png"]
     page = (tmp_path / "both" / "report.html").read_text()
     assert "<th>sync</th><th>partial</th>" in page and "(running)" in page
     assert "<td>task_accuracy_after</td><td>0.35</td><td>-</td>" in page
-    assert page.count("data:image/png;base64,") == 6  # self-contained: the plots are in the page
+    assert page.count("data:image/png;base64,") == 7  # self-contained: the plots are in the page
     dom = rendered(tmp_path / "both" / "report.html")
-    assert 'data-images-shown="6"' in dom  # the browser decoded and laid out every plot
+    assert 'data-images-shown="7"' in dom  # the browser decoded and laid out every plot
     assert "task_accuracy_after" in dom and "61.5" in dom
 
 

@@ -5,6 +5,8 @@ games length makes the score follow the answer length; a policy whose entropy co
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -17,18 +19,47 @@ def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
     return float((x * y).sum()) / scale if scale > 0 else 0.0
 
 
-def reward_hacking_signs(before: dict[str, float], now: dict[str, float], margin: float = 0.02) -> list[str]:
-    """What held-out evaluations say (the keys of Evaluator.evaluate): for greedy and sampled answers, the reward's
-    score rose while the rule accuracy fell, each by more than `margin`. [] when nothing looks wrong, or when the
-    evaluation has no rule accuracy."""
+@dataclass(frozen=True)
+class Parting:
+    """Held-out evaluations in which the reward rose and the check fell from each one to the next: `answers`
+    ("greedy" or "sampled"), the iterations of those evaluations (the first is where the two parted: the last one
+    before the check began to fall), and the reward's and the check's value at each."""
+
+    answers: str
+    steps: tuple[int, ...]
+    reward: tuple[float, ...]
+    check: tuple[float, ...]
+
+    @property
+    def parted_at(self) -> int:
+        return self.steps[0]
+
+    def describe(self) -> str:
+        join = lambda values: " -> ".join(f"{v:.3f}" for v in values)  # noqa: E731
+        return (f"{self.answers} answers: at iterations {', '.join(map(str, self.steps))} the reward went "
+                f"{join(self.reward)} while the held-out check went {join(self.check)}")
+
+
+def reward_hacking_signs(history: Sequence[tuple[int, dict[str, float]]], evaluations: int,
+                         margin: float = 0.02) -> list[Parting]:
+    """What the held-out evaluations so far say (`history`: (iteration, Evaluator.evaluate's keys), oldest first):
+    for greedy and sampled answers, the reward rose by more than `margin` and the check (`task_accuracy`) fell by
+    more than `margin` at each of the last `evaluations` evaluations, against the one before it. The run of such
+    evaluations is followed back as far as it goes, so `parted_at` is where the two began to part. [] when
+    nothing looks wrong, or when the evaluations have no check."""
     signs = []
     for prefix, what in (("", "greedy"), ("sampled_", "sampled")):
-        reward, accuracy = f"{prefix}reward", f"{prefix}task_accuracy"
-        if not all(key in before and key in now for key in (reward, accuracy)):
-            continue
-        if now[reward] > before[reward] + margin and now[accuracy] < before[accuracy] - margin:
-            signs.append(f"{what} answers: reward {before[reward]:.3f} -> {now[reward]:.3f} while the rule accuracy "
-                         f"fell {before[accuracy]:.3f} -> {now[accuracy]:.3f}")
+        reward, check = f"{prefix}reward", f"{prefix}task_accuracy"
+        points = [(step, e[reward], e[check]) for step, e in history if reward in e and check in e]
+        run = 0
+        while run + 1 < len(points):
+            (_, r0, c0), (_, r1, c1) = points[-run - 2], points[-run - 1]
+            if not (r1 > r0 + margin and c1 < c0 - margin):
+                break
+            run += 1
+        if evaluations > 0 and run >= evaluations:
+            kept = points[-run - 1:]
+            signs.append(Parting(what, *(tuple(column) for column in zip(*kept))))
     return signs
 
 

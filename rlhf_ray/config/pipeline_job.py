@@ -6,7 +6,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from rlhf_ray.config.base import FieldProblem
+from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.placement import PlacementSpec
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR, DPOJob, JobBase, PretrainJob, RMJob, SFTJob
 from rlhf_ray.config.ppo_job import PPOJob
@@ -17,6 +17,12 @@ ANSWERS_FORMAT = {"prompt_field": "prompt", "chosen_field": "answer", "template"
 """How an SFT job reads such a file (`data.datasets: [{name: custom, path: FILE, format: ANSWERS_FORMAT}]`): the
 prompt as the PPO job rendered it, the answer as the model wrote it (its stop token included), neither re-rendered,
 so SFT trains on the very prompt ids the PPO job samples from."""
+PAIRS_DIR = "pairs"
+"""The labelled preference pairs a reward-model stage trains on (train.jsonl) and is checked on (eval.jsonl), in its
+output_dir, when the pipeline labels them (a `pairs` section)."""
+PAIRS_FORMAT = {"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected", "template": "raw"}
+"""How the reward-model stage reads them: the prompt as the PPO stage renders it, both answers as the SFT model wrote
+them (stop token included)."""
 
 
 class WarmupJob(SFTJob):
@@ -33,6 +39,28 @@ class WarmupJob(SFTJob):
     keep_unfinished: bool = False
     """Keep answers cut at `generation.sampling.max_new_tokens` (dropped by default: SFT on them would teach the
     student to stop mid-answer)."""
+
+
+class PreferencePairs(StrictModel):
+    """Between sft and rm: InstructGPT's labelling step with a known truth. The SFT model answers `prompts` +
+    `eval_prompts` of the PPO stage's training prompts twice each (the PPO stage's generation settings and engine
+    placement), a gold function scores every answer, and a Bradley-Terry draw on the two scores labels which one is
+    chosen (annotator noise: `temperature`); pairs with equal scores are ties and left out. The reward-model stage
+    then trains on the first `prompts` pairs and reports its accuracy on the others beside the gold function's own
+    (the ceiling on noisy labels). The gold function is the truth the reward model never sees: name it as the PPO
+    stage's `ppo.accuracy_function` too, to measure the policy by it (docs/jobs.md, "Preference pairs with a
+    hidden truth")."""
+
+    gold_function: str = Field(pattern=r"^[\w.]+:\w+$")
+    """Import path of the gold score, called like a reward function: `fn(prompts, answers, **columns)` -> a score per
+    answer (e.g. `rlhf_ray.data.descriptions:gold` for the `demo/descriptions` task)."""
+    prompts: int = Field(600, ge=1)
+    """Training prompts answered twice: at most this many training pairs (fewer by the ties)."""
+    eval_prompts: int = Field(100, ge=1)
+    """Further prompts whose pairs are the reward model's held-out check (never trained on)."""
+    temperature: float = Field(0.1, ge=0)
+    """The annotator's noise: P(a chosen over b) = sigmoid((gold(a) - gold(b)) / temperature); 0: always the higher
+    score."""
 
 
 def _with_default(section: dict[str, Any], keys: tuple[str, ...], value: str) -> None:
@@ -98,6 +126,9 @@ class PipelineJob(JobBase):
     """Between sft and ppo, with a ppo stage that has a teacher (on-policy distillation): the teacher answers
     `warmup.prompts` training prompts, and the student (ppo's policy model) is fine-tuned on those answers, as in an
     sft config; the PPO stage's policy starts from its model."""
+    pairs: PreferencePairs | None = None
+    """Between sft and rm: label pairs of the SFT model's own answers by a gold function (a Bradley-Terry draw) and
+    train the reward model on them; rm's data defaults to them (`<rm output_dir>/pairs/`)."""
 
     @model_validator(mode="after")
     def _one_route(self) -> "PipelineJob":
@@ -109,6 +140,13 @@ class PipelineJob(JobBase):
         if self.warmup is not None and (self.ppo is None or self.ppo.teacher is None):
             raise FieldProblem("warmup", "a warm-up fine-tunes the student on the teacher's answers before on-policy "
                                          "distillation: it needs a ppo stage with a teacher section; remove warmup")
+        if self.pairs is not None and (self.rm is None or self.ppo is None):
+            raise FieldProblem("pairs", "preference pairs are labelled from the SFT model's answers to the ppo stage's "
+                                        "prompts and train the rm stage: give both an rm and a ppo section, or remove "
+                                        "pairs")
+        if self.pairs is not None and self.ppo.generation.environment is not None:
+            raise FieldProblem("pairs", "pairs are two single answers to one prompt; the ppo stage plays multi-turn "
+                                        "episodes (generation.environment): remove pairs")
         if self.warmup is not None and self.ppo.generation.environment is not None:
             raise FieldProblem("warmup", "the warm-up trains on one answer per prompt; the ppo stage plays multi-turn "
                                          "episodes (generation.environment): remove warmup, or give the student an "
@@ -139,6 +177,12 @@ class PipelineJob(JobBase):
         for stage in ("rm", "dpo"):
             if stage in stages:
                 _with_default(stages[stage], ("model", "path"), sft_model)
+        if isinstance(data.get("pairs"), dict) and "rm" in stages:
+            rm_data = stages["rm"].setdefault("data", {})
+            if isinstance(rm_data, dict):
+                rm_data.setdefault("datasets", [{"name": "custom", "path": f"{stages['rm']['output_dir']}/{PAIRS_DIR}",
+                                                 "format": dict(PAIRS_FORMAT)}])
+                rm_data.setdefault("split", "0,1,0")
         if "warmup" in stages and "ppo" in stages:
             _wire_warmup(stages["warmup"], stages["ppo"])
         if "ppo" in stages:

@@ -195,8 +195,13 @@ class PPOSpec(StrictModel):
     both evaluations and leaves them null)."""
     eval_every: int = Field(0, ge=0)
     """Also evaluate the held-out prompts every this many iterations (eval/* lines at those steps), so the reward's
-    score and the rule accuracy can be watched side by side while training (reward over-optimisation shows as
-    the first rising while the second falls: the job then warns); 0: only before and after training."""
+    score and the held-out check (`accuracy_function`, else the dataset's rule) can be watched side by side while
+    training (reward over-optimisation shows as the first rising while the second falls: the job then warns, see
+    `hacking_warning_evaluations`); 0: only before and after training."""
+    hacking_warning_evaluations: int = Field(2, ge=0)
+    """Warn (once) when, at this many consecutive held-out evaluations, the reward rose and the held-out check fell
+    against the evaluation before, for greedy or sampled answers; the warning names the iteration where the two
+    parted (metrics: eval/reward_hacking_signs, eval/parted_at). 0 turns the warning off."""
     entropy_warning_ratio: float = Field(0.1, ge=0, lt=1)
     """Warn once when the policy's entropy falls below this fraction of the first iteration's (of this run or
     resumed attempt): the policy has nearly stopped exploring (entropy collapse); 0 turns the warning off."""
@@ -205,10 +210,12 @@ class PPOSpec(StrictModel):
     n_samples_per_prompt) for summary.json's sampled_reward_* and sampled_task_accuracy_*: the policy PPO
     optimises, where greedy answers show only its most likely one. 0 skips them."""
     accuracy_function: str | None = Field(None, pattern=r"^[\w.]+:\w+$")
-    """Import path (`package.module:function`) of the rule that marks held-out answers right (1.0) or wrong (0.0)
-    for summary.json's task_accuracy_*, called like a reward function: `fn(prompts, answers, **columns)`. Unset:
-    the dataset's own rule where it has one (demo/sort and demo/arithmetic: the exact answer; demo/word-problems:
-    the last number), else no task accuracy. E.g. `rlhf_ray.data.answers:last_number_reward` for an instruct
+    """Import path (`package.module:function`) of the held-out check: the rule that marks held-out answers right
+    (1.0) or wrong (0.0), or a graded truth in [0, 1] (its mean is reported), for summary.json's task_accuracy_*
+    and every evaluation's eval/task_accuracy, beside the reward; called like a reward function:
+    `fn(prompts, answers, **columns)`. Unset: the dataset's own rule where it has one (demo/sort and
+    demo/arithmetic: the exact answer; demo/word-problems: the last number; demo/descriptions: its gold score), else
+    no task accuracy. E.g. `rlhf_ray.data.answers:last_number_reward` for an instruct
     model that explains before it answers."""
     keep_best: Literal["reward", "task_accuracy", "sampled_reward", "sampled_task_accuracy"] | None = None
     """Also keep the policy of the best held-out evaluation by this score (before training, every `eval_every`

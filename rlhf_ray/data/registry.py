@@ -25,7 +25,7 @@ from typing import Any
 
 from rlhf_ray.config.data import DatasetSpec
 from rlhf_ray.data.answers import last_number_reward
-from rlhf_ray.data import demo, demo_sort, word_problems
+from rlhf_ray.data import demo, demo_sort, descriptions, word_problems
 from rlhf_ray.data.adapters import ADAPTERS, Adapter, FieldError, FormatAdapter, Skip
 from rlhf_ray.data.errors import DataError
 from rlhf_ray.data.raw import RawDataset, RawSample
@@ -40,17 +40,19 @@ _ADAPTERS: dict[str, Adapter] = {cls.name: cls() for cls in ADAPTERS}
 _GENERATED: dict[str, Callable[[], RawDataset]] = {demo.NAME: demo.load, demo_sort.NAME: demo_sort.load,
                                                    word_problems.NAME: word_problems.load,
                                                    word_problems.CALCULATOR_NAME: word_problems.load_calculator,
-                                                   word_problems.STEPS_NAME: word_problems.load_steps}
+                                                   word_problems.STEPS_NAME: word_problems.load_steps,
+                                                   descriptions.NAME: descriptions.load}
 
 
 _RULES: dict[str, Callable[..., list[float]]] = {demo.NAME: demo.score, demo_sort.NAME: demo_sort.score,
                                                  word_problems.NAME: last_number_reward,
-                                                 word_problems.STEPS_NAME: last_number_reward}
+                                                 word_problems.STEPS_NAME: last_number_reward,
+                                                 descriptions.NAME: descriptions.gold}
 
 
 def task_rule(name: str) -> Callable[[list[str], list[str]], list[float]] | None:
     """The rule that checks answers of a generated task (None for human-preference data, which has none):
-    `rule(prompts, answers, **columns)` -> 1.0 / 0.0 per answer."""
+    `rule(prompts, answers, **columns)` -> 1.0 / 0.0 per answer (demo/descriptions: a graded gold score)."""
     return _RULES.get(name)
 
 

@@ -11,11 +11,14 @@ log = logging.getLogger(__name__)
 
 
 class Diagnostics:
-    """Warnings a user should not have to find in plots: reward over-optimisation (held-out reward up, rule accuracy
-    down, against the evaluation before training) and entropy collapse (each warned once)."""
+    """Warnings a user should not have to find in plots: reward over-optimisation (the held-out reward keeps rising
+    while the held-out check falls, over `evaluations` consecutive evaluations) and entropy collapse (each warned
+    once)."""
 
-    def __init__(self, before: dict[str, float], entropy_ratio: float):
-        self.before, self.entropy_ratio = before, entropy_ratio
+    def __init__(self, before: dict[str, float], entropy_ratio: float, evaluations: int = 2, check: str = "the rule",
+                 start: int = 0):
+        self.entropy_ratio, self.evaluations, self.check = entropy_ratio, evaluations, check
+        self.history: list[tuple[int, dict[str, float]]] = [(start, before)] if before else []
         self.first_entropy: float | None = None
         self.warned: set[str] = set()
 
@@ -32,12 +35,20 @@ class Diagnostics:
                         "ppo.kl_coef or ppo.clip_ratio_high", step, entropy, self.entropy_ratio, self.first_entropy)
 
     def evaluation(self, step: int, now: dict[str, float]) -> dict[str, float]:
-        """Metrics for an evaluation line (eval/reward_hacking_signs: 0, 1 or 2); warns on the first signs."""
-        signs = reward_hacking_signs(self.before, now)
+        """Metrics for an evaluation line: eval/reward_hacking_signs (0, 1 or 2: greedy, sampled answers whose reward
+        and check are parting now) and, while they part, eval/parted_at (the iteration where they began to).
+        Warns the first time they do."""
+        self.history.append((step, now))
+        signs = reward_hacking_signs(self.history, self.evaluations)
         if signs and "hacking" not in self.warned:
             self.warned.add("hacking")
-            log.warning("iteration %d: possible reward over-optimisation (reward hacking): %s. The policy is finding "
-                        "what the reward rewards beyond the task; consider a larger ppo.kl_coef, fewer iterations "
-                        "or a better reward model", step, "; ".join(signs))
-        has_rule = "task_accuracy" in now or "sampled_task_accuracy" in now
-        return {"eval/reward_hacking_signs": float(len(signs))} if has_rule and self.before else {}
+            log.warning("iteration %d: possible reward over-optimisation (reward hacking): the reward keeps rising "
+                        "while the held-out check (%s) falls; they parted after iteration %d: %s. The policy is "
+                        "finding what the reward rewards beyond the task; consider the policy of iteration %d "
+                        "(ppo.keep_best), a larger ppo.kl_coef, fewer iterations or a better reward model", step,
+                        self.check, min(s.parted_at for s in signs), "; ".join(s.describe() for s in signs),
+                        min(s.parted_at for s in signs))
+        if not ("task_accuracy" in now or "sampled_task_accuracy" in now) or len(self.history) < 2:
+            return {}
+        return {"eval/reward_hacking_signs": float(len(signs))} | (
+            {"eval/parted_at": float(min(s.parted_at for s in signs))} if signs else {})

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from rlhf_ray.config import ConfigError, ConfigSource, JobBase
 from rlhf_ray.config.jobs import FINAL_MODEL_DIR
-from rlhf_ray.config.pipeline_job import ANSWERS_FILE
+from rlhf_ray.config.pipeline_job import ANSWERS_FILE, PAIRS_DIR
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.paths import looks_local
 from rlhf_ray.memory.budget import check_memory, written_shapes
@@ -37,6 +37,8 @@ def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
     produced = {_norm(Path(stage.output_dir) / FINAL_MODEL_DIR) for _, stage in stages(job)}
     if (warmup := getattr(job, "warmup", None)) is not None:
         produced.add(_norm(Path(warmup.output_dir) / ANSWERS_FILE))  # the pipeline samples it before the warm-up
+    if getattr(job, "pairs", None) is not None:
+        produced.add(_norm(Path(job.rm.output_dir) / PAIRS_DIR))  # labelled before the rm stage
     problems: list[str] = []
     for prefix, stage in stages(job):
         found = [*check_datasets(stage, files, produced), *check_reward_function(stage), *check_environment(stage),
@@ -45,6 +47,9 @@ def preflight(job: JobBase, source: ConfigSource, files: bool = True) -> None:
             found += [*check_output_dir(stage), *check_checkpoint(stage), *check_corpora(stage),
                       *check_model_folders(stage, produced)]
         problems += [f"{source.where(prefix + loc)}: {'.'.join(prefix + loc)}: {what}" for loc, what in found]
+    if (pairs := getattr(job, "pairs", None)) is not None:
+        problems += [f"{source.where(loc)}: {'.'.join(loc)}: {what}"
+                     for loc, what in check_function(("pairs", "gold_function"), pairs.gold_function)]
     problems += check_engines(job, source, files)
     if problems:
         raise ConfigError(problems)
@@ -152,31 +157,35 @@ def _tokenizer_size(spec: ModelSpec) -> int | None:
 
 def check_reward_function(job: JobBase) -> Iterator[tuple[Loc, str]]:
     """`reward.function` (and `ppo.accuracy_function`) import and take (prompts, answers, **columns)."""
-    from rlhf_ray.functions import load_function
-
     names = [(("reward", "function"), getattr(getattr(job, "reward", None), "function", None)),
              (("ppo", "accuracy_function"), getattr(getattr(job, "ppo", None), "accuracy_function", None))]
     for loc, name in names:
-        if not name:
-            continue
-        try:
-            function = load_function(name)
-        except Exception as exc:  # the module's own import may raise anything
-            module = name.partition(":")[0]
-            yield loc, f"{exc}; check the spelling and that {module!r} is importable from the job's working dir"
-            continue
-        if not callable(function):
-            yield loc, f"{name} is a {type(function).__name__}, not a function"
-            continue
-        try:
-            inspect.signature(function).bind(["prompt"], ["answer"])
-        except TypeError as exc:
-            if "missing" not in str(exc):  # a required column (e.g. answer=) is checked against the data later
-                yield loc, (f"{name} cannot be called as f(prompts, answers, **columns): {exc}; give it two "
-                            "positional parameters (lists of prompts and answers) and take dataset columns as "
-                            "keyword arguments")
-        except ValueError:
-            pass  # a builtin without a signature: it will be called and judged then
+        if name:
+            yield from check_function(loc, name)
+
+
+def check_function(loc: Loc, name: str) -> Iterator[tuple[Loc, str]]:
+    """The function named at `loc` imports and can be called as f(prompts, answers, **columns)."""
+    from rlhf_ray.functions import load_function
+
+    try:
+        function = load_function(name)
+    except Exception as exc:  # the module's own import may raise anything
+        module = name.partition(":")[0]
+        yield loc, f"{exc}; check the spelling and that {module!r} is importable from the job's working dir"
+        return
+    if not callable(function):
+        yield loc, f"{name} is a {type(function).__name__}, not a function"
+        return
+    try:
+        inspect.signature(function).bind(["prompt"], ["answer"])
+    except TypeError as exc:
+        if "missing" not in str(exc):  # a required column (e.g. answer=) is checked against the data later
+            yield loc, (f"{name} cannot be called as f(prompts, answers, **columns): {exc}; give it two "
+                        "positional parameters (lists of prompts and answers) and take dataset columns as "
+                        "keyword arguments")
+    except ValueError:
+        pass  # a builtin without a signature: it will be called and judged then
 
 
 def check_keep_best(job: JobBase) -> Iterator[tuple[Loc, str]]:

@@ -1,5 +1,5 @@
 """The live progress line of a PPO job: after every iteration, where the run is and how it goes (reward, the
-held-out task accuracy of the latest evaluation where the task has a rule, KL, entropy, samples/s, where the
+held-out reward and check of the latest evaluation where the job has a check, KL, entropy, samples/s, where the
 iteration's time went, ETA). On a terminal the line is rewritten in place; anywhere
 else (`ray job logs`, a pipe, a CI log) each iteration is a line of its own, with no cursor control."""
 
@@ -29,13 +29,15 @@ class Progress:
         self.first, self.began = start, time.monotonic()
         self.in_place = enabled and getattr(self.stream, "isatty", lambda: False)()
         self.width = 0
-        self.accuracy: tuple[int, float] | None = None
+        self.held_out = ""
 
     def evaluated(self, step: int, held_out: dict[str, float]) -> None:
-        """The held-out evaluation after `step` iterations: its task accuracy (greedy; a rule's) shows from the next
-        line on, with the iteration it was measured at."""
-        if "task_accuracy" in held_out:
-            self.accuracy = (step, held_out["task_accuracy"])
+        """The held-out evaluation after `step` iterations: its reward and, with a check (a rule or gold function),
+        the check's score, of greedy answers, show from the next line on with the iteration they were measured at
+        (side by side: a reward that rises while the check falls is over-optimisation)."""
+        shown = [f"{label} {held_out[key]:.3f}" for label, key in (("reward", "reward"), ("check", "task_accuracy"))
+                 if key in held_out]
+        self.held_out = f"held-out {' '.join(shown)} (iter {step})" if "task_accuracy" in held_out else ""
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """The line for `step` (iterations done) with that iteration's metrics."""
@@ -44,8 +46,8 @@ class Progress:
                                  ("entropy", "policy/entropy", "{:.2f}")):
             if key in metrics:
                 parts.append(f"{label} {form.format(metrics[key])}")
-            if key == "reward/mean" and self.accuracy is not None:
-                parts.append(f"acc {self.accuracy[1]:.3f} (iter {self.accuracy[0]})")
+            if key == "reward/mean" and self.held_out:
+                parts.append(self.held_out)
         wall = metrics.get("time/iteration")
         if wall:
             parts.append(f"{self.samples / wall:.1f} samples/s")

@@ -18,7 +18,8 @@ REPORT_FILE = "report.html"
 PLOTS_DIR = "report"
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("reward", ("reward/mean",)),
-    ("held-out task accuracy", ("eval/task_accuracy", "eval/sampled_task_accuracy")),
+    ("held-out reward", ("eval/reward", "eval/sampled_reward")),
+    ("held-out check", ("eval/task_accuracy", "eval/sampled_task_accuracy")),
     ("KL to the reference", ("kl/mean",)),
     ("entropy", ("policy/entropy",)),
     ("answer length (tokens)", ("answer/length",)),

@@ -42,7 +42,7 @@ class PPOTrainer:
         self.best = BestModel(Path(job.output_dir), ppo.keep_best,
                               lambda folder: workers.policy.call("export_hf", folder))
         self.before: dict[str, float] = {}
-        self.watch = Diagnostics({}, ppo.entropy_warning_ratio)
+        self.watch = self.diagnostics()
 
     def fit(self) -> dict:
         """From the newest checkpoint (or the start) to the end of the job, or to `stop_after`."""
@@ -92,8 +92,13 @@ class PPOTrainer:
             self.best.resume(state.get("best"))
             log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, first, self.weights.version)
             self.metrics.rewind(first)  # the iterations after the checkpoint are redone: their old lines go
-        self.watch = Diagnostics(self.before, self.job.ppo.entropy_warning_ratio)
+        self.watch = self.diagnostics()
         return first
+
+    def diagnostics(self) -> Diagnostics:
+        ppo = self.job.ppo
+        return Diagnostics(self.before, ppo.entropy_warning_ratio, ppo.hacking_warning_evaluations,
+                           check=ppo.accuracy_function or "the dataset's rule")
 
     def log(self, step: int, metrics: dict[str, float], taken: Taken) -> None:
         if step % self.job.logging.log_every_steps == 0:
