@@ -107,6 +107,42 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert calls.count("train") == 3 and calls.count("rollout") == 3 and "take_weights" in calls, sorted(set(calls))
 
 
+def hacked_reward(prompts, answers):
+    """A reward hacked on purpose: it pays for wrong sorts, what the held-out check (the task's rule) marks wrong."""
+    from rlhf_ray.data.demo_sort import score
+
+    return [1.0 - right for right in score(prompts, answers)]
+
+
+def test_a_hacked_reward_rising_while_the_held_out_check_falls_is_warned_naming_where_they_parted(tmp_path,
+                                                                                                  stage_models,
+                                                                                                  caplog):
+    """The reward pays for what the held-out check (demo/sort's rule, the dataset's own) marks wrong: at every
+    evaluation the policy's held-out reward rises while the check falls, and after two such evaluations in a row
+    the job warns once, naming the iteration where the two parted; the evaluation lines carry the signal."""
+    import logging
+
+    sft, rm = stage_models
+    job = ppo_job(tmp_path, sft, rm, *RULE_GRPO, "reward.function=tests.test_ppo_job:hacked_reward",
+                  "ppo.iterations=3", "ppo.eval_every=1", "ppo.eval_prompts=32", "ppo.eval_samples=0",
+                  "ppo.kl_coef=0.0", "reference=null", "policy.optim.lr=1e-3")
+    assert job.ppo.hacking_warning_evaluations == 2  # the default
+    with caplog.at_level(logging.WARNING, logger="rlhf_ray.jobs.alerts"):
+        run_ppo(job)
+    evals = [r for r in map(json.loads, (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines())
+             if "eval/reward" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2, 3]
+    checks = [r["eval/task_accuracy"] for r in evals]
+    assert all(r["eval/reward"] == pytest.approx(1 - r["eval/task_accuracy"]) for r in evals)  # hacked: its mirror
+    assert checks[-1] < checks[0] - 0.1, checks  # the policy learnt to sort wrong
+    warned = [r.getMessage() for r in caplog.records if "over-optimisation" in r.getMessage()]
+    assert len(warned) == 1, (checks, warned)
+    parted = next(r for r in evals if r.get("eval/reward_hacking_signs"))
+    assert f"they parted after iteration {int(parted['eval/parted_at'])}" in warned[0]
+    assert warned[0].startswith(f"iteration {parted['step']}: possible reward over-optimisation")
+    assert "the held-out check (the dataset's rule) falls" in warned[0]
+
+
 def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     """configs/recipes/smollm2-dapo.yaml's options on the tiny model (CPU, ~30 s): clip-higher, no KL term, the
     sequence-mean loss and the soft overlong punishment reach a real run; the punishment shows in the metrics.
