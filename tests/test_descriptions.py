@@ -105,6 +105,10 @@ def test_the_recipe_validates_and_its_mistakes_are_refused_at_their_line(capsys,
     assert validate(str(RECIPE))[0] == EXIT_OK  # the pairs folder the rm stage reads is written by the pipeline
     code, out = validate(str(RECIPE), "--set", "pairs.gold_function=rlhf_ray.data.descriptions:gould")
     assert code == EXIT_BAD_CONFIG and "pairs.gold_function: " in out and "gould" in out
+    code, out = validate(str(RECIPE), "--set", "rm.data.split=1,1,0")
+    assert code == EXIT_BAD_CONFIG and "rm.data.split '1,1,0' gives the labelled pairs to other phases too" in out
+    code, out = validate(str(RECIPE), "--set", "rm.data.datasets=[{name: demo/sort}]")
+    assert code == EXIT_BAD_CONFIG and "remove rm.data.datasets, or remove pairs" in out
     text = RECIPE.read_text()
     line = text.splitlines().index("pairs:") + 1
     no_rm = tmp_path / "no-rm.yaml"

@@ -97,3 +97,52 @@ def test_a_model_of_another_tokenizer_is_refused_naming_both(tiny_model, tmp_pat
                  "--out", str(tmp_path / "a.jsonl")])
     assert code == EXIT_BAD_CONFIG
     assert f"the model at {other} and the policy at {tiny_model} have different tokenizers" in printed(capsys)
+
+
+def sorted_share(prompts, answers, answer):
+    """A graded gold score for demo/sort answers: the share of the right digits in the right places."""
+    from rlhf_ray.data.demo import strip_answer
+
+    scores = []
+    for text, right in zip(answers, answer):
+        got, want = strip_answer(text).split(), right.split()
+        scores.append(sum(a == b for a, b in zip(got, want)) / len(want) - 0.01 * abs(len(got) - len(want)))
+    return scores
+
+
+@pytest.mark.system
+def test_a_pipeline_labels_pairs_of_the_sft_models_answers_and_its_rm_stage_trains_on_them(sft_model, tmp_path,
+                                                                                            shared_ray):
+    """The pipeline's `pairs` step on the tiny SFT model: two answers to each of 16 + 4 PPO training prompts, each
+    scored by the gold function, labelled by a Bradley-Terry draw, written as train/eval pairs that the rm stage
+    reads (its held-out pairs: its eval split); written once and reused."""
+    from rlhf_ray.jobs.pipeline import preference_pairs
+    from rlhf_ray.jobs.supervised import run_supervised
+
+    import yaml
+
+    config = yaml.safe_load((ROOT / "configs/quickstart/pipeline.yaml").read_text())
+    del config["rm"]["data"]["datasets"], config["rm"]["data"]["split"]  # it reads the pairs, all of them
+    (tmp_path / "pipeline.yaml").write_text(yaml.safe_dump(config))
+    job = load_job(tmp_path / "pipeline.yaml", [
+        f"output_dir={tmp_path}", f"sft.output_dir={sft_model.parent}", "ppo.generation.engine=hf",
+        "pairs.gold_function=tests.test_sample:sorted_share", "pairs.prompts=16", "pairs.eval_prompts=4",
+        "pairs.temperature=0.05", "cluster.dashboard=false", "rm.train.max_steps=2",
+        "rm.placement.replicas=1", "rm.train.global_batch_size=4", "rm.train.micro_batch_size=4", "logging.progress=false"])
+    made = preference_pairs(job, sample=True)
+    folder = tmp_path / "rm" / "pairs"
+    rows = {split: [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+            for split in ("train", "eval")}
+    assert (made.train, made.eval) == (len(rows["train"]), len(rows["eval"])) and not made.reused
+    assert made.train + made.eval + made.ties == 20 and made.train >= 8 and made.eval >= 1
+    assert not {r["prompt"] for r in rows["train"]} & {r["prompt"] for r in rows["eval"]}
+    for row in rows["train"] + rows["eval"]:  # each label's gold scores are the function's, on the answer's text
+        assert row["chosen"] != row["rejected"] and row["gold_chosen"] != row["gold_rejected"]
+        golds = sorted_share([row["prompt"]] * 2, [row["chosen"], row["rejected"]], [row["columns"]["answer"]] * 2)
+        assert golds == pytest.approx([row["gold_chosen"], row["gold_rejected"]], abs=0.011)  # less the stop token
+    ceiling = sum(r["gold_chosen"] > r["gold_rejected"] for r in rows["eval"]) / len(rows["eval"])
+    assert made.gold_eval_accuracy == pytest.approx(ceiling, abs=1e-4)
+    again = preference_pairs(job, sample=False)  # kept: not sampled again
+    assert again.reused and (again.train, again.eval, again.ties) == (made.train, made.eval, made.ties)
+    summary = run_supervised(job.rm)  # the rm stage reads them: trains on train.jsonl, checks on eval.jsonl
+    assert summary["train_samples"] == made.train and 0.0 <= summary["eval_accuracy"] <= 1.0, summary

@@ -144,6 +144,13 @@ class PipelineJob(JobBase):
             raise FieldProblem("pairs", "preference pairs are labelled from the SFT model's answers to the ppo stage's "
                                         "prompts and train the rm stage: give both an rm and a ppo section, or remove "
                                         "pairs")
+        if self.pairs is not None and [d.path for d in self.rm.data.datasets] != [f"{self.rm.output_dir}/{PAIRS_DIR}"]:
+            raise FieldProblem("pairs", f"the rm stage trains on the labelled pairs ({self.rm.output_dir}/{PAIRS_DIR}/) "
+                                        "the pairs section writes: remove rm.data.datasets, or remove pairs")
+        if self.pairs is not None and (self.rm.data.split_shares[0] or self.rm.data.split_shares[2]):
+            raise FieldProblem("pairs", f"rm.data.split {self.rm.data.split!r} gives the labelled pairs to other "
+                                        "phases too, which never read them: remove rm.data.split (the pairs are the "
+                                        "rm stage's alone: '0,1,0')")
         if self.pairs is not None and self.ppo.generation.environment is not None:
             raise FieldProblem("pairs", "pairs are two single answers to one prompt; the ppo stage plays multi-turn "
                                         "episodes (generation.environment): remove pairs")
