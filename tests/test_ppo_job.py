@@ -101,7 +101,7 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert len(steps) == 3 and all("compute/policy_seconds" not in r for r in steps)  # no old-log-prob forward
     assert all(abs(r["policy/approx_kl"]) < 1e-12 and r["policy/clip_fraction"] == 0 for r in steps)  # ratio 1
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
-    assert all(0 < r["policy/padding_fraction"] < 1 for r in steps)  # sorted answers differ in length: some pads
+    assert all(r["policy/padding_fraction"] == 0 for r in steps)  # packed by default: the model can, so no pads
     # logging.timeline: every actor call of the run in a Chrome trace
     calls = [e["name"] for e in json.loads((tmp_path / "ppo" / "timeline.json").read_text()) if e.get("ph") == "X"]
     assert calls.count("train") == 3 and calls.count("rollout") == 3 and "take_weights" in calls, sorted(set(calls))
@@ -253,7 +253,8 @@ def engines_decode_like_the_learner(tmp_path, sft, rm, *overrides) -> dict:
 # the first also cuts every role's micro-batches by a token budget: the two ZeRO-3 policy ranks then need different
 # numbers of micro-batches, and must still run as many forwards (their gathers are collectives)
 # the second runs every role's micro-batches packed (models/packing.py), the ZeRO-3 policy's among them
-BUDGET = [f"{role}.max_tokens_per_micro_batch=100" for role in ("policy", "critic", "reference", "reward")]
+BUDGET = [f"{role}.{key}" for role in ("policy", "critic", "reference", "reward")
+          for key in ("max_tokens_per_micro_batch=100", "pack_sequences=false")]
 PACKED = [f"{role}.pack_sequences=true" for role in ("policy", "critic", "reference", "reward")]
 
 

@@ -33,7 +33,7 @@ class ForwardRole(RendezvousHost):
     and the micro-batches of a replica's rows."""
 
     def __init__(self, *, rank: int, world_size: int, model: dict, micro_batch_size: int, sharded: bool = False,
-                 max_tokens_per_micro_batch: int | None = None, pack_sequences: bool = False):
+                 max_tokens_per_micro_batch: int | None = None, pack_sequences: bool | None = None):
         self.memory = PeakMemory()  # before the model: its peak counts what the model and forwards add
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         self.rank, self.world_size, self.sharded = rank, world_size, sharded
@@ -41,8 +41,8 @@ class ForwardRole(RendezvousHost):
         self.micro, self.max_tokens, self.packed = micro_batch_size, max_tokens_per_micro_batch, pack_sequences
         self.deepspeed = None
         self.model = None if sharded else self.load_model().to(device()).eval()
-        if self.model is not None and self.packed:
-            packing.enable(self.model)
+        if self.model is not None:
+            self.packed = packing.enable_if(self.model, self.packed)
 
     def load_model(self) -> torch.nn.Module:
         raise NotImplementedError
@@ -56,8 +56,7 @@ class ForwardRole(RendezvousHost):
         self.deepspeed, self._hf_ds_config = build_zero3_inference(self.load_model, self.spec, self.micro,
                                                                  self.world_size)
         self.model = self.deepspeed.module
-        if self.packed:
-            packing.enable(self.model)
+        self.packed = packing.enable_if(self.model, self.packed)
         return {"rank": self.rank, "held_bytes": self.held_bytes()}
 
     def peak_memory(self) -> dict:

@@ -28,12 +28,14 @@ class TokenBudget(StrictModel):
     the role (and to the PPO epochs of a learner, whose optimizer still steps once per mini-batch); every rank of a
     ZeRO group runs as many micro-batches as the rank that needs most. Must hold the longest row:
     data.max_prompt_len + the answer's token limit. None: every micro_batch_size rows in their order."""
-    pack_sequences: bool = False
+    pack_sequences: bool | None = None
     """Run each micro-batch as one packed row of its real tokens (models/packing.py): no pad is computed, each row
-    attends only to itself (block by block: varlen attention), and the answers to one prompt share it. With a token
-    budget a micro-batch then takes rows while their tokens fit it. The model's attention must go through
-    transformers' attention interface (every family in docs/models.md does) and the learners must not use
-    gradient checkpointing."""
+    attends only to itself (block by block: varlen attention), and the answers to one prompt share it; the numbers
+    are the padded path's. With a token budget a micro-batch then takes rows while their tokens fit it. None (the
+    default): packed where the model can run it (its attention goes through transformers' attention interface
+    without logit soft-capping: every family in docs/models.md but Gemma 2) and the role does not use gradient
+    checkpointing, else padded; true: packed, refused where it cannot be; false: padded (docs/jobs.md, "Packed
+    micro-batches": when to turn it off)."""
 
 
 class LearnerRoleSpec(TokenBudget):
@@ -303,7 +305,7 @@ class PPOJob(JobBase):
                                    f"{role.max_tokens_per_micro_batch} tokens cannot hold the longest row: "
                                    f"data.max_prompt_len ({self.data.max_prompt_len}) + the answer's limit "
                                    f"({self.generation.max_answer_tokens}) = {longest}; set at least {longest}")
-            if role is not None and role.pack_sequences and role.model.gradient_checkpointing:
+            if role is not None and role.pack_sequences is True and role.model.gradient_checkpointing:
                 raise FieldProblem(f"{name}.pack_sequences",
                                    f"packed rows cannot be recomputed by gradient checkpointing (the backward pass "
                                    f"would attend across rows); set {name}.pack_sequences: false or "

@@ -25,7 +25,7 @@ class PPOLearnerRank(LearnerRank):
     """What `token_loss`'s sum is averaged over (algorithms/losses.aggregated_sum): the critic's is token_mean."""
 
     def __init__(self, *, temperature: float, max_tokens_per_micro_batch: int | None = None,
-                 pack_sequences: bool = False, scoring_threads: int | None = None, **kwargs):
+                 pack_sequences: bool | None = None, scoring_threads: int | None = None, **kwargs):
         super().__init__(**kwargs)
         self.temperature = temperature
         self.scoring_threads = scoring_threads
@@ -35,8 +35,8 @@ class PPOLearnerRank(LearnerRank):
 
     def setup(self, master_addr: str, master_port: int, total_steps: int, collective_timeout_s: float = 1800.0) -> dict:
         info = super().setup(master_addr, master_port, total_steps, collective_timeout_s)
-        if self.packed:
-            packing.enable(self.deepspeed.module)
+        requested = False if self.model_spec.gradient_checkpointing and self.packed is None else self.packed
+        self.packed = packing.enable_if(self.deepspeed.module, requested)
         return info
 
     def rank_slice(self, n: int) -> slice:

@@ -75,6 +75,19 @@ def enable(model: torch.nn.Module) -> None:
     base.set_attn_implementation(ATTENTION)
 
 
+def enable_if(model: torch.nn.Module, requested: bool | None) -> bool:
+    """Packed forwards for `model` as the role's `pack_sequences` asks: True enables them (a model that cannot run
+    them raises, naming why), False leaves the padded path, None (the default) enables them where the model can.
+    Returns whether they are on."""
+    if requested is False:
+        return False
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if requested is None and problem(type(base), base.config.to_dict()) is not None:
+        return False
+    enable(model)
+    return True
+
+
 def problem(model_class: type, config: dict) -> str | None:
     """Why a model of this class and config (config.json's content) cannot run packed forwards, or None: its
     attention must go through transformers' attention interface, without logit soft-capping (SDPA has none)."""

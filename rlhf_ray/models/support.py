@@ -165,7 +165,7 @@ def model_problems(job) -> list[tuple[str, str]]:
                                                   f"engine auto chose hf ({reason}): set generation.engine: vllm"))
     for name in ("policy", "critic", "reference", "teacher", "reward"):
         role = getattr(job, name)
-        if role is not None and role.pack_sequences and (problem := packing_problem(role.model.path)):
+        if role is not None and role.pack_sequences is True and (problem := packing_problem(role.model.path)):
             problems.append((f"{name}.pack_sequences", problem))
     teacher = job.teacher.model if job.teacher is not None else None
     if teacher is not None and local_architecture(teacher.path) and local_architecture(job.policy.model.path):
