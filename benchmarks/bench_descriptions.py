@@ -4,12 +4,12 @@ model's answers labelled by the gold score through a Bradley-Terry draw -> rewar
 against it. The gold score is PPO's held-out check, never its reward.
 
     .venv/bin/python benchmarks/bench_descriptions.py --seeds 1,2,3 [--write docs/benchmarks.md]
-    .venv/bin/python benchmarks/bench_descriptions.py --overoptimisation 100,200,400 --seeds 1 --iterations 30
+    .venv/bin/python benchmarks/bench_descriptions.py --overoptimisation 60,200 --seeds 1 [--iterations 30]
 
 The first runs the recipe as written, seed by seed (part 2: gold +0.15 over the SFT model, greedy and sampled, in
 at most 30 minutes of PPO). The second (part 3, Gao et al. 2022 at our scale) trains reward models on the first N
-of one seed's labelled training pairs (one epoch each) and runs PPO longer against each, evaluating every 3
-iterations: the proxy (reward-model) score and the gold score of held-out answers against sqrt(KL to the SFT
+of one seed's labelled training pairs (one epoch each) and runs PPO against each (the recipe's iterations, or
+--iterations), evaluating every 3 iterations: the proxy (reward-model) score and the gold score of held-out answers against sqrt(KL to the SFT
 policy). All runs of a seed share its SFT stage and its labelled pairs (copied in; the pipeline reuses them).
 
 Each run's result is kept in benchmarks/results/descriptions/<name>.json with the hash of the settings it ran, so
@@ -47,7 +47,10 @@ def overrides_for(pairs: int | None, iterations: int | None) -> list[str]:
 
 
 def name_of(seed: int, pairs: int | None, iterations: int | None) -> str:
-    return f"seed{seed}" if pairs is None and iterations is None else f"pairs{pairs}-it{iterations}-seed{seed}"
+    """seed1: the recipe as written; pairs60-seed1: its reward model on 60 pairs; pairs60-it30-seed1: and PPO for 30
+    iterations."""
+    parts = ([f"pairs{pairs}"] if pairs is not None else []) + ([f"it{iterations}"] if iterations is not None else [])
+    return "-".join([*parts, f"seed{seed}"])
 
 
 def share_stages(seed: int, work: Path, out: Path, pairs: int | None) -> None:
@@ -159,6 +162,19 @@ def report(results: list[dict], doc: Path | None) -> str:
         lines += ["", *verdicts, ""]
     gao = sorted((r for r in results if r["pairs"] is not None or r["iterations"] is not None),
                  key=lambda r: (r["seed"], r["pairs"] or 0))
+    if gao:
+        lines += ["Reward models on fewer pairs (part 3), each against its own PPO run from the same SFT model:", "",
+                  "| run | training pairs | RM held-out accuracy (ceiling) | gold greedy before -> after | "
+                  "proxy greedy before -> after | sqrt(KL) at the end |", "|---|---:|---|---|---|---:|"]
+        for r in [*recipe[:1], *gao]:
+            s, ppo = r["summary"], r["summary"]["ppo"]
+            p = s["rm"].get("pairs", {})
+            end = curve(r)[-1]
+            lines.append(f"| {name_of(r['seed'], r['pairs'], r['iterations'])} | {r['pairs'] or p.get('train')} | "
+                         f"{s['rm']['eval_accuracy']:.3f} ({p.get('gold_eval_accuracy', float('nan')):.3f}) | "
+                         f"{ppo['task_accuracy_before']:.3f} -> {ppo['task_accuracy_after']:.3f} | "
+                         f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {end[1]:.2f} |")
+        lines.append("")
     curves = [(r, curve(r)) for r in (recipe + gao)]
     if curves and doc is not None:
         plt = pyplot()
