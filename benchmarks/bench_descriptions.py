@@ -139,8 +139,9 @@ def report(results: list[dict], doc: Path | None) -> str:
     recipe = sorted((r for r in results if r["pairs"] is None and r["iterations"] is None), key=lambda r: r["seed"])
     if recipe:
         lines += ["| seed | pairs (train / held-out / ties) | RM held-out accuracy (ceiling) | gold greedy before -> "
-                  "after | gold sampled before -> after | RM score greedy before -> after | PPO min | total min |",
-                  "|---:|---|---|---|---|---|---:|---:|"]
+                  "after | gold sampled before -> after | RM score greedy before -> after | PPO iterations min | PPO stage min | "
+                  "total min |",
+                  "|---:|---|---|---|---|---|---:|---:|---:|"]
         verdicts = []
         for r in recipe:
             s, ppo = r["summary"], r["summary"]["ppo"]
@@ -152,10 +153,11 @@ def report(results: list[dict], doc: Path | None) -> str:
                          f"{g0:.3f} ± {ppo['task_accuracy_se_before']:.3f} -> {g1:.3f} ± "
                          f"{ppo['task_accuracy_se_after']:.3f} | {s0:.3f} -> {s1:.3f} | "
                          f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {ppo_minutes(r):.1f} | "
-                         f"{r['seconds'] / 60:.1f} |")
-            met = g1 - g0 >= GOAL_GAIN and s1 - s0 >= GOAL_GAIN and ppo_minutes(r) <= GOAL_MINUTES
-            verdicts.append(f"- seed {r['seed']}: gold {g1 - g0:+.3f} greedy, {s1 - s0:+.3f} sampled in "
-                            f"{ppo_minutes(r):.1f} PPO minutes: {'met' if met else 'missed'} (goal: +{GOAL_GAIN} "
+                         f"{ppo['seconds'] / 60:.1f} | {r['seconds'] / 60:.1f} |")
+            met = g1 - g0 >= GOAL_GAIN and s1 - s0 >= GOAL_GAIN and ppo["seconds"] / 60 <= GOAL_MINUTES
+            verdicts.append(f"- seed {r['seed']}: gold {g1 - g0:+.3f} greedy, {s1 - s0:+.3f} sampled in a PPO stage "
+                            f"of {ppo['seconds'] / 60:.1f} minutes ({ppo_minutes(r):.1f} of them iterations, the rest "
+                            f"start-up and held-out evaluations): {'met' if met else 'missed'} (goal: +{GOAL_GAIN} "
                             f"greedy and sampled within {GOAL_MINUTES:.0f} min).")
         if len(recipe) < 3:
             verdicts.append(f"- {len(recipe)} of 3 seeds run.")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -74,6 +75,8 @@ class Pairs:
     ties: int
     gold_eval_accuracy: float
     reused: bool
+    seconds: float | None = None
+    """The sampling and labelling (None when reused)."""
 
 
 def preference_pairs(job: PipelineJob, sample: bool) -> Pairs | None:
@@ -87,6 +90,7 @@ def preference_pairs(job: PipelineJob, sample: bool) -> Pairs | None:
         return Pairs(**json.loads((folder / "pairs.json").read_text()), reused=True)
     if not sample:
         return None
+    started = time.perf_counter()
     ppo = resolve_model_sources(job.ppo)
     sft_model = ppo.policy.model.model_copy(update={"path": str(Path(job.sft.output_dir) / FINAL_MODEL_DIR),
                                                     "gguf_file": None})
@@ -104,12 +108,13 @@ def preference_pairs(job: PipelineJob, sample: bool) -> Pairs | None:
     train = label_pairs([r for r in rows if r["prompt"] not in held_out], gold, spec.temperature, job.seed, text)
     check = label_pairs([r for r in rows if r["prompt"] in held_out], gold, spec.temperature, job.seed + 1, text)
     made = Pairs(train=len(train.rows), eval=len(check.rows), ties=train.ties + check.ties,
-                 gold_eval_accuracy=round(check.ceiling, 4), reused=False)
+                 gold_eval_accuracy=round(check.ceiling, 4), reused=False,
+                 seconds=round(time.perf_counter() - started, 2))
     staging = folder.with_name(PAIRS_DIR + ".tmp")
     staging.mkdir(parents=True, exist_ok=True)
     for split, labelled in (("train", train), ("eval", check)):
         (staging / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in labelled.rows))
-    facts = {k: v for k, v in asdict(made).items() if k != "reused"}
+    facts = {k: v for k, v in asdict(made).items() if k not in ("reused", "seconds")}
     (staging / "pairs.json").write_text(json.dumps(facts, indent=2))
     staging.replace(folder)
     answers_file.unlink()
