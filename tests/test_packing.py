@@ -85,3 +85,20 @@ def test_unpacked_forwards_of_an_enabled_model_stay_the_models_own(tiny_model):
         after = model(input_ids=b.sequences, attention_mask=b.attention_mask).logits
     keep = b.attention_mask.bool()
     torch.testing.assert_close(after[keep], before[keep], rtol=0, atol=1e-5)
+
+
+def test_the_default_packs_models_that_can_and_gain(tiny_model, tmp_path):
+    """pack_sequences unset: a model large enough to gain is packed, the tiny one (hidden 128: the block loop costs
+    more than its pads) and one that cannot run packed attention are not; true packs the tiny one anyway."""
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    assert not packing.enable_if(tiny, None) and not packing.enable_if(tiny, False)
+    assert packing.enable_if(tiny, True)
+    config = json.loads((tiny_model / "config.json").read_text()) | {"hidden_size": 256, "intermediate_size": 512}
+    wide = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures",)}))
+    assert packing.worth_packing(wide.config.to_dict()) and packing.enable_if(wide, None)
+    capped = {"hidden_size": 512, "attn_logit_softcapping": 50.0}
+    assert packing.problem(LlamaForCausalLM, capped) is not None  # such a model stays padded by default

@@ -101,7 +101,8 @@ def test_grpo_with_a_reward_function_runs_without_a_critic(tmp_path, stage_model
     assert len(steps) == 3 and all("compute/policy_seconds" not in r for r in steps)  # no old-log-prob forward
     assert all(abs(r["policy/approx_kl"]) < 1e-12 and r["policy/clip_fraction"] == 0 for r in steps)  # ratio 1
     assert steps[0]["policy/kl"] < 1e-6 < steps[-1]["policy/kl"] == steps[-1]["kl/mean"]  # moves off the reference
-    assert all(r["policy/padding_fraction"] == 0 for r in steps)  # packed by default: the model can, so no pads
+    # the default leaves the tiny model padded (too small to gain from packing): sorted answers differ in length
+    assert all(0 < r["policy/padding_fraction"] < 1 for r in steps)
     # logging.timeline: every actor call of the run in a Chrome trace
     calls = [e["name"] for e in json.loads((tmp_path / "ppo" / "timeline.json").read_text()) if e.get("ph") == "X"]
     assert calls.count("train") == 3 and calls.count("rollout") == 3 and "take_weights" in calls, sorted(set(calls))

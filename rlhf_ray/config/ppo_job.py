@@ -33,7 +33,8 @@ class TokenBudget(StrictModel):
     attends only to itself (block by block: varlen attention), and the answers to one prompt share it; the numbers
     are the padded path's. With a token budget a micro-batch then takes rows while their tokens fit it. None (the
     default): packed where the model can run it (its attention goes through transformers' attention interface
-    without logit soft-capping: every family in docs/models.md but Gemma 2) and the role does not use gradient
+    without logit soft-capping: every family in docs/models.md but Gemma 2), gains by it (hidden size 256 or more:
+    below, the block-by-block attention costs more than the pads) and the role does not use gradient
     checkpointing, else padded; true: packed, refused where it cannot be; false: padded (docs/jobs.md, "Packed
     micro-batches": when to turn it off)."""
 
