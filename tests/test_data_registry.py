@@ -118,7 +118,7 @@ def load(name: str, path: Path, **extra) -> registry.RawDataset:
 def test_every_registered_dataset_has_a_case():
     assert set(registry.registered_names()) == set(CASES) | {"demo/arithmetic", "demo/sort", "demo/word-problems",
                                                                   "demo/word-problems-calculator",
-                                                                  "demo/word-problems-steps"}
+                                                                  "demo/word-problems-steps", "demo/descriptions"}
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
