@@ -114,10 +114,9 @@ def sorted_share(prompts, answers, answer):
 def test_a_pipeline_labels_pairs_of_the_sft_models_answers_and_its_rm_stage_trains_on_them(sft_model, tmp_path,
                                                                                             shared_ray):
     """The pipeline's `pairs` step on the tiny SFT model: two answers to each of 16 + 4 PPO training prompts, each
-    scored by the gold function, labelled by a Bradley-Terry draw, written as train/eval pairs that the rm stage
-    reads (its held-out pairs: its eval split); written once and reused."""
+    scored by the gold function, labelled by a Bradley-Terry draw, written as train/eval pairs that the rm stage's
+    data reads (its held-out pairs: its eval split); written once and reused."""
     from rlhf_ray.jobs.pipeline import preference_pairs
-    from rlhf_ray.jobs.supervised import run_supervised
 
     import yaml
 
@@ -127,8 +126,7 @@ def test_a_pipeline_labels_pairs_of_the_sft_models_answers_and_its_rm_stage_trai
     job = load_job(tmp_path / "pipeline.yaml", [
         f"output_dir={tmp_path}", f"sft.output_dir={sft_model.parent}", "ppo.generation.engine=hf",
         "pairs.gold_function=tests.test_sample:sorted_share", "pairs.prompts=16", "pairs.eval_prompts=4",
-        "pairs.temperature=0.05", "cluster.dashboard=false", "rm.train.max_steps=2",
-        "rm.placement.replicas=1", "rm.train.global_batch_size=4", "rm.train.micro_batch_size=4", "logging.progress=false"])
+        "pairs.temperature=0.05", "cluster.dashboard=false", "logging.progress=false"])
     made = preference_pairs(job, sample=True)
     folder = tmp_path / "rm" / "pairs"
     rows = {split: [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
@@ -144,5 +142,6 @@ def test_a_pipeline_labels_pairs_of_the_sft_models_answers_and_its_rm_stage_trai
     assert made.gold_eval_accuracy == pytest.approx(ceiling, abs=1e-4)
     again = preference_pairs(job, sample=False)  # kept: not sampled again
     assert again.reused and (again.train, again.eval, again.ties) == (made.train, made.eval, made.ties)
-    summary = run_supervised(job.rm)  # the rm stage reads them: trains on train.jsonl, checks on eval.jsonl
-    assert summary["train_samples"] == made.train and 0.0 <= summary["eval_accuracy"] <= 1.0, summary
+    tokenizer = load_tokenizer(job.ppo.policy.model.model_copy(update={"path": str(sft_model)}))
+    rm_data = build_phase_data(job.rm.data, tokenizer, "rm", job.seed, tmp_path / "cache")  # what the rm stage reads
+    assert (len(rm_data.train), len(rm_data.eval)) == (made.train, made.eval)  # train.jsonl to train, eval.jsonl to check
