@@ -184,13 +184,14 @@ def report(results: list[dict], doc: Path | None) -> str:
         for r, points in curves:
             label = f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs, seed {r['seed']}"
             xs = [p[1] for p in points]
-            axes[0].plot(xs, [p[2] for p in points], marker="o", label=label)
+            axes[0].plot(xs, [p[2] - points[0][2] for p in points], marker="o", label=label)
             axes[1].plot(xs, [p[3] for p in points], marker="o", label=label)
-        axes[0].set(title="proxy: reward-model score (greedy, held-out)", xlabel="sqrt(KL to the SFT policy, nats)")
+        axes[0].set(title="proxy: reward-model score - its start (greedy, held-out)",
+                    xlabel="sqrt(KL to the SFT policy, nats)")
         axes[1].set(title="gold score (greedy, held-out)", xlabel="sqrt(KL to the SFT policy, nats)")
         for ax in axes:
             ax.legend(fontsize=7)
-        lines += [f"![proxy and gold against sqrt(KL)]({save_figure(fig, doc, 'descriptions_overoptimisation')})", ""]
+        lines += [save_figure(fig, doc, "descriptions_overoptimisation.png"), ""]
     if gao or curves:
         lines += ["Per evaluation (iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled):", ""]
         for r, points in curves:
