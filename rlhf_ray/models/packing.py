@@ -78,7 +78,7 @@ def enable(model: torch.nn.Module) -> None:
 PACK_MIN_HIDDEN = 256
 """Below this hidden size the packed path's attention, a Python loop over blocks per layer, costs more than the pads
 it saves, so the default leaves such models padded. Measured side by side (one thread, policy forward + backward,
-answers of varied length): the quickstart's tiny model (hidden 128, 2 layers) 41.0 ms padded against 45.7 ms
+answers of varied length): the --pipeline quickstart's tiny model (hidden 128, 2 layers) 41.0 ms padded against 45.7 ms
 packed (0.90x); SmolLM2-135M (hidden 576, 30 layers) 11.2 s against 7.5 s (1.50x)."""
 
 
