@@ -15,10 +15,9 @@ class Diagnostics:
     while the held-out check falls, over `evaluations` consecutive evaluations) and entropy collapse (each warned
     once)."""
 
-    def __init__(self, before: dict[str, float], entropy_ratio: float, evaluations: int = 2, check: str = "the rule",
-                 start: int = 0):
+    def __init__(self, before: dict[str, float], entropy_ratio: float, evaluations: int = 2, check: str = "the rule"):
         self.entropy_ratio, self.evaluations, self.check = entropy_ratio, evaluations, check
-        self.history: list[tuple[int, dict[str, float]]] = [(start, before)] if before else []
+        self.history: list[tuple[int, dict[str, float]]] = [(0, before)] if before else []
         self.first_entropy: float | None = None
         self.warned: set[str] = set()
 
