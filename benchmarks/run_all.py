@@ -25,7 +25,7 @@ SCRIPTS = {
     "demo_accuracy": "bench_demo_accuracy.py",  # PPO's greedy and sampled accuracy on demo/sort, by reward
     "precision": "bench_precision.py",  # engine precision on SmolLM2: train/inference log-prob gap
     "smollm2": "bench_smollm2.py",  # the SmolLM2 recipes: held-out accuracy before/after, memory, reward/KL plot
-    "trl_smollm2": "bench_trl_smollm2.py",  # GRPO on SmolLM2 with TRL's GRPOTrainer and with ours
+    "trl_smollm2": "bench_trl_smollm2.py",  # the GRPO quickstart with TRL's GRPOTrainer and ours: learning and time, 3 seeds
     "soak": "bench_soak.py",  # 500 async PPO iterations: memory per process, restarts
     "memory_model": "bench_memory_model.py",  # memory model predicted vs measured peak per learner rank
     "logprob_memory": "bench_logprob_memory.py",  # a policy step's peak at 512 + 512 tokens, log-prob paths
