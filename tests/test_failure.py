@@ -114,8 +114,8 @@ def test_a_killed_learner_rank_keeps_the_restart_advice_and_shows_the_end_of_its
     log.parent.mkdir()
     log.write_text("".join(f"step {i}\n" for i in range(30)) + "Killed\n")
     try:
-        raise LearnerRankDied("learner rank policy-1 died; ... run the job again with the same output_dir to resume "
-                              f"from step-3.\nCause: {died}") from died
+        raise LearnerRankDied("policy-1", "died", "run the job again with the same output_dir to resume from step-3",
+                              died) from died
     except LearnerRankDied as exc:
         lines = report_failure(exc, tmp_path)
     text = "\n".join(lines)

@@ -114,9 +114,15 @@ def test_killed_or_hung_engine_and_reward_actor_are_replaced_and_their_work_reis
                     pass
 
 
-def kill_after_checkpoints(out: Path, name: str, namespace: str, count: int = 1) -> None:
+def kill_after_checkpoints(out: Path, name: str, namespace: str, count: int = 1, process: bool = False) -> None:
+    """Kill actor `name` once `count` checkpoints are complete: through Ray, or (`process`) its process by SIGKILL,
+    as the kernel's OOM killer does (Ray then prints its own "(raylet) A worker died ..." to the driver)."""
     wait_for(lambda: len(complete_checkpoints(out)) >= count, f"{count} checkpoint(s) in {out}")
-    ray.kill(job_actor(name, namespace), no_restart=True)
+    actor = job_actor(name, namespace)
+    if process:
+        os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60), signal.SIGKILL)
+    else:
+        ray.kill(actor, no_restart=True)
 
 
 def wait_for(condition, what: str, timeout_s: float = 300) -> None:
@@ -135,11 +141,13 @@ def first_restarted_step(out: Path) -> int | None:
 
 
 def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_rank_and_where_to_resume(
-        tmp_path, sft_model, rm_model):
-    """cluster.learner_restarts=1: the critic's rank killed after the first checkpoint, the job restarts every role
-    from its newest checkpoint by itself (no user action); the policy's rank killed after the restarted run's own
-    first checkpoint, the budget is spent and the job stops, naming the rank and the checkpoint a rerun resumes from
-    (test_killed_job_resubmitted_resumes_from_its_last_checkpoint). No checkpoint is left half-written."""
+        tmp_path, sft_model, rm_model, capfd, caplog):
+    """cluster.learner_restarts=1: the critic's rank killed (its process, by SIGKILL) after the first checkpoint,
+    the job restarts every role from its newest checkpoint by itself (no user action), saying so once, with Ray's
+    own "(raylet) A worker died" message kept in logs/ray.log, off the terminal; the policy's rank killed after the
+    restarted run's own first checkpoint, the budget is spent and the job stops, naming the rank and the checkpoint
+    a rerun resumes from (test_killed_job_resubmitted_resumes_from_its_last_checkpoint). No checkpoint is left
+    half-written."""
     from rlhf_ray.jobs.ppo import run_ppo
     from rlhf_ray.jobs.restarts import LearnerRankDied
 
@@ -151,7 +159,7 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
     restarted_step = []
 
     def kill_critic_then_policy():
-        kill_after_checkpoints(out, "critic-0", namespace)
+        kill_after_checkpoints(out, "critic-0", namespace, process=True)
         wait_for(lambda: first_restarted_step(out) is not None, "step of the restarted run")
         restarted_step.append(first_restarted_step(out))
         wait_for(lambda: any(int(Checkpoints.state(p)["step"]) >= restarted_step[0] for p in complete_checkpoints(out)),
@@ -165,6 +173,15 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
     killer.join()
     message = str(info.value)
     assert "policy-0 died" in message and "resume from" in message and "step-" in message
+    assert "so the job stops after 1 automatic restart (cluster.learner_restarts)" in message
+    restarting = [r.getMessage() for r in caplog.records if "restarts every actor" in r.getMessage()]
+    assert len(restarting) == 1 and restarting[0].startswith("learner rank critic-0 died; a ZeRO group cannot "
+                                                             "continue without one of its ranks: the job restarts")
+    assert not any("job stops" in r.getMessage() for r in caplog.records)
+    terminal = capfd.readouterr()
+    assert "A worker died" not in terminal.out + terminal.err
+    wait_for(lambda: "A worker died" in ((out / "logs" / "ray.log").read_text() if (out / "logs" / "ray.log").is_file()
+                                         else ""), "Ray's message about the killed critic in logs/ray.log", 30)
     assert_no_half_written_checkpoint(out)
     done = int(Checkpoints.state(complete_checkpoints(out)[-1])["step"])
     assert restarted_step and 2 <= restarted_step[0] <= done < 6

@@ -36,18 +36,39 @@ def test_restarts_are_bounded_and_counted(tmp_path):
     def dies_twice(restarts: int) -> str:
         seen.append(restarts)
         if restarts < 2:
-            raise LearnerRankDied(f"learner rank policy-0 died (attempt {restarts})")
+            raise LearnerRankDied("policy-0", "died", "run the job again with the same output_dir to resume",
+                                  f"attempt {restarts}")
         return "done"
 
     assert with_learner_restarts(2, checkpoints, dies_twice) == "done" and seen == [0, 1, 2]
     seen.clear()
-    with pytest.raises(LearnerRankDied, match="attempt 1"):
+    with pytest.raises(LearnerRankDied, match="attempt 1") as stopped:
         with_learner_restarts(1, checkpoints, dies_twice)
     assert seen == [0, 1]
+    assert str(stopped.value).splitlines()[0] == (
+        "learner rank policy-0 died; a ZeRO group cannot continue without one of its ranks, so the job stops after 1 "
+        "automatic restart (cluster.learner_restarts): run the job again with the same output_dir to resume.")
     seen.clear()
     with pytest.raises(ValueError):  # any other error ends the job at once
         with_learner_restarts(2, checkpoints, lambda restarts: seen.append(restarts) or int("x"))
     assert seen == [0]
+
+
+def test_a_restart_is_announced_once_as_what_happens_not_as_a_stop(tmp_path, caplog):
+    """The log line of an automatic restart says the job goes on by itself; the advice to run the job again is
+    only given when it stops."""
+    checkpoints = Checkpoints(tmp_path, keep_last=2)
+
+    def dies_once(restarts: int) -> str:
+        if restarts == 0:
+            raise LearnerRankDied("critic-0", "died", "run the job again with the same output_dir to resume", "gone")
+        return "done"
+
+    with caplog.at_level("WARNING", logger="rlhf_ray.jobs.restarts"):
+        assert with_learner_restarts(2, checkpoints, dies_once) == "done"
+    assert [r.getMessage() for r in caplog.records] == [
+        "learner rank critic-0 died; a ZeRO group cannot continue without one of its ranks: the job restarts every "
+        "actor from the start by itself (automatic restart 1 of 2, cluster.learner_restarts)"]
 
 
 def lost_with_node() -> RemoteCallError:

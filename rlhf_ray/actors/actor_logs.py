@@ -54,3 +54,29 @@ def logging_to_file(actor_cls: type) -> type:
 
     return type(actor_cls.__name__, (actor_cls,), {"__init__": __init__, "__module__": actor_cls.__module__,
                                                    "__qualname__": actor_cls.__qualname__})
+
+
+@contextlib.contextmanager
+def ray_messages(folder: Path | None) -> Iterator[None]:
+    """Ray's own messages to the driver, such as "(raylet) A worker died or was killed ...", appended to
+    `<folder>/ray.log` instead of the job's terminal (None: left on the terminal). Ray prints them from a thread of
+    the driver whatever `log_to_driver` says; the job tells what such a death means in its own words
+    (jobs/restarts.py). The thread looks its printer up in `ray._private.worker` at every message, so replacing
+    that function for the duration is enough."""
+    if folder is None:
+        yield
+        return
+    from ray._private import worker
+
+    path, original = Path(folder) / "ray.log", worker.print_to_stdstream
+
+    def to_file(data: dict, ignore_prefix: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.writelines(f"({data.get('pid', 'ray')}) {line}\n" for line in data.get("lines", []))
+
+    worker.print_to_stdstream = to_file
+    try:
+        yield
+    finally:
+        worker.print_to_stdstream = original

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 from rlhf_ray import cluster
-from rlhf_ray.actors.actor_logs import actor_logs
+from rlhf_ray.actors.actor_logs import actor_logs, ray_messages
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, job_names, job_tag, node_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.preflight import check_on_nodes
@@ -23,7 +23,25 @@ T = TypeVar("T")
 
 
 class LearnerRankDied(RuntimeError):
-    """A DeepSpeed rank is gone: its ZeRO group cannot go on without it, so the job stops (resubmit to resume)."""
+    """A DeepSpeed rank is gone: its ZeRO group cannot go on without it. The job restarts every actor by itself
+    (with_learner_restarts, cluster.learner_restarts times); once that budget is spent it stops, and this error's
+    text says where a rerun resumes (`resume`)."""
+
+    def __init__(self, rank: str, what: str, resume: str, cause: object = ""):
+        super().__init__(rank, what, resume, cause)
+        self.rank, self.what, self.resume, self.cause = rank, what, resume, cause
+        self.restarts = 0  # automatic restarts the job had made before this death stopped it
+
+    @property
+    def event(self) -> str:
+        """What happened, without what follows from it (the job restarts or stops)."""
+        return f"learner rank {self.rank} {self.what}; a ZeRO group cannot continue without one of its ranks"
+
+    def __str__(self) -> str:
+        spent = (f" after {self.restarts} automatic restart{'s' * (self.restarts != 1)} (cluster.learner_restarts)"
+                 if self.restarts else "")
+        return f"{self.event}, so the job stops{spent}: {self.resume}." + (f"\nCause: {self.cause}" if self.cause
+                                                                           else "")
 
 
 @contextlib.contextmanager
@@ -42,8 +60,7 @@ def learner_deaths_explained(checkpoints: Checkpoints, groups: tuple[str, ...]):
         latest = checkpoints.latest()
         resume = (f"run the job again with the same output_dir to resume from {latest}" if latest else
                   "no checkpoint was written yet (set checkpoint.every_steps), so a new run starts over")
-        raise LearnerRankDied(f"learner rank {ranks[0]} {what}; a ZeRO group cannot continue without one of its "
-                              f"ranks, so the job stops: {resume}.\nCause: {err}") from err
+        raise LearnerRankDied(ranks[0], what, resume, err) from err
 
 
 PLACEMENTS_ON_LOST_NODES = 3
@@ -64,10 +81,11 @@ def with_learner_restarts(limit: int, checkpoints: Checkpoints, attempt: Callabl
             return attempt(restarts)
         except LearnerRankDied as err:
             if restarts == limit:
+                err.restarts = restarts
                 raise
             restarts, lost_placements = restarts + 1, 0
-            log.warning("%s\nrestarting every actor from %s (automatic restart %d of %d, cluster.learner_restarts)",
-                        str(err).splitlines()[0], checkpoints.latest() or "the start", restarts, limit)
+            log.warning("%s: the job restarts every actor from %s by itself (automatic restart %d of %d, "
+                        "cluster.learner_restarts)", err.event, checkpoints.latest() or "the start", restarts, limit)
         except ActorDiedError as err:
             at_start = err.during.endswith("__init__")
             if not (at_start and node_lost(err)) or lost_placements == PLACEMENTS_ON_LOST_NODES:
@@ -84,12 +102,12 @@ def placed_attempts(job, checkpoints: Checkpoints, metrics, attempt: Callable[..
     placement groups, again after each learner restart (with_learner_restarts); the placement groups are removed
     after every attempt and the metrics logger is closed at the end. The attempt kills the actors it started (before
     the placement groups go). Unless `logging.verbose`, the actors' own output goes to <output_dir>/logs/ (one file
-    per actor), not to the job's terminal. The job's actors and placement groups are named after this run
+    per actor) and Ray's messages to the driver to <output_dir>/logs/ray.log, not to the job's terminal. The job's actors and placement groups are named after this run
     (actors.group.job_names), so jobs sharing a cluster never meet, and every attempt of this one finds its own.
     `adapt(job, nodes)`, given, returns the job fitted to the cluster's nodes before the plan is made."""
     quiet = not job.logging.verbose
-    with cluster.connect(job.cluster, quiet=quiet) as handle, \
-            actor_logs(Path(job.output_dir) / "logs" if quiet else None), \
+    logs = Path(job.output_dir) / "logs" if quiet else None
+    with cluster.connect(job.cluster, quiet=quiet) as handle, actor_logs(logs), ray_messages(logs), \
             job_names(job_tag(job.kind, job.output_dir)) as tag:
         log.info("job %s: its actors and placement groups are named %s/... on the cluster (and the dashboard)",
                  tag, tag)
