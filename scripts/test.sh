@@ -6,11 +6,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The report test renders the page in a real headless browser: in CI (root on Debian) Chromium comes from the
-# distribution's packages; elsewhere that test is skipped when no Chromium is installed.
-if [ -n "${CI:-}" ] && ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1 \
-    || echo "could not install chromium: the report's browser test will be skipped"
+# Services the tests run for real, from the distribution's packages where this runs as root on Debian (CI):
+# Chromium renders the report (tests/test_report.py), Prometheus scrapes a job for the Grafana dashboard's queries
+# (tests/test_metrics_endpoint.py). Elsewhere a test whose service is not installed is skipped, saying so.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  missing=()
+  command -v chromium >/dev/null || missing+=(chromium)
+  command -v prometheus >/dev/null || missing+=(prometheus)
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "[test] installing ${missing[*]} (apt-get; output in .venv/apt.log)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      "${missing[@]}") > .venv/apt.log 2>&1 \
+      || echo "[test] could not install ${missing[*]}: the tests that need them will be skipped (.venv/apt.log)"
+  fi
 fi
 if [ "${1:-}" = "--fast" ]; then
   shift

@@ -1,22 +1,32 @@
 """Training metrics reach Ray's Prometheus endpoint (what the Ray dashboard and a Prometheus server read) while a
-PPO job is still running: scraped over loopback during the run."""
+PPO job is still running, and a real Prometheus (Debian's `prometheus` package), configured by the project's
+deploy/prometheus/prometheus.yml, scrapes them: every panel of the shipped Grafana dashboard
+(deploy/grafana/rlhf_ray.json) gets the run's series back from Prometheus' HTTP API. One job serves both tests."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
+import subprocess
 import threading
 import time
+import urllib.parse
 import urllib.request
+from pathlib import Path
 
 import pytest
+import yaml
 
 from rlhf_ray.jobs.ppo import run_ppo
 from tests.test_ppo_job import ppo_job
 
 pytestmark = pytest.mark.system
 
+ROOT = Path(__file__).resolve().parents[1]
 WANTED = ("reward_mean", "kl_mean", "policy_loss", "policy_entropy", "critic_loss", "time_sync", "sync_bytes",
           "buffer_staleness", "policy_version", "generate_tokens_per_s", "generate_engine_utilisation")
+RUN = "ppo-ppo"  # the job's run label: its kind and its output folder's name
 
 
 def free_port() -> int:
@@ -25,32 +35,105 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def scrape(port: int) -> str:
+def get(url: str) -> str:
     try:
-        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         return ""
 
 
-def test_training_metrics_are_scraped_from_the_endpoint_during_a_run(tmp_path, sft_model, rm_model, monkeypatch):
-    monkeypatch.setenv("RAY_metrics_report_interval_ms", "1000")
+def start_prometheus(session_dir: str, folder: Path) -> tuple[subprocess.Popen, int]:
+    """Prometheus on loopback with the shipped scrape config, its discovery file pointed at this Ray session's (the
+    config's comment says to, for a Ray with its own temp dir: another Ray on the machine may own /tmp/ray's link)."""
+    config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
+    (discovery,) = config["scrape_configs"][0]["file_sd_configs"]
+    discovery["files"] = [str(Path(session_dir) / "prom_metrics_service_discovery.json")]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
-    job = ppo_job(tmp_path, sft_model, rm_model, "ppo.iterations=12", "ppo.rollout_batch_size=16",
-                  "ppo.eval_prompts=8", "policy.micro_batch_size=16", "critic.micro_batch_size=16",
-                  f"cluster.metrics_export_port={port}")
+    proc = subprocess.Popen([shutil.which("prometheus"), f"--config.file={folder / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={folder / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=open(folder / "prometheus.log", "w"))
+    return proc, port
+
+
+@pytest.fixture(scope="module")
+def scraped_run(tmp_path_factory, sft_model, rm_model):
+    """A 12-iteration PPO job (critic, reward model, held-out evaluations) with its metrics endpoint scraped by hand
+    during the run, and, where Debian's prometheus is installed, a Prometheus scraping it too. Yields what was seen."""
+    from tests.conftest import _SESSION_RAY
+
+    _SESSION_RAY.close()  # this job starts its own Ray, with a dashboard (whose head writes the discovery file)
+    tmp = tmp_path_factory.mktemp("metrics")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RAY_metrics_report_interval_ms", "1000")
+    port = free_port()
+    job = ppo_job(tmp, sft_model, rm_model, "ppo.iterations=12", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8",
+                  "ppo.eval_every=4", "policy.micro_batch_size=16", "critic.micro_batch_size=16",
+                  f"cluster.metrics_export_port={port}", "cluster.dashboard=true", f"cluster.dashboard_port={free_port()}")
     results: list = []
+    started = time.time()
     runner = threading.Thread(target=lambda: results.append(run_ppo(job)), daemon=True)
     runner.start()
-    found: set[str] = set()
-    text = ""
-    while runner.is_alive() and len(found) < len(WANTED):
-        text = scrape(port)
-        found = {name for name in WANTED if f"ray_rlhf_ray_{name}{{" in text}
-        time.sleep(0.5)
-    scraped_while_running = runner.is_alive()
-    runner.join(timeout=600)
-    assert found == set(WANTED), f"missing {set(WANTED) - found}"
-    assert scraped_while_running
-    line = next(x for x in text.splitlines() if x.startswith("ray_rlhf_ray_policy_version{"))
-    assert 'run="ppo-ppo"' in line and float(line.rsplit(" ", 1)[1]) >= 1
-    assert results and results[0]["iterations"] == 12
+    seen = {"found": set(), "text": "", "while_running": False, "prometheus": None, "started": started}
+    prometheus = None
+    try:
+        while runner.is_alive() and (len(seen["found"]) < len(WANTED) or
+                                     (shutil.which("prometheus") and prometheus is None)):
+            if prometheus is None and shutil.which("prometheus"):
+                import ray
+
+                node = getattr(ray._private.worker, "_global_node", None)
+                if ray.is_initialized() and node is not None:
+                    prometheus = start_prometheus(node.get_session_dir_path(), tmp / "prometheus")
+            text = get(f"http://127.0.0.1:{port}/metrics")
+            if text:
+                seen["text"], seen["found"] = text, {n for n in WANTED if f"ray_rlhf_ray_{n}{{" in text}
+            time.sleep(0.5)
+        seen["while_running"] = runner.is_alive()
+        runner.join(timeout=600)
+        seen["results"] = results
+        if prometheus is not None:
+            time.sleep(6)  # one more scrape interval of the shipped config after the last values were set
+            seen["prometheus"] = prometheus[1]
+        yield seen
+    finally:
+        mp.undo()
+        if prometheus is not None:
+            prometheus[0].terminate()
+            prometheus[0].wait(timeout=30)
+
+
+def test_training_metrics_are_scraped_from_the_endpoint_during_a_run(scraped_run):
+    assert scraped_run["found"] == set(WANTED), f"missing {set(WANTED) - scraped_run['found']}"
+    assert scraped_run["while_running"]
+    line = next(x for x in scraped_run["text"].splitlines() if x.startswith("ray_rlhf_ray_policy_version{"))
+    assert f'run="{RUN}"' in line and float(line.rsplit(" ", 1)[1]) >= 1
+    assert scraped_run["results"] and scraped_run["results"][0]["iterations"] == 12
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of every panel of the shipped dashboard."""
+    board = json.loads((ROOT / "deploy/grafana/rlhf_ray.json").read_text())
+    return [(panel["title"], target["expr"]) for panel in board["panels"] for target in panel["targets"]]
+
+
+def test_every_dashboard_panel_gets_the_runs_series_from_a_real_prometheus(scraped_run):
+    if shutil.which("prometheus") is None:
+        pytest.skip("Debian's prometheus package is not installed (scripts/test.sh installs it in CI: "
+                    "apt-get install prometheus)")
+    assert scraped_run["prometheus"] is not None, "Prometheus did not start before the job ended"
+    base = f"http://127.0.0.1:{scraped_run['prometheus']}/api/v1/"
+    targets = json.loads(get(base + "targets"))["data"]["activeTargets"]
+    assert targets, "Prometheus found no targets in Ray's service-discovery file"  # (down now: the job's Ray ended)
+    queries = dashboard_queries()
+    assert len({title for title, _ in queries}) >= 12
+    empty = []
+    for title, expr in queries:
+        params = urllib.parse.urlencode({"query": expr.replace("$run", RUN), "start": scraped_run["started"],
+                                         "end": time.time(), "step": "1"})
+        answer = json.loads(get(f"{base}query_range?{params}") or '{"data": {"result": []}}')
+        series = [s for s in answer["data"]["result"] if s["metric"].get("run") == RUN and s["values"]]
+        if not series:
+            empty.append(f"{title}: {expr}")
+    assert not empty, "dashboard panels whose query returned no series for the run:\n" + "\n".join(empty)

@@ -66,7 +66,7 @@ class MetricsLogger:
         if not ray.is_initialized():
             return
         for key, value in values.items():
-            name = "rlhf_ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            name = gauge_name(key)
             if name not in self.gauges:
                 self.gauges[name] = Gauge(name, description=f"rlhf_ray metric {key}", tag_keys=("run",))
             self.gauges[name].set(value, tags={"run": self.run_name})
@@ -77,6 +77,12 @@ class MetricsLogger:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def gauge_name(key: str) -> str:
+    """The Ray gauge a metric is exported as (`policy/clip_fraction` -> `rlhf_ray_policy_clip_fraction`); Ray's
+    Prometheus endpoint adds the `ray_` prefix."""
+    return "rlhf_ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
 
 METRICS_FILE = "metrics.jsonl"
