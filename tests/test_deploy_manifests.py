@@ -23,7 +23,11 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 CRDS = ROOT / "deploy" / "crds"
 KUBERAY = ROOT / "deploy" / "kuberay"
-CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+CRD_FILES = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml",
+             "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+             "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml"}
+RAY_KINDS = ("RayCluster", "RayJob")
+MONITOR_KINDS = ("PodMonitor", "ServiceMonitor")
 EXPECTED = {"raycluster.yaml": "RayCluster", "rayjob-sft.yaml": "RayJob", "rayjob-rm.yaml": "RayJob",
             "rayjob-ppo.yaml": "RayJob", "rayjob-pipeline.yaml": "RayJob"}
 SUBCOMMANDS = ("sft", "rm", "ppo", "pipeline")
@@ -101,11 +105,12 @@ def documents(path: Path) -> list[Manifest]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
-def ray_manifests(kind: str | None = None) -> list[Any]:
-    """pytest params of every RayCluster / RayJob document under deploy/kuberay/ (of one kind if given)."""
+def ray_manifests(kind: str | None = None, kinds: tuple[str, ...] = RAY_KINDS) -> list[Any]:
+    """pytest params of every RayCluster / RayJob document under deploy/kuberay/ (of one kind if given; of
+    `kinds` otherwise)."""
     return [pytest.param(doc, id=f"{path.name}:{doc.get('metadata', {}).get('name')}")
             for path in sorted(KUBERAY.glob("*.yaml")) for doc in documents(path)
-            if doc.get("kind") in CRD_FILES and kind in (None, doc.get("kind"))]
+            if doc.get("kind") in kinds and kind in (None, doc.get("kind"))]
 
 
 def load(name: str) -> Manifest:
@@ -326,3 +331,48 @@ def test_every_pod_mounts_the_shared_volume(manifest: Manifest) -> None:
             assert mounts.get(SHARED) in shared, f"{group}/{container['name']}: {claim} not mounted at {SHARED}"
             if "nvidia.com/gpu" in container["resources"]["limits"]:  # NCCL needs a real /dev/shm
                 assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory", group
+
+
+# --- monitoring: the Prometheus operator's monitors and the dashboard's settings ---------------------------------
+
+def test_the_monitors_exist_and_conform_to_their_crds() -> None:
+    monitors = {doc["kind"]: doc for doc in documents(KUBERAY / "monitoring.yaml")}
+    assert set(monitors) == set(MONITOR_KINDS)
+    for doc in monitors.values():
+        assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+        assert problems(doc) == []
+
+
+def test_a_misspelt_monitor_field_is_refused_by_name() -> None:
+    (pod_monitor,) = [d for d in documents(KUBERAY / "monitoring.yaml") if d["kind"] == "PodMonitor"]
+    broken = copy.deepcopy(pod_monitor)
+    broken["spec"]["podMetricsEndpoints"][0]["prot"] = broken["spec"]["podMetricsEndpoints"][0].pop("port")
+    assert any(p.startswith("spec.podMetricsEndpoints.0:") and "'prot'" in p for p in problems(broken))
+
+
+@pytest.mark.parametrize("manifest", ray_manifests())
+def test_every_ray_pod_serves_what_the_monitors_scrape(manifest: Manifest) -> None:
+    """Each Ray container names the port the monitors scrape, and the worker pods carry the PodMonitor's own
+    label (KubeRay adds ray.io/node-type itself)."""
+    monitors = {doc["kind"]: doc for doc in documents(KUBERAY / "monitoring.yaml")}
+    scraped = {monitors["ServiceMonitor"]["spec"]["endpoints"][0]["port"],
+               monitors["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"]}
+    wanted = {k: v for k, v in monitors["PodMonitor"]["spec"]["selector"]["matchLabels"].items()
+              if not k.startswith("ray.io/")}
+    spec = cluster_spec(manifest)
+    templates = [("head", spec["headGroupSpec"]["template"])] + [
+        (g["groupName"], g["template"]) for g in spec.get("workerGroupSpecs", [])]
+    for group, template in templates:
+        ports = {p.get("name") for p in template["spec"]["containers"][0].get("ports", [])}
+        assert scraped <= ports, f"{group}: no port named {scraped - ports} for Prometheus to scrape"
+        if group != "head":
+            labels = template.get("metadata", {}).get("labels", {})
+            assert wanted.items() <= labels.items(), f"{group}: the PodMonitor selects {wanted}, the pods have {labels}"
+
+
+@pytest.mark.parametrize("manifest", ray_manifests())
+def test_the_head_tells_the_dashboard_where_prometheus_and_grafana_are(manifest: Manifest) -> None:
+    head = cluster_spec(manifest)["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in head.get("env", [])}
+    for name in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"):
+        assert re.fullmatch(r"https?://[^/\s]+(:\d+)?", env.get(name) or ""), f"{name}: {env.get(name)!r}"
