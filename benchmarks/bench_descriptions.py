@@ -4,7 +4,7 @@ model's answers labelled by the gold score through a Bradley-Terry draw -> rewar
 against it. The gold score is PPO's held-out check, never its reward.
 
     .venv/bin/python benchmarks/bench_descriptions.py --seeds 1,2,3 [--write docs/benchmarks.md]
-    .venv/bin/python benchmarks/bench_descriptions.py --overoptimisation 60,200 --seeds 1 [--iterations 30]
+    .venv/bin/python benchmarks/bench_descriptions.py --overoptimisation 60,200 --seeds 1 [--iterations 30] [--kl 0]
 
 The first runs the recipe as written, seed by seed (part 2: gold +0.15 over the SFT model, greedy and sampled, in
 at most 30 minutes of PPO). The second (part 3, Gao et al. 2022 at our scale) trains reward models on the first N
@@ -36,9 +36,10 @@ GOAL_GAIN, GOAL_MINUTES = 0.15, 30.0
 RM_BATCH = 8  # the recipe's rm global batch
 
 
-def overrides_for(pairs: int | None, iterations: int | None) -> list[str]:
-    """A part-3 run: the reward model on the first `pairs` labelled pairs for one epoch, PPO for `iterations`."""
-    found = []
+def overrides_for(pairs: int | None, iterations: int | None, kl: float | None = None) -> list[str]:
+    """A part-3 run: the reward model on the first `pairs` labelled pairs for one epoch, PPO for `iterations` at
+    KL coefficient `kl` (the recipe's when None)."""
+    found = [] if kl is None else [f"ppo.ppo.kl_coef={kl}"]
     if pairs is not None:
         found += [f"pairs.prompts={pairs}", f"rm.train.max_steps={math.ceil(pairs / RM_BATCH)}"]
     if iterations is not None:
@@ -46,10 +47,11 @@ def overrides_for(pairs: int | None, iterations: int | None) -> list[str]:
     return found
 
 
-def name_of(seed: int, pairs: int | None, iterations: int | None) -> str:
+def name_of(seed: int, pairs: int | None, iterations: int | None, kl: float | None = None) -> str:
     """seed1: the recipe as written; pairs60-seed1: its reward model on 60 pairs; pairs60-it30-seed1: and PPO for 30
-    iterations."""
+    iterations; pairs60-it30-kl0-seed1: at KL coefficient 0."""
     parts = ([f"pairs{pairs}"] if pairs is not None else []) + ([f"it{iterations}"] if iterations is not None else [])
+    parts += [f"kl{kl:g}"] if kl is not None else []
     return "-".join([*parts, f"seed{seed}"])
 
 
@@ -72,11 +74,11 @@ def share_stages(seed: int, work: Path, out: Path, pairs: int | None) -> None:
         target.joinpath("pairs.json").write_text(json.dumps(facts, indent=2))
 
 
-def run(seed: int, work: Path, pairs: int | None, iterations: int | None) -> dict:
-    out = work / name_of(seed, pairs, iterations)
+def run(seed: int, work: Path, pairs: int | None, iterations: int | None, kl: float | None = None) -> dict:
+    out = work / name_of(seed, pairs, iterations, kl)
     share_stages(seed, work, out, pairs)
     overrides = [f"seed={seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
-                 *overrides_for(pairs, iterations)]
+                 *overrides_for(pairs, iterations, kl)]
     command = [sys.executable, "-m", "rlhf_ray.cli", "pipeline", "--config", str(RECIPE)]
     for item in overrides:
         command += ["--set", item]
@@ -86,8 +88,8 @@ def run(seed: int, work: Path, pairs: int | None, iterations: int | None) -> dic
     seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
     result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak, "seed": seed,
-              "pairs": pairs, "iterations": iterations,
-              "settings": settings_hash(RECIPE.read_text(), overrides_for(pairs, iterations)), "date": today(),
+              "pairs": pairs, "iterations": iterations, "kl": kl,
+              "settings": settings_hash(RECIPE.read_text(), overrides_for(pairs, iterations, kl)), "date": today(),
               "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{out.name}.json").write_text(json.dumps(result) + "\n")
@@ -100,7 +102,7 @@ def kept() -> list[dict]:
     found = []
     for file in sorted(RESULTS.glob("*.json")):
         r = json.loads(file.read_text())
-        if r["settings"] == settings_hash(RECIPE.read_text(), overrides_for(r["pairs"], r["iterations"])):
+        if r["settings"] == settings_hash(RECIPE.read_text(), overrides_for(r["pairs"], r["iterations"], r.get("kl"))):
             found.append(r)
         else:
             print(f"not reported: {file} ran other settings than {RECIPE.name} holds now", flush=True)
@@ -136,7 +138,8 @@ def report(results: list[dict], doc: Path | None) -> str:
              "benchmarks/results/descriptions/). The gold score (`rlhf_ray.data.descriptions:gold`, docs/jobs.md "
              "\"Preference pairs with a hidden truth\") is evaluated on 100 held-out prompts about topics no stage "
              "trained on; `before` is the SFT model. ± is one standard error over the prompts.", ""]
-    recipe = sorted((r for r in results if r["pairs"] is None and r["iterations"] is None), key=lambda r: r["seed"])
+    recipe = sorted((r for r in results if r["pairs"] is None and r["iterations"] is None and r.get("kl") is None),
+                    key=lambda r: r["seed"])
     if recipe:
         lines += ["| seed | pairs (train / held-out / ties) | RM held-out accuracy (ceiling) | gold greedy before -> "
                   "after | gold sampled before -> after | RM score greedy before -> after | PPO iterations min | PPO stage min | "
@@ -162,8 +165,7 @@ def report(results: list[dict], doc: Path | None) -> str:
         if len(recipe) < 3:
             verdicts.append(f"- {len(recipe)} of 3 seeds run.")
         lines += ["", *verdicts, ""]
-    gao = sorted((r for r in results if r["pairs"] is not None or r["iterations"] is not None),
-                 key=lambda r: (r["seed"], r["pairs"] or 0))
+    gao = sorted((r for r in results if r not in recipe), key=lambda r: (r["seed"], r["pairs"] or 0, r.get("kl") or 0))
     if gao:
         lines += ["Reward models on fewer pairs (part 3), each against its own PPO run from the same SFT model:", "",
                   "| run | training pairs | RM held-out accuracy (ceiling) | gold greedy before -> after | "
@@ -172,7 +174,8 @@ def report(results: list[dict], doc: Path | None) -> str:
             s, ppo = r["summary"], r["summary"]["ppo"]
             p = s["rm"].get("pairs", {})
             end = curve(r)[-1]
-            lines.append(f"| {name_of(r['seed'], r['pairs'], r['iterations'])} | {r['pairs'] or p.get('train')} | "
+            lines.append(f"| {name_of(r['seed'], r['pairs'], r['iterations'], r.get('kl'))} | "
+                         f"{r['pairs'] or p.get('train')} | "
                          f"{s['rm']['eval_accuracy']:.3f} ({p.get('gold_eval_accuracy', float('nan')):.3f}) | "
                          f"{ppo['task_accuracy_before']:.3f} -> {ppo['task_accuracy_after']:.3f} | "
                          f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {end[1]:.2f} |")
@@ -182,7 +185,8 @@ def report(results: list[dict], doc: Path | None) -> str:
         plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for r, points in curves:
-            label = f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs, seed {r['seed']}"
+            label = (f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs, seed {r['seed']}"
+                     + (f", kl {r['kl']:g}" if r.get("kl") is not None else ""))
             xs = [p[1] for p in points]
             axes[0].plot(xs, [p[2] - points[0][2] for p in points], marker="o", label=label)
             axes[1].plot(xs, [p[3] for p in points], marker="o", label=label)
@@ -195,7 +199,7 @@ def report(results: list[dict], doc: Path | None) -> str:
     if gao or curves:
         lines += ["Per evaluation (iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled):", ""]
         for r, points in curves:
-            lines.append(f"- {name_of(r['seed'], r['pairs'], r['iterations'])}: " + "; ".join(
+            lines.append(f"- {name_of(r['seed'], r['pairs'], r['iterations'], r.get('kl'))}: " + "; ".join(
                 f"{p[0]}: {p[1]:.2f}, {p[2]:.2f}, {p[3]:.3f}, {p[4]:.2f}, {p[5]:.3f}" for p in points))
         lines.append("")
     return "\n".join(lines)
@@ -206,6 +210,7 @@ def main() -> int:
     parser.add_argument("--seeds", default="1")
     parser.add_argument("--overoptimisation", default=None, help="pair counts, e.g. 100,200,400 (part 3)")
     parser.add_argument("--iterations", type=int, default=None, help="PPO iterations of the part-3 runs")
+    parser.add_argument("--kl", type=float, default=None, help="KL coefficient of the part-3 runs (recipe's: 0.02)")
     parser.add_argument("--work", default=None, help="where the runs write (default: a temporary folder)")
     parser.add_argument("--write", default=None, help="docs/benchmarks.md: replace this section there")
     parser.add_argument("--report-only", action="store_true")
@@ -215,7 +220,7 @@ def main() -> int:
         for seed in map(int, args.seeds.split(",")):
             sizes = [None] if args.overoptimisation is None else [int(n) for n in args.overoptimisation.split(",")]
             for pairs in sizes:
-                run(seed, work, pairs, args.iterations if args.overoptimisation else None)
+                run(seed, work, pairs, *((args.iterations, args.kl) if args.overoptimisation else (None, None)))
     results = kept()
     if not results:
         print("no kept results")
