@@ -278,13 +278,16 @@ def cmd_preprocess(args: argparse.Namespace) -> int:
     return run_preprocess(args)
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "validate": cmd_validate, "schema": cmd_schema, "pretrain": cmd_job, "sft": cmd_job, "rm": cmd_job, "dpo": cmd_job, "ppo": cmd_job,
-    "pipeline": cmd_job, "rehearse": cmd_rehearse, "init-model": cmd_init_model, "import-gguf": cmd_import_gguf,
-    "quickstart": cmd_quickstart, "report": cmd_report,
-    "preprocess": cmd_preprocess,
+TOOLS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "validate": cmd_validate, "schema": cmd_schema, "rehearse": cmd_rehearse, "init-model": cmd_init_model,
+    "import-gguf": cmd_import_gguf, "quickstart": cmd_quickstart, "report": cmd_report, "preprocess": cmd_preprocess,
     "compare": cmd_compare, "sample": cmd_sample,
 }
+"""The commands that are not a job kind; every kind in JOB_KINDS is a command of its own (cmd_job)."""
+
+
+def command(name: str) -> Callable[[argparse.Namespace], int]:
+    return cmd_job if name in JOB_KINDS else TOOLS[name]
 
 
 class _Stderr(logging.StreamHandler):
@@ -332,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "verbose", False):
         quiet_libraries()
     try:
-        return COMMANDS[args.command](args)
+        return command(args.command)(args)
     except JobFailed as failed:
         console.print("\n".join(failed.lines), markup=False, highlight=False)
         return EXIT_JOB_FAILED

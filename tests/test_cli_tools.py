@@ -71,3 +71,25 @@ def test_preprocess_command_writes_a_readable_corpus(tiny_model, tmp_path, capsy
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     decoded = tokenizer.decode([int(t) for sample in corpus for t in sample])
     assert "One sentence here." in decoded and "A second document." in decoded
+
+
+def test_every_command_of_the_parser_has_a_handler_and_every_job_kind_is_one(monkeypatch):
+    """A job kind is registered in one place (config/kinds.py JOB_KINDS): the CLI's parser and dispatch follow it,
+    so a kind added there is a command without editing cli.py."""
+    import argparse
+
+    from rlhf_ray import cli
+    from rlhf_ray.config.jobs import SFTJob
+
+    def commands() -> set[str]:
+        (sub,) = [a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+        return set(sub.choices)
+
+    assert commands() == set(cli.TOOLS) | set(cli.JOB_KINDS)
+    assert all(cli.command(name) for name in commands())
+
+    class ToyJob(SFTJob):
+        kind: str = "toy"
+
+    monkeypatch.setitem(cli.JOB_KINDS, "toy", ToyJob)
+    assert "toy" in commands() and cli.command("toy") is cli.cmd_job
