@@ -74,3 +74,43 @@ def test_no_cycles_between_units_of_one_layer():
         return any(nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt})) for nxt in edges[start])
 
     assert [u for u in LAYER if reaches(u, u, {u})] == []
+
+
+def module_imports() -> dict[str, set[str]]:
+    """{module: the rlhf_ray modules it imports}, file by file (`from rlhf_ray.actors import engine` counts as
+    rlhf_ray.actors.engine); every import counts, the ones inside functions too."""
+    modules = {}
+    for file in ROOT.rglob("*.py"):
+        parts = file.relative_to(ROOT.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = file
+    edges: dict[str, set[str]] = {}
+    for name, file in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlhf_ray"):
+                targets |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+        edges[name] = {t for t in targets if t in modules and t != name and modules[t].stem != "__init__"}
+    return edges
+
+
+def test_no_cycles_between_files():
+    """A file that imports another which imports it back (even lazily, inside a function) is one unit split in two:
+    the shared part belongs in a third file both import."""
+    edges = module_imports()
+
+    def path_back(start: str) -> list[str] | None:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in sorted(edges[node]):
+                if nxt == start:
+                    return path + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, path + [nxt]))
+        return None
+
+    circles = {m: path for m in sorted(edges) if (path := path_back(m))}
+    assert circles == {}, "\n".join(" -> ".join(p) for p in circles.values())

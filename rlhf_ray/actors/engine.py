@@ -21,8 +21,6 @@ import torch
 
 from rlhf_ray.actors.update_gate import HOLD_ENV
 from rlhf_ray.config.generation import GenerationSpec, SamplingSpec
-from rlhf_ray.config.model import ModelSpec
-from rlhf_ray.data.tokens import TokenConventions
 
 log = logging.getLogger(__name__)
 
@@ -90,19 +88,6 @@ class GenerationEngine(ABC):
     def close(self) -> None:
         """Release what the engine holds outside its process (files, shared memory) before the process is killed at
         the job's end. Nothing by default."""
-
-
-def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions, engine: str) -> GenerationEngine:
-    """The engine named by `engine` ("hf" or "vllm"; `resolve_engine` turns "auto" into one of them)."""
-    if engine == "hf":
-        from rlhf_ray.actors.hf_engine import HFEngine
-
-        return HFEngine(model, spec, tokens)
-    if engine == "vllm":
-        from rlhf_ray.actors.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model, spec, tokens)
-    raise ValueError(f"unknown generation engine {engine!r}; expected hf or vllm")
 
 
 def intel_openmp_library() -> str | None:

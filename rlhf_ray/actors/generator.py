@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rlhf_ray.actors.engine import RolloutSample, build_engine
+from rlhf_ray.actors.engine import GenerationEngine, RolloutSample
 from rlhf_ray.actors.partial_rollout import PartialRollouts, samples_of
 from rlhf_ray.actors.update_gate import HOLD_ENV, UpdateGate, hold_point
 from rlhf_ray.config.generation import GenerationSpec
@@ -21,6 +21,19 @@ from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.models.weight_buckets import unpack
 from rlhf_ray.models.weight_handoff import HandoffPart, received
 from rlhf_ray.memory.probe import PeakMemory
+
+
+ENGINES: dict[str, str] = {"hf": "rlhf_ray.actors.hf_engine:HFEngine", "vllm": "rlhf_ray.actors.vllm_engine:VLLMEngine"}
+"""Every generation engine by its `generation.engine` name: a GenerationEngine class (engine.py's contract), imported
+only by the engine actor that builds one (vLLM's import alone takes seconds)."""
+
+
+def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions, engine: str) -> GenerationEngine:
+    """The engine named by `engine` ("hf" or "vllm"; `resolve_engine` turns "auto" into one of them)."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown generation engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    module, name = ENGINES[engine].split(":")
+    return getattr(importlib.import_module(module), name)(model, spec, tokens)
 
 
 @dataclass
