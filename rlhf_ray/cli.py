@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -347,5 +348,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
 
 
+def entry() -> None:
+    """The `rlhf-ray` command (and `python -m rlhf_ray.cli`): main, then out of the process without Python's
+    teardown. A job's driver starts and stops Ray (several times in a pipeline) and imports torch, and a C++ thread
+    of theirs has crashed the finished process at exit (SIGSEGV, exit -11, after the summary was printed: `ray job
+    submit` then reports a failed job). Everything the job writes is closed by then; the streams are flushed here."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -93,3 +93,26 @@ def test_every_command_of_the_parser_has_a_handler_and_every_job_kind_is_one(mon
 
     monkeypatch.setitem(cli.JOB_KINDS, "toy", ToyJob)
     assert "toy" in commands() and cli.command("toy") is cli.cmd_job
+
+
+def test_the_command_leaves_without_pythons_teardown_yet_every_line_and_its_exit_code_arrive(capsys):
+    """`rlhf-ray` ends with os._exit after flushing (cli.entry): a finished job's driver was crashed at exit by a
+    C++ thread of Ray or torch during Python's teardown (exit -11 after its summary; `ray job submit` then reports
+    a failure). Through a pipe, as `ray job submit` reads it, the whole output and main's exit code still arrive,
+    and no teardown code runs (an atexit handler stands for it)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / "configs/quickstart/grpo.yaml")
+    assert main(["validate", config]) == EXIT_OK
+    expected = capsys.readouterr().out
+    program = ("import atexit, sys; from rlhf_ray import cli; atexit.register(lambda: print('TEARDOWN')); "
+               "sys.argv = ['rlhf-ray', *sys.argv[1:]]; cli.entry()")
+    done = subprocess.run([sys.executable, "-c", program, "validate", config], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == EXIT_OK, done.stderr[-2000:]
+    assert done.stdout == expected and "TEARDOWN" not in done.stdout
+    refused = subprocess.run([sys.executable, "-c", program, "validate", config, "--set", "ppo.iterations=0"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == EXIT_BAD_CONFIG and "ppo.iterations" in refused.stderr

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf_ray import cluster
+from rlhf_ray.actors.actor_logs import actor_logs, ray_messages
 from rlhf_ray.actors.group import job_names, job_tag
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.config import JobBase
@@ -95,7 +96,10 @@ def sample_answers(job: PPOJob, model: ModelSpec, out: Path, prompts: int | None
                                        "policy": job.policy.model_copy(update={"model": model})})
     plan = ResourcePlan.from_roles({"generation": generation.placement})
     samples = []
-    with cluster.connect(job.cluster) as handle, job_names(job_tag("sample", str(Path(out).parent))):
+    quiet = not job.logging.verbose  # the engines' own output in <out's folder>/logs/, as a job's actors' is
+    logs = Path(out).parent / "logs" if quiet else None
+    with cluster.connect(job.cluster, quiet=quiet) as handle, actor_logs(logs), ray_messages(logs), \
+            job_names(job_tag("sample", str(Path(out).parent))):
         placements = cluster.place(plan, handle.nodes(), job.cluster.startup_timeout_s)
         pool = None
         try:
