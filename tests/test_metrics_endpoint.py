@@ -60,10 +60,14 @@ def start_prometheus(session_dir: str, folder: Path) -> tuple[subprocess.Popen, 
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory, sft_model, rm_model):
     """A 12-iteration PPO job (critic, reward model, held-out evaluations) with its metrics endpoint scraped by hand
-    during the run, and, where Debian's prometheus is installed, a Prometheus scraping it too. Yields what was seen."""
+    during the run, and, where Debian's prometheus is installed, a Prometheus scraping it too. The test holds the
+    job's Ray (`cluster.shared`, whose head writes the discovery file) from before the job until Prometheus has
+    scraped twice after it: the tiny job's 12 iterations take seconds, so a gauge set at its end would otherwise go
+    with its Ray before a 5-second scrape. Yields what was seen."""
+    from rlhf_ray import cluster
     from tests.conftest import _SESSION_RAY
 
-    _SESSION_RAY.close()  # this job starts its own Ray, with a dashboard (whose head writes the discovery file)
+    _SESSION_RAY.close()  # this job's Ray has a shape of its own: a dashboard, a fixed metrics port
     tmp = tmp_path_factory.mktemp("metrics")
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_metrics_report_interval_ms", "1000")
@@ -71,31 +75,29 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
     job = ppo_job(tmp, sft_model, rm_model, "ppo.iterations=12", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8",
                   "ppo.eval_every=4", "policy.micro_batch_size=16", "critic.micro_batch_size=16",
                   f"cluster.metrics_export_port={port}", "cluster.dashboard=true", f"cluster.dashboard_port={free_port()}")
-    results: list = []
-    started = time.time()
-    runner = threading.Thread(target=lambda: results.append(run_ppo(job)), daemon=True)
-    runner.start()
-    seen = {"found": set(), "text": "", "while_running": False, "prometheus": None, "started": started}
+    seen = {"found": set(), "text": "", "while_running": False, "prometheus": None, "started": time.time()}
     prometheus = None
     try:
-        while runner.is_alive() and (len(seen["found"]) < len(WANTED) or
-                                     (shutil.which("prometheus") and prometheus is None)):
-            if prometheus is None and shutil.which("prometheus"):
-                import ray
+        with cluster.shared(job.cluster):
+            import ray
 
-                node = getattr(ray._private.worker, "_global_node", None)
-                if ray.is_initialized() and node is not None:
-                    prometheus = start_prometheus(node.get_session_dir_path(), tmp / "prometheus")
-            text = get(f"http://127.0.0.1:{port}/metrics")
-            if text:
-                seen["text"], seen["found"] = text, {n for n in WANTED if f"ray_rlhf_ray_{n}{{" in text}
-            time.sleep(0.5)
-        seen["while_running"] = runner.is_alive()
-        runner.join(timeout=600)
-        seen["results"] = results
-        if prometheus is not None:
-            time.sleep(6)  # one more scrape interval of the shipped config after the last values were set
-            seen["prometheus"] = prometheus[1]
+            if shutil.which("prometheus"):
+                prometheus = start_prometheus(ray._private.worker._global_node.get_session_dir_path(),
+                                              tmp / "prometheus")
+            results: list = []
+            runner = threading.Thread(target=lambda: results.append(run_ppo(job)), daemon=True)
+            runner.start()
+            while runner.is_alive() and len(seen["found"]) < len(WANTED):
+                text = get(f"http://127.0.0.1:{port}/metrics")
+                if text:
+                    seen["text"], seen["found"] = text, {n for n in WANTED if f"ray_rlhf_ray_{n}{{" in text}
+                time.sleep(0.2)
+            seen["while_running"] = runner.is_alive()
+            runner.join(timeout=600)
+            seen["results"] = results
+            if prometheus is not None:
+                time.sleep(12)  # two scrapes of the shipped config (5 s) after the job's last gauges (reported each 1 s)
+                seen["prometheus"] = prometheus[1]
         yield seen
     finally:
         mp.undo()
