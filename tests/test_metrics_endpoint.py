@@ -96,8 +96,10 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
             runner.join(timeout=600)
             seen["results"] = results
             if prometheus is not None:
-                time.sleep(12)  # two scrapes of the shipped config (5 s) after the job's last gauges (reported each 1 s)
                 seen["prometheus"] = prometheus[1]
+                deadline = time.monotonic() + 90  # scrapes every 5 s; the job's last gauges are reported each 1 s
+                while empty_panels(seen) and time.monotonic() < deadline:
+                    time.sleep(2)
         yield seen
     finally:
         mp.undo()
@@ -120,6 +122,19 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return [(panel["title"], target["expr"]) for panel in board["panels"] for target in panel["targets"]]
 
 
+def empty_panels(scraped_run) -> list[str]:
+    """`title: query` of every dashboard query that Prometheus has no series of the run for, since the run began."""
+    base = f"http://127.0.0.1:{scraped_run['prometheus']}/api/v1/"
+    empty = []
+    for title, expr in dashboard_queries():
+        params = urllib.parse.urlencode({"query": expr.replace("$run", RUN), "start": scraped_run["started"],
+                                         "end": time.time(), "step": "1"})
+        answer = json.loads(get(f"{base}query_range?{params}") or '{"data": {"result": []}}')
+        if not [s for s in answer["data"]["result"] if s["metric"].get("run") == RUN and s["values"]]:
+            empty.append(f"{title}: {expr}")
+    return empty
+
+
 def test_every_dashboard_panel_gets_the_runs_series_from_a_real_prometheus(scraped_run):
     if shutil.which("prometheus") is None:
         pytest.skip("Debian's prometheus package is not installed (scripts/test.sh installs it in CI: "
@@ -128,14 +143,6 @@ def test_every_dashboard_panel_gets_the_runs_series_from_a_real_prometheus(scrap
     base = f"http://127.0.0.1:{scraped_run['prometheus']}/api/v1/"
     targets = json.loads(get(base + "targets"))["data"]["activeTargets"]
     assert targets, "Prometheus found no targets in Ray's service-discovery file"  # (down now: the job's Ray ended)
-    queries = dashboard_queries()
-    assert len({title for title, _ in queries}) >= 12
-    empty = []
-    for title, expr in queries:
-        params = urllib.parse.urlencode({"query": expr.replace("$run", RUN), "start": scraped_run["started"],
-                                         "end": time.time(), "step": "1"})
-        answer = json.loads(get(f"{base}query_range?{params}") or '{"data": {"result": []}}')
-        series = [s for s in answer["data"]["result"] if s["metric"].get("run") == RUN and s["values"]]
-        if not series:
-            empty.append(f"{title}: {expr}")
+    assert len({title for title, _ in dashboard_queries()}) >= 12
+    empty = empty_panels(scraped_run)
     assert not empty, "dashboard panels whose query returned no series for the run:\n" + "\n".join(empty)
