@@ -2,7 +2,7 @@
 # Sets up the environment (reused when unchanged) and runs the whole test suite on CPU (CI's command).
 #   bash scripts/test.sh            every test (~30 min on 2 cores)
 #   bash scripts/test.sh --fast     the tests that start no Ray: units of one piece each (a few minutes)
-# Further arguments go to pytest (e.g. -k pattern, -x). The slowest tests are printed at the end of every run.
+# Further arguments go to pytest (e.g. -k pattern, -x); a test file or folder first runs only that. The slowest tests are printed at the end of every run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -23,5 +23,8 @@ fi
 if [ "${1:-}" = "--fast" ]; then
   shift
   exec .venv/bin/python -m pytest tests -m "not system" "$@"
+fi
+if [ $# -gt 0 ] && [ -e "${1%%::*}" ]; then  # a test file or folder first: only what was named
+  exec .venv/bin/python -m pytest "$@"
 fi
 exec .venv/bin/python -m pytest tests "$@"
