@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WANTED = ("reward_mean", "kl_mean", "policy_loss", "policy_entropy", "critic_loss", "time_sync", "sync_bytes",
           "buffer_staleness", "policy_version", "generate_tokens_per_s", "generate_engine_utilisation")
 RUN = "ppo-ppo"  # the job's run label: its kind and its output folder's name
+ONCE = "gauge-set-once"  # the run label of a logger that logs one line before the job and nothing after
 
 
 def free_port() -> int:
@@ -65,6 +66,8 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
     scraped twice after it: the tiny job's 12 iterations take seconds, so a gauge set at its end would otherwise go
     with its Ray before a 5-second scrape. Yields what was seen."""
     from rlhf_ray import cluster
+    from rlhf_ray.config.run import LoggingSpec
+    from rlhf_ray.jobs.metrics import MetricsLogger
     from tests.conftest import _SESSION_RAY
 
     _SESSION_RAY.close()  # this job's Ray has a shape of its own: a dashboard, a fixed metrics port
@@ -85,14 +88,19 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
                 prometheus = start_prometheus(ray._private.worker._global_node.get_session_dir_path(),
                                               tmp / "prometheus")
             results: list = []
+            once = MetricsLogger(tmp / "once", LoggingSpec(tensorboard=False), run_name=ONCE)
+            once.log(0, {"eval/once": 1.0})  # like an evaluation's numbers: set, then nothing for a while
+            seen["once_set"] = time.monotonic()
             runner = threading.Thread(target=lambda: results.append(run_ppo(job)), daemon=True)
             runner.start()
             while runner.is_alive() and len(seen["found"]) < len(WANTED):
                 text = get(f"http://127.0.0.1:{port}/metrics")
                 if text:
                     seen["text"], seen["found"] = text, {n for n in WANTED if f"ray_rlhf_ray_{n}{{" in text}
+                    seen["once_seen"] = time.monotonic() if f'run="{ONCE}"' in text else seen.get("once_seen")
                 time.sleep(0.2)
             seen["while_running"] = runner.is_alive()
+            once.close()
             runner.join(timeout=600)
             seen["results"] = results
             if prometheus is not None:
@@ -114,6 +122,15 @@ def test_training_metrics_are_scraped_from_the_endpoint_during_a_run(scraped_run
     line = next(x for x in scraped_run["text"].splitlines() if x.startswith("ray_rlhf_ray_policy_version{"))
     assert f'run="{RUN}"' in line and float(line.rsplit(" ", 1)[1]) >= 1
     assert scraped_run["results"] and scraped_run["results"][0]["iterations"] == 12
+
+
+def test_a_gauge_set_once_stays_on_the_endpoint_until_its_job_ends(scraped_run):
+    """Ray's gauges leave its endpoint a report interval or two after they were set (OpenTelemetry exports a
+    value in the rounds after it changes): an evaluation's numbers, set every `eval_every` iterations, would be
+    missed by a Prometheus that scrapes less often. The job's logger keeps every gauge at its last value."""
+    assert scraped_run["once_seen"] is not None, f"the gauge of {ONCE} never reached the endpoint"
+    kept = scraped_run["once_seen"] - scraped_run["once_set"]
+    assert kept > 10, f"the job took only {kept:.1f} s: too short to tell (report interval: 1 s)"
 
 
 def dashboard_queries() -> list[tuple[str, str]]:

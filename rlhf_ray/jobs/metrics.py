@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,10 @@ class MetricsLogger:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
         self.run_name = run_name
         self.gauges: dict[str, object] = {}
+        self.last: dict[str, float] = {}  # each gauge's last value, set again every KEEP_ALIVE_S (see _keep_alive)
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.keeper: threading.Thread | None = None
         self.wandb = None
         if spec.wandb_project:
             import wandb
@@ -65,18 +70,49 @@ class MetricsLogger:
 
         if not ray.is_initialized():
             return
-        for key, value in values.items():
-            name = gauge_name(key)
-            if name not in self.gauges:
-                self.gauges[name] = Gauge(name, description=f"rlhf_ray metric {key}", tag_keys=("run",))
-            self.gauges[name].set(value, tags={"run": self.run_name})
+        with self.lock:
+            for key, value in values.items():
+                name = gauge_name(key)
+                if name not in self.gauges:
+                    self.gauges[name] = Gauge(name, description=f"rlhf_ray metric {key}", tag_keys=("run",))
+                self.gauges[name].set(value, tags={"run": self.run_name})
+                self.last[name] = value
+        if self.keeper is None:
+            self.keeper = threading.Thread(target=self._keep_alive, name="rlhf-ray-gauges", daemon=True)
+            self.keeper.start()
+
+    def _keep_alive(self) -> None:
+        """Set every gauge to its last value again, every KEEP_ALIVE_S until close. Ray exports gauges through
+        OpenTelemetry, which reports a value only in the export rounds after it was set: a gauge set once (an
+        evaluation's numbers, every `eval_every` iterations) leaves Ray's endpoint one or two report intervals later
+        (~2 s with RAY_metrics_report_interval_ms=1000, ~20 s by default), so a Prometheus scraping less often
+        would miss it, and a dashboard would draw dots instead of a line. A Prometheus gauge holds its last value."""
+        import ray
+
+        while not self.closed.wait(KEEP_ALIVE_S):
+            if not ray.is_initialized():
+                continue
+            try:
+                with self.lock:
+                    for name, value in self.last.items():
+                        self.gauges[name].set(value, tags={"run": self.run_name})
+            except Exception as e:  # Ray went down between the check and the call: the job is over
+                log.debug("gauges no longer kept: %s", e)
+                return
 
     def close(self) -> None:
+        self.closed.set()
+        if self.keeper is not None:
+            self.keeper.join(timeout=10)
         self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+KEEP_ALIVE_S = 0.5
+"""How often a job's gauges are set again (MetricsLogger._keep_alive): under Ray's fastest report interval."""
 
 
 def gauge_name(key: str) -> str:
