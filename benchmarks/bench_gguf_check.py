@@ -4,7 +4,7 @@ value, side by side on the packaged SmolLM2 file (alternating, `--repeats` times
 and the whole model-source resolution of the GRPO quickstart (policy and reference name `package:smollm2`: four
 checks) with the import already cached, as every job after the first finds it.
 
-Run: python benchmarks/bench_gguf_check.py [--repeats 3] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_gguf_check.py [--repeats 3] [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations

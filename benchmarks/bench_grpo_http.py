@@ -1,7 +1,7 @@
 """GRPO with the reward served over HTTP: configs/quickstart/grpo-http.yaml as shipped, its rule (demo/sort) behind
 the reference reward server on 127.0.0.1, 3 seeds; held-out accuracy before -> after and wall time.
 
-    python benchmarks/bench_grpo_http.py --write docs/benchmarks.md
+    python benchmarks/bench_grpo_http.py --write benchmarks/HISTORY.md
 
 Needs the pipeline quickstart's SFT model (`bash scripts/quickstart.sh --pipeline` makes it)."""
 
@@ -42,7 +42,7 @@ def main() -> None:
         server.shutdown()
     lines = [HEADING, "",
              f"{today()}; {machine()}; {versions('torch', 'ray', 'deepspeed', 'transformers')}.",
-             f"Command: `python benchmarks/bench_grpo_http.py --write docs/benchmarks.md` (`{CONFIG.relative_to(ROOT)}` "
+             f"Command: `python benchmarks/bench_grpo_http.py --write benchmarks/HISTORY.md` (`{CONFIG.relative_to(ROOT)}` "
              "as shipped: the pipeline quickstart's SFT model, demo/sort's rule served by `rlhf_ray.reward_server` "
              "on 127.0.0.1, 100 iterations of 16 prompts x 4 answers; 64 held-out prompts, 4 samples each).", "",
              "| seed | greedy accuracy | sampled accuracy | job seconds |", "|---|---|---|---|"]

@@ -16,7 +16,7 @@
    iterations after the first, and the gap the job reports between engine and policy log-probs.
 
 Run: python benchmarks/bench_learner_precision.py [--calls 4] [--problems 64] [--sft SFT_MODEL] [--iterations 4]
-     [--write docs/benchmarks.md]   (without --sft the recipe's SFT stage runs first; --iterations 0 skips part 3)
+     [--write benchmarks/HISTORY.md]   (without --sft the recipe's SFT stage runs first; --iterations 0 skips part 3)
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def render(calls: dict[str, list[dict[str, float]]], gaps: dict[str, dict[str, f
     spread = {d: max(r["train"] for r in rows) - min(r["train"] for r in rows) for d, rows in calls.items()}
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'deepspeed', 'transformers')}. Date: {today()}.", "",
-             "Command: `python benchmarks/bench_learner_precision.py --write docs/benchmarks.md`. Two real "
+             "Command: `python benchmarks/bench_learner_precision.py --write benchmarks/HISTORY.md`. Two real "
              "PolicyLearners on SmolLM2-135M-Instruct (DeepSpeed ZeRO-0, 2 threads), fp32 (torch AdamW, what the "
              "SmolLM2 recipes train in) and bf16 (`model.dtype: bf16`: DeepSpeed's BF16_Optimizer, fp32 master "
              f"weights and optimizer state), each training {PROMPTS * ANSWERS} synthetic answers to {PROMPTS} "

@@ -11,7 +11,7 @@ it is the step's working set: activations, logits and their copies, weight gradi
 and gradient checkpointing for all; the log-probs must agree. The floor runs the same backbone step without any
 vocabulary projection.
 
-    python benchmarks/bench_logprob_memory.py --write docs/benchmarks.md
+    python benchmarks/bench_logprob_memory.py --write benchmarks/HISTORY.md
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> None:
     text = "\n".join([
         HEADING, "",
         f"{today()}; {machine()}; {versions('torch', 'transformers')}.",
-        "Command: `python benchmarks/bench_logprob_memory.py --write docs/benchmarks.md`. One policy micro-batch of "
+        "Command: `python benchmarks/bench_logprob_memory.py --write benchmarks/HISTORY.md`. One policy micro-batch of "
         f"{args.micro_batch} x ({args.prompt_len} + {args.answer_len}) tokens, fp32, temperature 0.7, "
         f"{'gradient checkpointing' if common['checkpointing'] else 'no gradient checkpointing'}, "
         f"{args.threads} threads, each variant in a fresh process; peak resident memory above the loaded model.", "",

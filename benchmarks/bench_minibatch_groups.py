@@ -8,7 +8,7 @@ the second run forces it by giving the driver's rollout feed a group size of 1; 
 answers in one step (train_batch_size 64), for what the extra steps cost. The same seed: the first rollout
 is the same in both; later ones differ with the weights. Medians over the iterations after the first.
 
-Run: python benchmarks/bench_minibatch_groups.py [--sft SFT_MODEL] [--iterations 4] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_minibatch_groups.py [--sft SFT_MODEL] [--iterations 4] [--write benchmarks/HISTORY.md]
 (without --sft the recipe's SFT stage runs first, ~5 minutes on 2 cores).
 """
 
@@ -68,7 +68,7 @@ def render(runs: dict[str, list[dict]], iterations: int) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'vllm')}. Date: {today()}.", "",
              f"Command: `python benchmarks/bench_minibatch_groups.py --iterations {iterations} --write "
-             "docs/benchmarks.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
+             "benchmarks/HISTORY.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
              f"(SmolLM2-135M fp32, 2 cores, 8 prompts x 8 answers an iteration) with ppo.train_batch_size "
              f"{TRAIN_BATCH}: 4 optimizer steps per rollout, micro-batches of 16. Run once with the mini-batches the "
              "replay buffer plans now (whole groups: 2 prompts x 8 answers, each prompt's forward shared by its "

@@ -7,7 +7,7 @@ the packaged SmolLM2 as its own teacher: the teacher's weights do not change wha
 reference runs beside the teacher's and the policy's forwards. Medians over the iterations after the first; the
 rewards of each iteration are compared too (the same seed, and nothing the update reads differs).
 
-Run: python benchmarks/bench_no_reference.py [--iterations 3] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_no_reference.py [--iterations 3] [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def main() -> int:
 def render(rows: list, iterations: int) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'vllm')}. Date: {today()}.", "",
-             f"Command: `python benchmarks/bench_no_reference.py --iterations {iterations} --write docs/benchmarks.md`. "
+             f"Command: `python benchmarks/bench_no_reference.py --iterations {iterations} --write benchmarks/HISTORY.md`. "
              "SmolLM2-135M fp32 on 2 cores, each job run with the reference and then with `reference: null`, "
              f"{iterations} iterations each, medians of iterations 2-{iterations}. GRPO: the smollm2-grpo recipe "
              f"with ppo.kl_coef 0 ({GRPO_PROMPTS} prompts x 4 answers per iteration); distillation: the smollm2-distill "

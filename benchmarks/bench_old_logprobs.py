@@ -10,7 +10,7 @@ The same seed: the first rollout is the same in all three; later ones differ wit
 iterations after the first. The first run's generate/mismatch_kl is the gap the engine's log-probs bring into the
 ratio (the fp32 vLLM against the fp32 learner).
 
-Run: python benchmarks/bench_old_logprobs.py [--sft SFT_MODEL] [--iterations 4] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_old_logprobs.py [--sft SFT_MODEL] [--iterations 4] [--write benchmarks/HISTORY.md]
 (without --sft the recipe's SFT stage runs first, ~5 minutes on 2 cores).
 """
 
@@ -43,7 +43,7 @@ def render(runs: dict[str, list[dict]], iterations: int) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'vllm')}. Date: {today()}.", "",
              f"Command: `python benchmarks/bench_old_logprobs.py --iterations {iterations} --write "
-             "docs/benchmarks.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
+             "benchmarks/HISTORY.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
              "(SmolLM2-135M fp32, 2 cores, 8 prompts x 8 answers an iteration) with ppo.train_batch_size 16: 4 "
              "optimizer steps a rollout, so the ratio needs old log-probs. Run with the policy's forward for them "
              "(the default, beside the reference), with the engine's (`ppo.old_logprobs: engine`: the reference "

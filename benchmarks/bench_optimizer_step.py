@@ -10,7 +10,7 @@ CPU), side by side in one process.
    The same learner alternates the kernel between calls in the order ABBA... (each parameter group's `fused`
    flag; the optimizer state is shared), so both see the same data and weights of the same kind. Synthetic tokens, real model and engine.
 
-Run: python benchmarks/bench_optimizer_step.py [--calls 4] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_optimizer_step.py [--calls 4] [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def render(alone: dict[str, float], calls: dict[str, list[dict[str, float]]]) ->
     fused, default = list(KERNELS)[:2]
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'deepspeed')}. Date: {today()}.", "",
-             "Command: `python benchmarks/bench_optimizer_step.py --write docs/benchmarks.md`. torch's fused AdamW "
+             "Command: `python benchmarks/bench_optimizer_step.py --write benchmarks/HISTORY.md`. torch's fused AdamW "
              "kernel (`torch.optim.AdamW(fused=True)`) against torch's default AdamW, which on CPU loops over the "
              "tensors and is what the learners use there (on a GPU DeepSpeed's FusedAdam, with offload its CPU "
              "Adam).", "",

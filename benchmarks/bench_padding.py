@@ -10,7 +10,7 @@ rows did; each of the two also packed. `policy/padding_fraction` and `critic/pad
 every training forward (each micro-batch trimmed to its own longest prompt and answer) that are pads; a forward's
 cost grows with its tokens, so that share of the training time is spent on pads.
 
-Run: python benchmarks/bench_padding.py [--iterations N] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_padding.py [--iterations N] [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def render(results: dict, args) -> str:
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}. "
              f"Date: {today()}.", "",
              f"Command: `python benchmarks/bench_padding.py --iterations {args.iterations} --write "
-             "docs/benchmarks.md`: each recipe as written (fp32, 2 cores), no evaluation, with micro-batches by "
+             "benchmarks/HISTORY.md`: each recipe as written (fp32, 2 cores), no evaluation, with micro-batches by "
              "rows, with every role's `max_tokens_per_micro_batch` at micro_batch_size x the longest row (the rows' "
              "worst case: the same memory bound), and each of the two with every role's `pack_sequences`; medians "
              "of the iterations after the first for the times, means over every iteration for the rest. Padding: "

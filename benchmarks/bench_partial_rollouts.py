@@ -23,7 +23,7 @@ accuracy (greedy and sampled) before -> after. Needs the pipeline quickstart's S
 SmolLM2 (`--smollm2`): the quickstart's GRPO job on SmolLM2-135M-Instruct with vLLM, answers of up to 192 tokens
 at temperature 1 (its own length distribution), async against partial rollouts, one run each.
 
-Run: python benchmarks/bench_partial_rollouts.py [--write docs/benchmarks.md] [--quick] [--accuracy] [--smollm2]
+Run: python benchmarks/bench_partial_rollouts.py [--write benchmarks/HISTORY.md] [--quick] [--accuracy] [--smollm2]
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def smollm2(args) -> int:
     lines = [SMOLLM2_SECTION, "",
              f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray', 'vllm')}. `python benchmarks/"
              f"bench_partial_rollouts.py --smollm2{' --quick' if args.quick else ''}"
-             f"{' --write docs/benchmarks.md' if args.write else ''}`: `{SMOLLM2_CONFIG.relative_to(ROOT)}`'s job "
+             f"{' --write benchmarks/HISTORY.md' if args.write else ''}`: `{SMOLLM2_CONFIG.relative_to(ROOT)}`'s job "
              f"(SmolLM2-135M-Instruct, vLLM, fp32, demo/arithmetic, 4 answers x 8 prompts per rollout) at temperature "
              f"1.0 with answers of up to {SMOLLM2_NEW} tokens; {iterations} iterations per mode, the first {SKIP} "
              "left out; one run per mode.", "", *table(results), "",
@@ -195,7 +195,7 @@ def accuracy(args) -> int:
              f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray', 'vllm')}. `python benchmarks/"
              f"bench_partial_rollouts.py --accuracy{' --smollm2' if args.smollm2 else ''}"
              f"{' --seeds ' + args.seeds if args.seeds != DEFAULT_SEEDS else ''}"
-             f"{' --write docs/benchmarks.md' if args.write else ''}`: "
+             f"{' --write benchmarks/HISTORY.md' if args.write else ''}`: "
              f"`{config.relative_to(ROOT)}`'s job ({what}) in sync mode and with partial rollouts; held-out "
              f"accuracy on {held_out} prompts (greedy; sampled: 4 samples each), before -> after.", "",
              "| mode | seed | greedy | sampled | job seconds |", "|---|---|---|---|---|"]
@@ -251,7 +251,7 @@ def render(results: dict[str, list[dict]], args, iterations: int) -> str:
     lines = [SECTION, "",
              f"{today()}, {machine()}; {versions('torch', 'transformers', 'ray')}. "
              f"`python benchmarks/bench_partial_rollouts.py{' --quick' if args.quick else ''}"
-             f"{' --write docs/benchmarks.md' if args.write else ''}`: GRPO on a tiny random Llama whose answers "
+             f"{' --write benchmarks/HISTORY.md' if args.write else ''}`: GRPO on a tiny random Llama whose answers "
              f"end with probability ~1/64 per token (geometric lengths capped at {MAX_NEW}; 4 answers x 8 prompts "
              f"per rollout), hf engine, 2 cores shared by every role; {iterations} iterations per run, the first "
              f"{SKIP} left out; each mode run {len(next(iter(results.values())))} time(s), alternating, medians.",

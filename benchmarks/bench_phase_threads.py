@@ -10,7 +10,7 @@ log-probs in the experience phase, beside the reference. Three runs, one after t
 The same seed: the first rollout is the same in all three; later ones differ with the weights. Medians over the
 iterations after the first.
 
-Run: python benchmarks/bench_phase_threads.py [--sft SFT_MODEL] [--iterations 4] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_phase_threads.py [--sft SFT_MODEL] [--iterations 4] [--write benchmarks/HISTORY.md]
 (without --sft the recipe's SFT stage runs first, ~5 minutes on 2 cores).
 """
 
@@ -43,7 +43,7 @@ def render(runs: dict[str, list[dict]], iterations: int) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'deepspeed', 'vllm')}. Date: {today()}.", "",
              f"Command: `python benchmarks/bench_phase_threads.py --iterations {iterations} --write "
-             "docs/benchmarks.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
+             "benchmarks/HISTORY.md`. The PPO stage of configs/recipes/smollm2-sft-grpo.yaml from its SFT model "
              "(SmolLM2-135M fp32, 2 cores, 8 prompts x 8 answers an iteration) with ppo.train_batch_size 16: 4 "
              "optimizer steps a rollout, so the policy scores old log-probs in the experience phase beside the "
              "reference, then trains alone. Run as shipped (threads per phase, jobs/threads.py), with the policy "

@@ -4,7 +4,7 @@ Why: the pipeline claims (after KnowLM/Megatron) that mmap keeps reader memory f
 and that sentence splitting + packing costs little over plain tokenization. Both are measured here on
 synthetic text generated locally, with a byte-level BPE trained locally (no network).
 
-    python benchmarks/bench_preprocess.py [--mb 10] [--scale 10] [--workers 2] [--write docs/benchmarks.md]
+    python benchmarks/bench_preprocess.py [--mb 10] [--scale 10] [--workers 2] [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations

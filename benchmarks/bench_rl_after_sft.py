@@ -4,7 +4,7 @@ by seed; the RL stage's held-out accuracy `before` is the SFT model's, on the sa
 gain is RL's alone. Reported: greedy and sampled accuracy before -> after with standard errors, RL minutes (the
 iterations' wall time), peak memory of the process tree, and per iteration the rollouts' reward (share right).
 
-    .venv/bin/python benchmarks/bench_rl_after_sft.py [--recipes sft-grpo] [--seeds 1,2,3] [--write docs/benchmarks.md]
+    .venv/bin/python benchmarks/bench_rl_after_sft.py [--recipes sft-grpo] [--seeds 1,2,3] [--write benchmarks/HISTORY.md]
 
 Each run's result is kept in benchmarks/results/rl_after_sft/<recipe>-<seed>.json (with the hashes of the recipe
 file and of the settings it ran: the recipe with the run's overrides), so a later invocation reports runs made
@@ -207,7 +207,7 @@ def report(results: dict) -> str:
     return "\n".join([
         HEADING, "",
         f"Runs: {runs}. Versions: {versions('torch', 'ray', 'deepspeed', 'transformers', 'vllm')}.", "",
-        "Command: `python benchmarks/bench_rl_after_sft.py --recipes NAME --seeds N --write docs/benchmarks.md` "
+        "Command: `python benchmarks/bench_rl_after_sft.py --recipes NAME --seeds N --write benchmarks/HISTORY.md` "
         "(each run kept in benchmarks/results/rl_after_sft/ and reported by later invocations while the settings it "
         "ran, the recipe with its overrides, are the recipe's). A recipe is a pipeline, run as `rlhf-ray pipeline "
         "--config configs/recipes/smollm2-NAME.yaml --set seed=N`: SFT on worked answers first. sft-grpo: GRPO "

@@ -4,7 +4,7 @@ seed by seed: held-out greedy and sampled accuracy before and after (summary.jso
 time, peak memory of the whole process tree (PSS, polled), and per iteration the reward, KL and train/inference
 log-prob gap (metrics.jsonl), plotted against iterations.
 
-    .venv/bin/python benchmarks/bench_smollm2.py [--write docs/benchmarks.md] [--runs grpo] [--seeds 1,2,3]
+    .venv/bin/python benchmarks/bench_smollm2.py [--write benchmarks/HISTORY.md] [--runs grpo] [--seeds 1,2,3]
         [--iterations N] [--set key=value ...]
 
 Each run's result (summary, metrics rows, minutes, peak) is kept in benchmarks/results/smollm2/<recipe>-<seed>.json,

@@ -4,7 +4,7 @@ every few seconds, and the object store's usage is read from the job's Prometheu
 the start and end of the measured span and the least-squares slope per 100 iterations (after a warm-up), actor
 restarts and stale-experience refusals from the job's own metrics.
 
-    python benchmarks/bench_soak.py [--iterations 500] [--write docs/benchmarks.md]
+    python benchmarks/bench_soak.py [--iterations 500] [--write benchmarks/HISTORY.md]
 
 Needs the quickstart's SFT and reward models (outputs/quickstart/{sft,rm}/model); builds them with
 `rlhf-ray quickstart --pipeline` when missing.

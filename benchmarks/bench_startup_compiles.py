@@ -9,7 +9,7 @@
    the cache the run before left (every later engine), and not compiled (TORCHDYNAMO_DISABLE=1); tokens and
    log-probs compared. The cost per token: vLLM's helper itself, compiled and eager, at SmolLM2's vocabulary.
 
-Run: python benchmarks/bench_startup_compiles.py [--repeats 2] [--write docs/benchmarks.md]
+Run: python benchmarks/bench_startup_compiles.py [--repeats 2] [--write benchmarks/HISTORY.md]
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def render(comm: dict[str, list[dict]], engine: dict[str, list[dict]], helper: d
     cold_engine, warm_engine, eager = (engine[label] for label in ENGINE_CASES)
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'vllm', 'deepspeed')}. Date: {today()}.", "",
-             "Command: `python benchmarks/bench_startup_compiles.py --write docs/benchmarks.md`. Every case in a "
+             "Command: `python benchmarks/bench_startup_compiles.py --write benchmarks/HISTORY.md`. Every case in a "
              f"fresh process, {repeats} times in turn, medians. DeepSpeed's CPU communication backend JIT-compiles "
              "a shared-memory all-reduce kernel (C++ with OpenMP) for its AutoTP inference path, which no role "
              "here takes; the learners and sharded scorers now set the backend up without it "

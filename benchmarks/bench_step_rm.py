@@ -4,7 +4,7 @@ demo/word-problems-steps pairs (the rejected answer gets one intermediate step w
 it), each scored on held-out pairs of both kinds. Both start from the same SFT model; the reward-model sections
 are the recipes' own (configs/recipes/smollm2-pipeline.yaml and smollm2-pipeline-steps.yaml).
 
-    .venv/bin/python benchmarks/bench_step_rm.py --sft SFT_MODEL [--seed 1] [--write docs/benchmarks.md]
+    .venv/bin/python benchmarks/bench_step_rm.py --sft SFT_MODEL [--seed 1] [--write benchmarks/HISTORY.md]
 
 A reward model's accuracy on the other kind of pairs is the first evaluation of a one-step RM job from it on those
 pairs (taken before its step). Results are kept in benchmarks/results/step_rm/seed-N.json.
@@ -106,7 +106,7 @@ def report(results: list[dict]) -> str:
     return "\n".join([
         HEADING, "",
         f"Runs: {runs}. Versions: {versions('torch', 'ray', 'deepspeed', 'transformers')}.", "",
-        "Command: `python benchmarks/bench_step_rm.py --sft SFT_MODEL --seed N --write docs/benchmarks.md` (kept in "
+        "Command: `python benchmarks/bench_step_rm.py --sft SFT_MODEL --seed N --write benchmarks/HISTORY.md` (kept in "
         "benchmarks/results/step_rm/). Both reward models start from the same SFT model (the SFT stage of "
         "configs/recipes/smollm2-sft-grpo.yaml for that seed) and use their recipe's reward-model section "
         "(smollm2-pipeline.yaml: 16 steps of 8 pairs; smollm2-pipeline-steps.yaml: 40 steps). `final number` pairs: "

@@ -8,7 +8,7 @@ process (transformers `generate`, gradient checkpointing off as ours); rlhf-ray 
 embedded Ray over the same cores. Time per step = median over steps 2..N (step 1 pays one-time warm-up).
 
 Needs the bench extra: RLHF_RAY_EXTRAS=cpu,test,bench bash scripts/setup.sh
-Run: python benchmarks/bench_trl.py [--write docs/benchmarks.md] [--quick]
+Run: python benchmarks/bench_trl.py [--write benchmarks/HISTORY.md] [--quick]
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def main() -> int:
 def render(rows: list[dict], args, steps: int) -> str:
     lines = [SECTION, "",
              f"Machine: {machine()}. {versions('torch', 'ray', 'transformers', 'trl', 'vllm')}. Date: {today()}.", "",
-             f"Command: `python benchmarks/bench_trl.py{' --quick' if args.quick else ''} --write docs/benchmarks.md`. "
+             f"Command: `python benchmarks/bench_trl.py{' --quick' if args.quick else ''} --write benchmarks/HISTORY.md`. "
              f"Per step: {PROMPTS} demo/sort prompts x {SAMPLES} answers, rule reward, KL {KL} to a reference "
              f"model (k3, in the loss: GRPO as TRL runs it), one optimizer step (lr {LR}), fp32, {steps} steps, median of steps 2-{steps}. rlhf-ray: "
              "policy (DeepSpeed, 1 rank, ZeRO stage 0: nothing to partition), reference, reward-function and generation actors on an embedded "

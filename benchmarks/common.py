@@ -22,7 +22,7 @@ def machine() -> str:
         lines = cpuinfo.read_text().splitlines()
         cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), cpu)
         flags = set(next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), []))
-        # machines named alike ("AMD EPYC") differ here, and bf16 timings depend on it (benchmarks.md "Learner
+        # machines named alike ("AMD EPYC") differ here, and bf16 timings depend on it (benchmarks/HISTORY.md "Learner
         # precision on CPU")
         units = [name for flag, name in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX512-BF16")) if flag in flags]
         cpu += f" with {' and '.join(units)}" if units else ", no bf16 units"
@@ -153,11 +153,14 @@ def pyplot():
 
 
 def save_figure(fig, doc: Path, name: str) -> str:
-    """Save next to the doc under img/; returns the markdown link."""
-    path = doc.parent / "img" / name
+    """Save under docs/img/ (where docs/benchmarks.md and benchmarks/HISTORY.md both link); returns the markdown
+    link, relative to the doc."""
+    import os
+
+    path = ROOT / "docs" / "img" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
-    return f"![{name}](img/{name})"
+    return f"![{name}]({os.path.relpath(path, Path(doc).resolve().parent)})"
 
 
 def tree_pss(proc: psutil.Process) -> int:

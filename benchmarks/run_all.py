@@ -1,5 +1,5 @@
-"""Every benchmark, one after another, each replacing its own section of docs/benchmarks.md (and its plots in
-docs/img/). Each runs alone on the machine: the numbers are timings, and a second job would skew them.
+"""Every benchmark, one after another, each replacing its own section of docs/benchmarks.md (the current results)
+or of benchmarks/HISTORY.md (the experiments that chose a default), and its plots in docs/img/. Each runs alone on the machine: the numbers are timings, and a second job would skew them.
 
 Set up first (TRL and matplotlib come with the bench extra):
     RLHF_RAY_EXTRAS=cpu,test,smollm2,bench bash scripts/setup.sh
@@ -16,6 +16,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DOC = HERE.parent / "docs" / "benchmarks.md"
+HISTORY = HERE / "HISTORY.md"
 SCRIPTS = {
     "preprocess": "bench_preprocess.py",  # mmap corpus: tokens/s per core, reader memory
     "engines": "bench_engines.py",  # hf vs vLLM default vs vLLM tuned; the pool with 1 and 2 engines
@@ -36,6 +37,9 @@ SCRIPTS = {
     "startup_compiles": "bench_startup_compiles.py",  # compiles at a CPU job's start: DeepSpeed, vLLM
     "learner_precision": "bench_learner_precision.py",  # bf16 vs fp32 policy learner on CPU: speed, log-prob gap
 }
+IN_HISTORY = {"preprocess", "trl", "demo_accuracy", "smollm2", "soak", "logprob_memory", "partial_rollouts",
+              "no_reference", "gguf_check", "optimizer_step", "startup_compiles", "learner_precision"}
+"""The benchmarks whose sections are in benchmarks/HISTORY.md; the others write docs/benchmarks.md."""
 
 
 def main() -> int:
@@ -54,7 +58,7 @@ def main() -> int:
             sys.exit("the TRL comparison needs TRL: RLHF_RAY_EXTRAS=cpu,test,smollm2,bench bash scripts/setup.sh")
     failed = []
     for name in chosen:
-        command = [sys.executable, str(HERE / SCRIPTS[name]), "--write", str(DOC)]
+        command = [sys.executable, str(HERE / SCRIPTS[name]), "--write", str(HISTORY if name in IN_HISTORY else DOC)]
         if args.quick and name in ("engines", "iteration", "trl"):
             command.append("--quick")
         start = time.perf_counter()

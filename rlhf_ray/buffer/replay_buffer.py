@@ -118,7 +118,7 @@ def minibatch_rows(n: int, train_batch_size: int, epochs: int, seed: int, group_
     of `group_size` consecutive answers to one prompt: where the groups tile both the rows and a mini-batch, the
     groups are permuted instead, whole, so a mini-batch holds every answer of its prompts and the learners run
     each prompt's forward once for all of them (models/shared_prompt.py; a permutation of rows would put 16
-    answers of up to 16 prompts in a mini-batch of 16: 1.48x the training time of whole groups, docs/benchmarks.md
+    answers of up to 16 prompts in a mini-batch of 16: 1.48x the training time of whole groups, benchmarks/HISTORY.md
     "Mini-batches of whole answer groups")."""
     rng = np.random.default_rng(seed)
     whole = group_size > 1 and n % group_size == 0 and train_batch_size % group_size == 0

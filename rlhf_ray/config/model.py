@@ -56,7 +56,7 @@ class ModelSpec(StrictModel):
     """Weights and compute precision of this role. A bf16 learner keeps fp32 master weights and optimizer state
     (DeepSpeed's BF16_Optimizer). On a CPU with bf16 units (AVX512-BF16 / AMX) bf16 trains SmolLM2-135M ~1.7x
     faster than fp32, and an fp32 engine then samples 0.016 nats per token away from the bf16 learner's log-probs
-    (docs/benchmarks.md "Learner precision on CPU"); the CPU recipes use fp32, which has no such gap (a
+    (benchmarks/HISTORY.md "Learner precision on CPU"); the CPU recipes use fp32, which has no such gap (a
     bf16 run of sft-grpo kept less of the gain, one seed)."""
     trust_remote_code: bool = False
     """Allow model code shipped in the checkpoint to run. Off unless you trust the checkpoint."""

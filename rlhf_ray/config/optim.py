@@ -17,7 +17,7 @@ class OptimizerSpec(StrictModel):
     Its kernel follows the placement: DeepSpeed's FusedAdam on a GPU, its CPU Adam with
     `deepspeed.offload_optimizer`, torch's AdamW on CPU. DeepSpeed compiles the first two at a machine's first job
     (with nvcc, with a C++ compiler; cached in ~/.cache/torch_extensions); a job on CPU without offload compiles
-    nothing and needs no compiler (docs/benchmarks.md "Start-up compiles on CPU")."""
+    nothing and needs no compiler (benchmarks/HISTORY.md "Start-up compiles on CPU")."""
 
     lr: float = Field(1e-5, gt=0)
     """Peak learning rate (after warm-up)."""

@@ -30,7 +30,7 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 def make_optimizer(model: torch.nn.Module, optim: OptimizerSpec, ds: DeepSpeedSpec) -> torch.optim.Optimizer:
     """AdamW: DeepSpeed's CPU Adam for an offloaded optimizer, its FusedAdam on a GPU, else torch's default AdamW.
-    (torch's fused CPU kernel steps SmolLM2 3.5x faster, docs/benchmarks.md "Optimizer step on CPU", but is not used
+    (torch's fused CPU kernel steps SmolLM2 3.5x faster, benchmarks/HISTORY.md "Optimizer step on CPU", but is not used
     yet: its different rounding moved the quickstart PPO test's single seeded run below two of its thresholds.)"""
     groups = param_groups(model, optim.weight_decay)
     kwargs = {"lr": optim.lr, "betas": optim.betas, "eps": optim.eps}
