@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, informative_groups_first, discounted_returns, gae, group_normalized,
+from rlhf_ray.algorithms.advantages import (broadcast_to_tokens, distill_advantages, informative_groups_first, discounted_returns, gae, group_normalized,
                                             leave_one_out, reinforce_pp)
-from rlhf_ray.algorithms.experience import distill_advantages, make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
+from rlhf_ray.algorithms.experience import make_experience, mismatch_kl, pack_rollouts, unpack_rollouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs, entropy, token_logprobs
 from rlhf_ray.algorithms.losses import (aggregate, aggregated_sum, first_predicting_column, lm_loss_sum, loss_units,
                                        policy_loss, policy_token_loss, truncated_is_weights, value_loss)

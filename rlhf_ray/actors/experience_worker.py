@@ -134,6 +134,7 @@ class ExperienceWorker:
             metrics["distill/reverse_kl"] = masked_mean(old_logp - teacher_logp, batch.action_mask).item()
         if targets.kl is not None:  # else the policy reports it from its training forward (policy/kl)
             metrics["kl/mean"] = targets.kl.mean().item()
+        metrics |= advantage_metrics(targets.advantages, batch.action_mask)
         if learner_logp is not None:  # else the policy measures it in its training forward, or nobody (engine's)
             metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, learner_logp, batch.action_mask)
             metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, learner_logp, batch.action_mask)
@@ -166,3 +167,13 @@ def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]
     n = min(n, len(scores))
     return [{"prompt_ids": prompt, "answer_ids": answer, "score": scores[i].item(), "columns": batch.columns[i]}
             for i, (prompt, answer) in enumerate(unpack_rollouts(batch, 0, n))]
+
+
+def advantage_metrics(advantages: torch.Tensor, action_mask: torch.Tensor) -> dict[str, float]:
+    """advantage/mean, std, min and max over the answer tokens: what the estimator gave the policy to climb (a
+    std near 0 means it learns nothing from this rollout; GRPO's groups of equal scores give exact zeros)."""
+    taken = advantages[action_mask.bool()].float()
+    if taken.numel() == 0:
+        return {}
+    return {"advantage/mean": taken.mean().item(), "advantage/std": taken.std().item() if taken.numel() > 1 else 0.0,
+            "advantage/min": taken.min().item(), "advantage/max": taken.max().item()}

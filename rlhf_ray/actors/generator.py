@@ -14,7 +14,7 @@ import torch
 from rlhf_ray.actors.engine import GenerationEngine, RolloutSample
 from rlhf_ray.actors.partial_rollout import PartialRollouts, samples_of
 from rlhf_ray.actors.update_gate import HOLD_ENV, UpdateGate, hold_point
-from rlhf_ray.config.generation import GenerationSpec
+from rlhf_ray.config.generation import ENGINES, GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS
@@ -23,17 +23,18 @@ from rlhf_ray.models.weight_handoff import HandoffPart, received
 from rlhf_ray.memory.probe import PeakMemory
 
 
-ENGINES: dict[str, str] = {"hf": "rlhf_ray.actors.hf_engine:HFEngine", "vllm": "rlhf_ray.actors.vllm_engine:VLLMEngine"}
-"""Every generation engine by its `generation.engine` name: a GenerationEngine class (engine.py's contract), imported
-only by the engine actor that builds one (vLLM's import alone takes seconds)."""
-
-
 def build_engine(model: ModelSpec, spec: GenerationSpec, tokens: TokenConventions, engine: str) -> GenerationEngine:
-    """The engine named by `engine` ("hf" or "vllm"; `resolve_engine` turns "auto" into one of them)."""
-    if engine not in ENGINES:
-        raise ValueError(f"unknown generation engine {engine!r}; expected one of {', '.join(ENGINES)}")
-    module, name = ENGINES[engine].split(":")
-    return getattr(importlib.import_module(module), name)(model, spec, tokens)
+    """The engine named by `engine`: an ENGINES name ("hf", "vllm"; `resolve_engine` turns "auto" into one of
+    them) or `package.module:Class`."""
+    path = ENGINES.get(engine, engine)
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"unknown generation engine {engine!r}; expected one of {', '.join(ENGINES)} or "
+                         "'package.module:Class'")
+    cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, GenerationEngine)):
+        raise TypeError(f"generation engine {engine!r} is not a GenerationEngine subclass (rlhf_ray/actors/engine.py)")
+    return cls(model, spec, tokens)
 
 
 @dataclass

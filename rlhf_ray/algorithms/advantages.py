@@ -1,10 +1,17 @@
-"""Advantage estimators. GAE needs a critic; GRPO, RLOO and REINFORCE++ use only rewards."""
+"""Advantage estimators. GAE needs a critic; GRPO, RLOO and REINFORCE++ use only rewards; distillation a teacher.
+Each is an entry of rlhf_ray/config/estimators.py naming its `*_estimate` function below, which takes one
+AdvantageInputs record."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
-from rlhf_ray.algorithms.masked import masked_whiten
+from rlhf_ray.algorithms.masked import masked_whiten, zero_masked
+from rlhf_ray.config.estimators import Estimator
+from rlhf_ray.functions import load_function
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor, gamma: float,
@@ -76,3 +83,78 @@ def informative_groups_first(scores: torch.Tensor, group_size: int, groups: int,
     fillers = max(0, groups - len(informative)) if fill else int(not informative)
     chosen = sorted(informative[:groups] + equal[:fillers])
     return [g * group_size + i for g in chosen for i in range(group_size)], min(len(informative), groups)
+
+
+def distill_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, action_mask: torch.Tensor,
+                       kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
+    """On-policy distillation: each sampled token's advantage is log p_teacher(token) - log p_policy(token), the
+    negated per-token sample of the reverse KL(policy || teacher), with no discounting (a token is credited with its
+    own mismatch only), less a KL-to-reference penalty where the reward carries one."""
+    advantages = teacher_logp - logp
+    if kl_penalty is not None:
+        advantages = advantages - kl_penalty
+    return zero_masked(advantages, action_mask)
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read, for one batch of B answers of at most A tokens (rlhf_ray.algorithms.experience
+    builds it). Per-token tensors are [B, A] and zero outside `action_mask`."""
+
+    rewards: torch.Tensor
+    """The shaped reward of each token: the KL penalty on every token (in-reward KL), the answer's score (clipped,
+    with the end-of-sequence and overlong penalties) on its last."""
+    sequence_rewards: torch.Tensor
+    """[B] each answer's score (clipped, with the penalties) less the sum of its tokens' KL penalty."""
+    action_mask: torch.Tensor
+    group_size: int
+    """Answers per prompt; rows of one prompt are consecutive."""
+    gamma: float
+    lam: float
+    values: torch.Tensor | None = None
+    """The critic's values (estimators with `critic`)."""
+    logp: torch.Tensor | None = None
+    """The policy's old log-probs (None where the training forward supplies them: estimators that read them say
+    `policy_logprobs`)."""
+    teacher_logp: torch.Tensor | None = None
+    """The teacher's log-prob of each sampled token (estimators with `teacher`)."""
+    kl_penalty: torch.Tensor | None = None
+    """Each token's KL penalty (kl_coef x the KL estimate) where the reward carries one."""
+
+
+Estimate = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+def estimate(estimator: Estimator, inputs: AdvantageInputs) -> Estimate:
+    """(advantages [B, A], returns [B, A] or None) by `estimator`'s function, masked."""
+    function: Callable[[AdvantageInputs], Estimate] = (
+        load_function(estimator.function) if isinstance(estimator.function, str) else estimator.function)
+    advantages, returns = function(inputs)
+    if advantages.shape != inputs.action_mask.shape:
+        raise ValueError(f"advantage estimator {getattr(function, '__qualname__', function)} returned advantages of "
+                         f"shape {tuple(advantages.shape)} for answers of shape {tuple(inputs.action_mask.shape)}")
+    return zero_masked(advantages, inputs.action_mask), returns
+
+
+def gae_estimate(x: AdvantageInputs) -> Estimate:
+    if x.values is None:
+        raise ValueError("gae needs the critic's values")
+    return gae(x.rewards, x.values, x.action_mask, x.gamma, x.lam)
+
+
+def grpo_estimate(x: AdvantageInputs) -> Estimate:
+    return broadcast_to_tokens(group_normalized(x.sequence_rewards, x.group_size), x.action_mask), None
+
+
+def rloo_estimate(x: AdvantageInputs) -> Estimate:
+    return broadcast_to_tokens(leave_one_out(x.sequence_rewards, x.group_size), x.action_mask), None
+
+
+def reinforce_pp_estimate(x: AdvantageInputs) -> Estimate:
+    return reinforce_pp(x.rewards, x.action_mask, x.gamma), None
+
+
+def distill_estimate(x: AdvantageInputs) -> Estimate:
+    if x.teacher_logp is None or x.logp is None:
+        raise ValueError("distillation needs the teacher's and the policy's log-probs of the sampled tokens")
+    return distill_advantages(x.teacher_logp, x.logp, x.action_mask, x.kl_penalty), None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from rlhf_ray.algorithms.batch import PPOTargets, RolloutBatch
-from rlhf_ray.algorithms.advantages import broadcast_to_tokens, gae, group_normalized, leave_one_out, reinforce_pp
+from rlhf_ray.algorithms.advantages import AdvantageInputs, estimate
 from rlhf_ray.algorithms.masked import masked_mean, masked_whiten, zero_masked
 from rlhf_ray.algorithms.rewards import kl_estimate, overlong_penalty, sequence_scores, shaped_rewards
 from rlhf_ray.config.ppo import PPOSpec
@@ -74,17 +74,6 @@ def mismatch_kl(engine_logp: torch.Tensor, learner_logp: torch.Tensor, action_ma
     return masked_mean(torch.exp(log_ratio) - 1 - log_ratio, action_mask).item()
 
 
-def distill_advantages(teacher_logp: torch.Tensor, logp: torch.Tensor, action_mask: torch.Tensor,
-                       kl_penalty: torch.Tensor | None = None) -> torch.Tensor:
-    """On-policy distillation: each sampled token's advantage is log p_teacher(token) - log p_policy(token), the
-    negated per-token sample of the reverse KL(policy || teacher), with no discounting (a token is credited with its
-    own mismatch only), less a KL-to-reference penalty where the reward carries one."""
-    advantages = teacher_logp - logp
-    if kl_penalty is not None:
-        advantages = advantages - kl_penalty
-    return zero_masked(advantages, action_mask)
-
-
 def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
                     values: torch.Tensor | None, action_mask: torch.Tensor, ended: torch.Tensor, spec: PPOSpec,
                     group_size: int, max_answer_tokens: int | None = None,
@@ -106,25 +95,15 @@ def make_experience(scores: torch.Tensor, logp: torch.Tensor | None, ref_logp: t
         bonus = overlong_penalty(action_mask.sum(-1), max_answer_tokens, spec.overlong_buffer, spec.overlong_penalty)
     rewards = shaped_rewards(scores, ref_logp if logp is None else logp, ref_logp, action_mask, reward_kl_coef,
                              spec.clip_reward, spec.kl_estimator, ended, spec.eos_penalty, bonus)
-    returns = None
-    if spec.advantage_estimator == "distill":
-        if teacher_logp is None or logp is None:
-            raise ValueError("distillation needs the teacher's and the policy's log-probs of the sampled tokens")
-        penalty = reward_kl_coef * kl if reward_kl_coef else None
-        advantages = distill_advantages(teacher_logp, logp, action_mask, penalty)
-    elif spec.advantage_estimator == "gae":
-        assert values is not None, "gae needs critic values"
-        advantages, returns = gae(rewards, values, action_mask, spec.gamma, spec.lam)
-    elif spec.advantage_estimator == "reinforce_pp":
-        advantages = reinforce_pp(rewards, action_mask, spec.gamma)
-    else:
-        # GRPO / RLOO: the sequence score (with the KL as a per-token penalty folded in as its sum)
-        seq_reward = sequence_scores(scores, spec.clip_reward, ended, spec.eos_penalty, bonus=bonus)
-        if reward_kl_coef:
-            seq_reward = seq_reward - reward_kl_coef * kl.sum(-1)
-        norm = group_normalized if spec.advantage_estimator == "grpo" else leave_one_out
-        advantages = broadcast_to_tokens(norm(seq_reward, group_size), action_mask)
-    if spec.whiten_advantages and spec.advantage_estimator in ("gae", "rloo"):
+    penalty = reward_kl_coef * kl if reward_kl_coef else None
+    sequence_rewards = sequence_scores(scores, spec.clip_reward, ended, spec.eos_penalty, bonus=bonus)
+    if penalty is not None:
+        sequence_rewards = sequence_rewards - penalty.sum(-1)
+    estimator = spec.estimator
+    advantages, returns = estimate(estimator, AdvantageInputs(
+        rewards=rewards, sequence_rewards=sequence_rewards, action_mask=action_mask, group_size=group_size,
+        gamma=spec.gamma, lam=spec.lam, values=values, logp=logp, teacher_logp=teacher_logp, kl_penalty=penalty))
+    if spec.whiten_advantages and "whiten_advantages" in estimator.reads:
         advantages = masked_whiten(advantages, action_mask)
     return PPOTargets(advantages=advantages, ref_logp=ref_logp, rewards=rewards, old_logp=logp,
                       kl=None if kl is None else masked_mean(kl, action_mask, dim=-1),

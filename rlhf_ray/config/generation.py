@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.placement import PlacementSpec
@@ -112,11 +113,35 @@ class EnvironmentSpec(StrictModel):
     """The chat-template role of observation messages ("tool"; "user" for templates without a tool role)."""
 
 
+ENGINES: dict[str, str] = {"hf": "rlhf_ray.actors.hf_engine:HFEngine", "vllm": "rlhf_ray.actors.vllm_engine:VLLMEngine"}
+"""Every generation engine by its `generation.engine` name: the import path of a GenerationEngine class
+(rlhf_ray/actors/engine.py's contract), imported only by the engine actor that builds one (vLLM's import alone
+takes seconds). An engine of one's own needs no entry: `generation.engine: package.module:Class` (docs/extending.md)."""
+
+
 class GenerationSpec(StrictModel):
     """The generation pool: `placement.replicas` engines, each holding a full copy of the policy."""
 
-    engine: Literal["auto", "vllm", "hf"] = "auto"
-    """auto: vLLM on GPUs; on CPU the faster engine for the model size (logged with the reason)."""
+    engine: str = "auto"
+    """auto, vllm or hf (ENGINES), or `package.module:Class` naming a GenerationEngine of your own. auto: vLLM on
+    GPUs; on CPU the faster engine for the model size (logged with the reason)."""
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, engine: str) -> str:
+        if engine == "auto" or engine in ENGINES:
+            return engine
+        module, _, name = engine.partition(":")
+        if not name:
+            raise ValueError(f"unknown generation engine {engine!r}: use auto, {', '.join(ENGINES)}, or "
+                             "'package.module:Class' naming a GenerationEngine")
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            raise ValueError(f"generation engine {engine!r}: no module {module!r} can be imported here")
+        return engine
     auto_vllm_min_params: int = Field(5_000_000, ge=0)
     """engine auto on CPU: models with fewer parameters use the hf engine, larger ones vLLM. Measured on 2 cores
     (docs/benchmarks.md): at 0.4M parameters the two generate within 15% of each other and hf starts 6 s sooner;

@@ -5,24 +5,13 @@ from __future__ import annotations
 import math
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from rlhf_ray.config.base import FieldProblem, StrictModel
+from rlhf_ray.config.estimators import OPTIONS, Estimator, estimator, readers
 from rlhf_ray.config.paths import PathField
 
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp", "distill"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
-CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp", "distill"})
-USED_BY: dict[str, tuple[frozenset[str], str]] = {
-    "whiten_advantages": (frozenset({"gae", "rloo"}), "grpo normalises within each prompt's group and reinforce_pp "
-                                                      "always whitens over the batch"),
-    "lam": (frozenset({"gae"}), "lambda weighs the critic's temporal differences"),
-    "gamma": (frozenset({"gae", "reinforce_pp"}), "grpo and rloo score whole answers, with nothing to discount"),
-    "clip_value": (frozenset({"gae"}), "it clips the critic's value loss"),
-    "critic_warmup": (frozenset({"gae"}), "only gae has a critic to warm up"),
-}
-"""Options that only some advantage estimators read: a value other than the default for another estimator is
-refused, not ignored."""
 
 
 class EmaSpec(StrictModel):
@@ -63,11 +52,23 @@ class PPOSpec(StrictModel):
     shuffled), where their prompt's forward is shared: otherwise rows are drawn one by one."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each iteration's experience (DeepSpeed-Chat found more than 1 unstable)."""
-    advantage_estimator: AdvantageEstimator = "gae"
-    """gae uses a critic; grpo, rloo and reinforce_pp need none, and then no critic group is created. distill is
-    on-policy distillation: a `teacher` scores every sampled token, and a token's advantage is the teacher's
-    log-prob of it minus the policy's (the per-token reverse KL to the teacher, negated; no discounting); the
-    reward role's scores are measured (reward/mean), not optimised."""
+    advantage_estimator: str = "gae"
+    """gae, grpo, rloo, reinforce_pp or distill (rlhf_ray/config/estimators.py), or `package.module:name` naming an
+    Estimator of your own (docs/extending.md). gae uses a critic; grpo, rloo and reinforce_pp need none, and then
+    no critic group is created. distill is on-policy distillation: a `teacher` scores every sampled token, and a
+    token's advantage is the teacher's log-prob of it minus the policy's (the per-token reverse KL to the teacher,
+    negated; no discounting); the reward role's scores are measured (reward/mean), not optimised."""
+
+    @field_validator("advantage_estimator")
+    @classmethod
+    def _known_estimator(cls, name: str) -> str:
+        estimator(name)
+        return name
+
+    @property
+    def estimator(self) -> Estimator:
+        """The advantage estimator's entry: what it needs (critic, groups, teacher) and reads."""
+        return estimator(self.advantage_estimator)
     kl_coef: float = Field(0.1, ge=0)
     """KL penalty beta: per token in the shaped reward, or in the policy loss with `kl_in_loss`."""
     kl_in_loss: bool = False
@@ -168,7 +169,7 @@ class PPOSpec(StrictModel):
 
     @model_validator(mode="after")
     def _options_the_estimator_reads(self) -> "PPOSpec":
-        if self.dynamic_sampling.enabled and self.advantage_estimator not in ("grpo", "rloo"):
+        if self.dynamic_sampling.enabled and not self.estimator.groups:
             raise FieldProblem("dynamic_sampling.enabled", f"dynamic sampling keeps groups of answers to one prompt "
                                f"whose scores differ; advantage_estimator {self.advantage_estimator} has no groups "
                                "(use grpo or rloo)")
@@ -183,11 +184,10 @@ class PPOSpec(StrictModel):
             raise FieldProblem("rollouts_ahead", "sync mode samples each rollout with the weights of the update "
                                "before it (one at a time); set ppo.mode: async to let generation run ahead")
         # a value other than the default (a dumped and re-validated spec carries every field, set or not)
-        for name in sorted(n for n in USED_BY if getattr(self, n) != type(self).model_fields[n].default):
-            readers, why = USED_BY[name]
-            if self.advantage_estimator not in readers:
-                raise FieldProblem(name, f"advantage_estimator {self.advantage_estimator} does not use {name} ({why}; "
-                                         f"used by {', '.join(sorted(readers))}): remove it")
+        for name in sorted(n for n in OPTIONS if getattr(self, n) != type(self).model_fields[n].default):
+            if name not in self.estimator.reads:
+                raise FieldProblem(name, f"advantage_estimator {self.advantage_estimator} does not use {name} "
+                                         f"({OPTIONS[name]}; used by {', '.join(readers(name))}): remove it")
         return self
 
     eval_prompts: int = Field(64, ge=0)

@@ -14,7 +14,7 @@ from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.config.paths import PathField
 from rlhf_ray.config.placement import PlacementSpec
-from rlhf_ray.config.ppo import CRITIC_FREE, PPOSpec
+from rlhf_ray.config.ppo import PPOSpec
 from rlhf_ray.config.jobs import JobBase, check_global_batch
 
 
@@ -177,7 +177,7 @@ class PPOJob(JobBase):
         ppo.old_logprobs asks for the engine's, which then serve instead)."""
         ppo = self.ppo
         one_step = ppo.mode == "sync" and ppo.ppo_epochs == 1 and self.train_batch_size == self.samples_per_iteration
-        return (one_step and (ppo.kl_in_loss or ppo.kl_coef == 0) and ppo.advantage_estimator != "distill"
+        return (one_step and (ppo.kl_in_loss or ppo.kl_coef == 0) and not ppo.estimator.policy_logprobs
                 and ppo.old_logprobs == "policy")
 
     @property
@@ -238,23 +238,23 @@ class PPOJob(JobBase):
             if self.generation.engine == "hf":
                 raise FieldProblem("generation.weight_sync.lora", "adapter sync needs vLLM's LoRA support; "
                                    "generation.engine is hf: use merged, or engine vllm")
-        estimator = self.ppo.advantage_estimator
-        if estimator in CRITIC_FREE and self.critic is not None:
-            raise FieldProblem("critic", f"advantage_estimator {estimator} uses no critic; remove the critic section "
+        estimator_name, estimator = self.ppo.advantage_estimator, self.ppo.estimator
+        if not estimator.critic and self.critic is not None:
+            raise FieldProblem("critic", f"advantage_estimator {estimator_name} uses no critic; remove the critic section "
                                          "(or use advantage_estimator: gae)")
-        if estimator == "gae":
+        if estimator.critic:
             if self.critic is None:
-                raise FieldProblem("critic", "advantage_estimator gae needs a critic: add a critic section "
+                raise FieldProblem("critic", f"advantage_estimator {estimator_name} needs a critic: add a critic section "
                                              "(its model defaults to the reward model)")
             if not self.critic.model.is_set:
                 raise FieldProblem("critic.model.path", "the critic starts from the reward model, but the reward is a "
                                                         "function; set critic.model.path")
-        if estimator == "distill" and self.teacher is None:
-            raise FieldProblem("teacher", "advantage_estimator distill learns from a teacher model: add a teacher "
+        if estimator.teacher and self.teacher is None:
+            raise FieldProblem("teacher", f"advantage_estimator {estimator_name} learns from a teacher model: add a teacher "
                                           "section (teacher.model.path: the model to distil)")
         if self.teacher is not None:
-            if estimator != "distill":
-                raise FieldProblem("teacher", f"a teacher is used by advantage_estimator distill, not {estimator}: "
+            if not estimator.teacher:
+                raise FieldProblem("teacher", f"a teacher is used by advantage_estimator distill, not {estimator_name}: "
                                               "set ppo.advantage_estimator: distill, or remove the teacher section")
             if not self.teacher.model.is_set:
                 raise FieldProblem("teacher.model.path", "no teacher to distil: set teacher.model.path (or gguf_file)")
@@ -280,9 +280,9 @@ class PPOJob(JobBase):
             raise FieldProblem("ppo.overlong_buffer", f"the buffer counts back from generation.sampling."
                                f"max_new_tokens ({longest}), so it must be smaller: every answer would be punished")
         n = self.generation.sampling.n_samples_per_prompt
-        if estimator in {"grpo", "rloo"} and n < 2:
+        if estimator.groups and n < 2:
             raise FieldProblem("generation.sampling.n_samples_per_prompt",
-                               f"{estimator} compares answers to the same prompt and needs at least 2 (got {n})")
+                               f"{estimator_name} compares answers to the same prompt and needs at least 2 (got {n})")
 
     def _check_batches(self) -> None:
         engines = self.generation.placement.replicas
