@@ -12,7 +12,7 @@ from rlhf_ray.actors.pool import EnginesLoaded
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
 from rlhf_ray.actors.experience_worker import Assembled
-from rlhf_ray.jobs.ppo.workers import Scored
+from rlhf_ray.jobs.ppo.scoring import Scored
 
 
 class Group:
@@ -86,6 +86,7 @@ class Workers:
         self.buffer = Group(ReplayBuffer(capacity=capacity, max_staleness=max_staleness))
         self.pool = Pool(self, finish_at_once)
         self.restarts = SimpleNamespace(replaced=[])
+        self.scorer = self  # RoleWorkers' scorer: `score` below
 
     def score(self, rollout: FakeRollout, scored_at: int = 0, keep_samples: int = 0) -> Scored:
         self.events.append(f"put {rollout.index}")

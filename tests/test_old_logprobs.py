@@ -35,7 +35,7 @@ def assembled(monkeypatch, source: str, learner_logp):
     """ExperienceWorker.experience on a two-answer GRPO group, the object store bypassed (refs are the values)."""
     import ray
 
-    from rlhf_ray.actors.experience_worker import ExperienceWorker
+    from rlhf_ray.actors.experience_worker import ExperienceWorker, RoleOutputs
     from rlhf_ray.algorithms.experience import pack_rollouts
     from rlhf_ray.config.ppo import PPOSpec
 
@@ -47,7 +47,7 @@ def assembled(monkeypatch, source: str, learner_logp):
     engine_logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.25, -3.0, 0.0]])
     batch.ended, batch.engine_logp = torch.tensor([True, True]), engine_logp
     batch.version, batch.token_version = torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
-    out = worker.experience(batch, [torch.tensor([1.0, 0.0])], learner_logp, [], None)
+    out = worker.experience(batch, RoleOutputs(rewards=[torch.tensor([1.0, 0.0])], old_logp=learner_logp))
     return out.ref, out.metrics, engine_logp
 
 

@@ -500,8 +500,8 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
     with placed_trainer(job, tokenizer, data) as trainer:
         pool, workers = trainer.workers.pool, trainer.workers
         scored_rows = []  # (role, rows) each role is asked to score, on the driver's side
-        submit = workers._split_submit
-        workers._split_submit = lambda group, method, batch, rows: (scored_rows.append((group.role, rows)),
+        submit = workers.scorer.submit
+        workers.scorer.submit = lambda group, method, batch, rows: (scored_rows.append((group.role, rows)),
                                                                     submit(group, method, batch, rows))[1]
         for iteration in range(2):
             rows = data.train[iteration * 8:(iteration + 1) * 8]
@@ -517,14 +517,14 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
                        zip(batch.sequences, batch.attention_mask)]
             truth = [c["answer"] for c in batch.columns]
             assert truth == [str(demo.parse_prompt(p).value) for p in prompts]  # each row's own ground truth
-            scores = trainer.workers.reward_scores(batch_ref, len(truth))
+            scores = trainer.workers.scorer.reward_scores(batch_ref, len(truth))
             assert scores.tolist() == last_number_reward(prompts, answers, answer=truth)
             if iteration == 0:
-                reference = workers._split_gather(workers.reference, "logprobs", submit(
+                reference = workers.scorer.gather(workers.reference, "logprobs", submit(
                     workers.reference, "logprobs", batch_ref, len(truth)))
                 reference = torch.cat(ray.get([r.ref for r in reference]))
                 scored_rows.clear()
-                assembled = workers.score(rollout, trainer.weights.version).experience
+                assembled = workers.scorer.score(rollout, trainer.weights.version).experience
                 kept, _ = informative_groups_first(scores, 2, 4)
                 assert scored_rows == [("reward", 16), ("reference", 8)] and assembled.rows == 8
                 experience = ray.get(assembled.ref)

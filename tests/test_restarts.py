@@ -9,7 +9,7 @@ import ray
 from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, RemoteCallError, results_lost
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.actors.experience_worker import Assembled
-from rlhf_ray.jobs.ppo.workers import ResultsLost, Scored
+from rlhf_ray.jobs.ppo.scoring import ResultsLost, Scored
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
 from tests.ppo_standins import FakeRollout, Workers, feed
 

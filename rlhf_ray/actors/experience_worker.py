@@ -51,6 +51,23 @@ class Assembled:
     """Answer tokens per policy version that sampled them."""
 
 
+@dataclass
+class RoleOutputs:
+    """What each scoring role gave for one batch: per role, the ObjectRefs of its replicas' parts, in row order
+    (concatenated, one row per sample). A role that did not score has None."""
+
+    rewards: list
+    """The reward role's score of each answer."""
+    old_logp: list | None = None
+    """The policy's log-probs of the sampled tokens (None: its training forward, or the engine's, serve)."""
+    ref_logp: list | None = None
+    """The reference's (None: no KL term, no reference)."""
+    values: list | None = None
+    """The critic's values (estimators with a critic)."""
+    teacher_logp: list | None = None
+    """The teacher's log-probs of the sampled tokens (distillation)."""
+
+
 class ExperienceWorker:
     def __init__(self, *, rank: int = 0, world_size: int = 1, ppo: dict, group_size: int, pad_token_id: int,
                  max_answer_tokens: int | None = None):
@@ -106,11 +123,9 @@ class ExperienceWorker:
                 lengths, self.max_answer_tokens, self.spec.overlong_buffer, self.spec.overlong_penalty).mean().item()
         return metrics
 
-    def experience(self, batch: RolloutBatch, score_refs: list, old_logp_refs: list, ref_logp_refs: list,
-                   value_refs: list | None, scored_at: int = 0, keep_samples: int = 0,
-                   teacher_logp_refs: list | None = None, sampled_metrics: dict[str, float] | None = None
-                   ) -> Assembled:
-        """Per-role results (each a list of per-replica parts, in row order) -> the experience. The metric
+    def experience(self, batch: RolloutBatch, roles: RoleOutputs, scored_at: int = 0, keep_samples: int = 0,
+                   sampled_metrics: dict[str, float] | None = None) -> Assembled:
+        """What the roles gave -> the experience. The metric
         compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
         and writes). `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
         mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*).
@@ -120,8 +135,8 @@ class ExperienceWorker:
         def cat(refs):
             return torch.cat(ray.get(refs)) if refs else None
 
-        scores, old_logp, ref_logp, values = cat(score_refs), cat(old_logp_refs), cat(ref_logp_refs), cat(value_refs)
-        teacher_logp = cat(teacher_logp_refs)
+        scores, old_logp, ref_logp = cat(roles.rewards), cat(roles.old_logp), cat(roles.ref_logp)
+        values, teacher_logp = cat(roles.values), cat(roles.teacher_logp)
         learner_logp = old_logp  # the policy's own forward, when it ran one
         if self.spec.old_logprobs == "engine":
             old_logp = batch.engine_logp

@@ -84,7 +84,7 @@ class Evaluator:
         batch = dataclasses.replace(batch, ended=torch.tensor([s["finished"] for s in samples]),
                                     columns=[{**rows[i].get("columns", {}), **s.get("episode", {})}
                                              for i, s in zip(index, samples)])
-        scores = self.workers.reward_scores(ray.put(batch), len(samples)).float().tolist()
+        scores = self.workers.scorer.reward_scores(ray.put(batch), len(samples)).float().tolist()
         out = dict(zip(("reward", "reward_se"), mean_and_error(scores, index)))
         episodes = [s["episode"] for s in samples if "episode" in s]
         if episodes:  # multi-turn: how the episodes went (tool-call validity: nan when no tool was called)

@@ -14,7 +14,7 @@ from rlhf_ray.actors.pool import GenerationPool, Rollout
 from rlhf_ray.buffer.replay_buffer import Minibatches
 from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.split import stable_seed
-from rlhf_ray.jobs.ppo.workers import ResultsLost, Scored
+from rlhf_ray.jobs.ppo.scoring import ResultsLost, Scored
 from rlhf_ray.learners.schedule import micro_batches
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ class Taken:
 class RolloutFeed:
     """Rollouts started, scored and put in the buffer ahead of the updates: rollout r starts once r - `ahead`
     updates have run (`ahead` 0 in sync mode: each rollout starts after the update before it). `workers` gives the
-    pool, the buffer and the scoring (RoleWorkers, or a stand-in)."""
+    pool, the buffer and the scorer (RoleWorkers, or a stand-in)."""
 
     def __init__(self, workers, prompts: PromptSchedule, *, ahead: int, redo_limit: int, capacity: int,
                  train_batch_size: int, epochs: int, seed: int, group_size: int = 1, keep_samples: int = 0,
@@ -140,7 +140,7 @@ class RolloutFeed:
         self.next_index = max(self.next_index, index + 1)
         for redo in range(self.redo_limit + 1):
             try:
-                scored = self.workers.score(rollout, version, self.keep_samples)
+                scored = self.workers.scorer.score(rollout, version, self.keep_samples)
                 break
             except ResultsLost as err:
                 if redo == self.redo_limit:

@@ -1,8 +1,8 @@
 """The actor groups of one PPO run, started and killed together: the policy and critic learner groups, the reference,
 teacher (distillation) and reward replicas, the generation pool, and, on the driver's node, the experience
-assembler and the replay buffer.
-Scoring a rollout on every role at once and training the learners on a take from the buffer are done here; the
-driver passes references, the tensors move from actor to actor in the object store."""
+assembler and the replay buffer. Their life (start, kill, checkpoints) and training the learners on a take from the
+buffer are here; scoring a rollout on every role is jobs/ppo/scoring.py's. The driver passes references, the
+tensors move from actor to actor in the object store."""
 
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_ray.actors.http_reward import credentials
-from rlhf_ray.actors.experience_worker import Assembled, ExperienceWorker
-from rlhf_ray.actors.group import ActorGroup, RemoteCallError, RestartBudget, resilient_gather, results_lost
-from rlhf_ray.actors.pool import GenerationPool, Rollout
+from rlhf_ray.actors.experience_worker import ExperienceWorker
+from rlhf_ray.actors.group import ActorGroup, RestartBudget
+from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
-from rlhf_ray.algorithms.experience import row_bounds
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer, Minibatches
 from rlhf_ray.config.ppo_job import InferenceRoleSpec, LearnerRoleSpec, PPOJob
 from rlhf_ray.data.build import same_tokenizer
@@ -31,16 +29,12 @@ from rlhf_ray.distributed import actor_env
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.learner_group import rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.jobs.ppo.scoring import Scorer
 from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.models.loading import load_tokenizer
 from rlhf_ray.plan import ResourcePlan
 
 log = logging.getLogger(__name__)
-
-
-class ResultsLost(RuntimeError):
-    """A rollout or its scores died with a node before its experience was assembled (nothing changed yet): generate
-    and score it again."""
 
 
 def sharded_roles(job: PPOJob) -> tuple[str, ...]:
@@ -53,17 +47,6 @@ def sharded_roles(job: PPOJob) -> tuple[str, ...]:
 def learner_groups(job: PPOJob) -> tuple[str, ...]:
     """The roles whose ranks form a ZeRO group (a dead rank ends the attempt): the learners and sharded roles."""
     return ("policy", "critic", *sharded_roles(job))
-
-
-@dataclass
-class Scored:
-    """A rollout scored into experience by every role."""
-
-    experience: Assembled
-    """The experience worker's answer: the batch's reference, its rows (the rollout's samples; fewer with dynamic
-    sampling), its metrics, its first `logging.samples_per_iteration` rows and its tokens per sampling version."""
-    role_seconds: dict[str, float]
-    """Compute seconds of each role (reference, reward, policy, critic), the slowest replica's."""
 
 
 @dataclass
@@ -153,6 +136,7 @@ class RoleWorkers:
             group = getattr(self, role)
             group.call("setup", *rendezvous(group, cluster.startup_timeout_s), cluster.call_timeout_s,
                        timeout=cluster.startup_timeout_s)
+        self.scorer = Scorer(job, self)
 
     def _reward_group(self, job: PPOJob, tokenizer, slot) -> ActorGroup:
         """A reward function or server behind the same contract as a reward model (which may have a tokenizer of
@@ -213,69 +197,6 @@ class RoleWorkers:
                       self.buffer):
             if group is not None:
                 group.kill()
-
-    # ---- scoring --------------------------------------------------------------------------------------------
-    def _split_submit(self, group: ActorGroup, method: str, batch_ref, rows: int) -> tuple[list, list]:
-        """Replica i scores its contiguous share of the rows; returns (per-replica args, call refs) in row order."""
-        args = [(batch_ref, lo, hi) for lo, hi in row_bounds(rows, len(group))]
-        return args, [getattr(actor, method).remote(*a) for actor, a in zip(group.actors, args)]
-
-    def _split_gather(self, group: ActorGroup, method: str, submitted: tuple[list, list]) -> list:
-        """Results of `_split_submit`; a replica that died is replaced and its rows scored again (unless it holds a
-        shard of a sharded model: then the group cannot go on, as a learner group cannot)."""
-        if group.role in self.sharded:
-            return group.gather(submitted[1], method)
-        return resilient_gather(group, method, submitted[0], submitted[1], self.restarts)
-
-    def reward_scores(self, batch_ref, rows: int) -> torch.Tensor:
-        """The reward role's score of each row of a packed batch (evaluation's answers, a test's rollout)."""
-        parts = self._split_gather(self.reward, "score", self._split_submit(self.reward, "score", batch_ref, rows))
-        return torch.cat(ray.get([p.ref for p in parts]))
-
-    def score(self, rollout: Rollout, scored_at: int, keep_samples: int = 0) -> Scored:
-        """Every role scores the rollout at once (reference log-probs, rewards, the policy's old log-probs where the
-        loss needs them, critic values), then the assembler turns them into experience. With dynamic sampling the
-        reward scores first and the others score only the groups kept (veRL's DAPO filters before its old-log-prob
-        and reference passes too): half the rows at `oversample: 2`. ResultsLost when a node
-        took results the scoring needed (nothing changed yet: generate it again)."""
-        try:
-            return self._score(rollout, scored_at, keep_samples)
-        except RemoteCallError as err:
-            if results_lost(err):
-                raise ResultsLost(str(err)) from err
-            raise
-
-    def _score(self, rollout: Rollout, scored_at: int, keep_samples: int) -> Scored:
-        (assembler,) = self.assembler.actors
-        batch, rows = assembler.batch.remote(rollout.refs), rollout.samples
-        scorers = {"reference": (self.reference, "logprobs"), "reward": (self.reward, "score"),
-                   "teacher": (self.teacher, "logprobs")}
-        scorers = {role: (group, method) for role, (group, method) in scorers.items() if group is not None}
-        results, kept = {}, None
-        if self.job.ppo.dynamic_sampling.enabled:  # the reward first: the other roles score only the kept groups
-            group, method = scorers.pop("reward")
-            results["reward"] = self._split_gather(group, method, self._split_submit(group, method, batch, rows))
-            batch, kept_ref = assembler.keep_informative.remote(batch, [r.ref for r in results["reward"]])
-            (kept,) = self.assembler.gather([kept_ref], "keep_informative")
-            rows = kept.rows
-        calls = {role: self._split_submit(group, method, batch, rows) for role, (group, method) in scorers.items()}
-        if self.job.policy_scores_rollouts:
-            calls["policy"] = self.policy.submit("logprobs", batch)
-        if self.critic is not None:
-            calls["critic"] = self.critic.submit("values", batch)
-        results |= {role: self._split_gather(group, method, calls[role]) for role, (group, method) in scorers.items()}
-        if "policy" in calls:
-            results["policy"] = self.policy.gather(calls["policy"], "logprobs")
-        if self.critic is not None:
-            results["critic"] = self.critic.gather(calls["critic"], "values")
-        parts = {role: [r.ref for r in out] for role, out in results.items()}
-        if kept is not None:
-            parts["reward"] = [ray.put(kept.scores)]
-        # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
-        (out,) = self.assembler.gather([assembler.experience.remote(
-            batch, parts["reward"], parts.get("policy", []), parts.get("reference"), parts.get("critic"), scored_at,
-            keep_samples, parts.get("teacher"), kept.metrics if kept is not None else None)], "experience")
-        return Scored(out, {role: max(r.seconds for r in part) for role, part in results.items()})
 
     # ---- training -------------------------------------------------------------------------------------------
     def train(self, minibatches: Minibatches, policy: bool = True) -> Trained:
