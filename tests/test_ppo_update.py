@@ -37,7 +37,7 @@ def test_an_update_whose_policy_steps_were_all_skipped_keeps_the_version_and_sen
     workers = Workers(capacity=4, max_staleness=4)
     applied = iter([1, 0, 2])
     trainer = trainer_with(workers, lambda minibatches, policy: Trained(
-        {"policy/loss": 0.1, "policy/kl": 0.0, "policy/steps_applied": next(applied)}, seconds=0.01, wall=0.01))
+        {"policy/loss": 0.1, "policy/kl": 0.0}, seconds=0.01, wall=0.01, steps_applied=next(applied)))
     versions, bytes_sent = [], []
     for step in range(3):
         _, metrics = trainer.iterate(step)
@@ -56,9 +56,8 @@ def test_the_critics_warm_up_trains_the_critic_alone_and_sends_no_weights(caplog
 
     def train(minibatches, policy):
         asked.append(policy)
-        metrics = {"critic/loss": 0.5} | ({"policy/loss": 0.1, "policy/kl": 0.0, "policy/steps_applied": 1}
-                                          if policy else {})
-        return Trained(metrics, seconds=0.01, wall=0.01, policy_trained=policy)
+        metrics = {"critic/loss": 0.5} | ({"policy/loss": 0.1, "policy/kl": 0.0} if policy else {})
+        return Trained(metrics, seconds=0.01, wall=0.01, policy_trained=policy, steps_applied=int(policy))
 
     trainer = trainer_with(workers, train, critic_warmup=2)
     lines = [trainer.iterate(step)[1] for step in range(3)]

@@ -60,12 +60,9 @@ class Trained:
     """From the call to the last result, at the driver."""
     policy_trained: bool = True
     """The policy took part (False in the critic's warm-up)."""
-
-    @property
-    def steps_applied(self) -> float:
-        """Policy optimizer steps that changed the weights (0: the policy did not train, or every one of its steps
-        was skipped for a non-finite gradient)."""
-        return self.metrics.get("policy/steps_applied", 0.0)
+    steps_applied: int = 0
+    """Policy optimizer steps that changed the weights (0: the policy did not train, or every one of its steps was
+    skipped for a non-finite gradient): whether the engines need new weights."""
 
 
 def _learner_kwargs(job: PPOJob, name: str) -> dict:
@@ -211,7 +208,8 @@ class RoleWorkers:
             out = group.gather(refs, "train")
             metrics |= out[0]
             seconds = max([seconds] + [m[f"{group.role}/seconds"] for m in out])
-        return Trained(metrics, seconds, time.perf_counter() - began, policy_trained=policy)
+        applied = int(metrics.get("policy/steps_applied", 0)) if policy else 0  # the learner's answer, read once here
+        return Trained(metrics, seconds, time.perf_counter() - began, policy_trained=policy, steps_applied=applied)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def save(self, staging: Path, iteration: int) -> None:
