@@ -216,7 +216,7 @@ def report(results: list[dict], doc: Path | None) -> str:
     first = results[0]
     steps, prompts, samples = first["steps"], first["eval_prompts"], first["samples_per_step"]
     points = sorted(first["ours"]["accuracy"])
-    seeds = ", ".join(str(r["seed"]) for r in results)
+    seeds = ",".join(str(r["seed"]) for r in results)
     lines = [SECTION, "",
              f"Measured {first['date']} on {first['machine']} by `python benchmarks/bench_trl_smollm2.py --seeds "
              f"{seeds} --steps {steps} --eval-every {first['every']}`; {first['versions']}. Results kept in "
