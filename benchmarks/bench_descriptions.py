@@ -4,7 +4,8 @@ model's answers labelled by the gold score through a Bradley-Terry draw -> rewar
 against it. The gold score is PPO's held-out check, never its reward.
 
     .venv/bin/python benchmarks/bench_descriptions.py --seeds 1,2,3 [--write docs/benchmarks.md]
-    .venv/bin/python benchmarks/bench_descriptions.py --overoptimisation 60,200 --seeds 1 [--iterations 30] [--kl 0]
+    .venv/bin/python benchmarks/bench_descriptions.py --overoptimisation all,60,200 --seeds 1 [--iterations 30] [--kl 0]
+        [--lr 3e-5] [--new-tokens 96]
 
 The first runs the recipe as written, seed by seed (part 2: gold +0.15 over the SFT model, greedy and sampled, in
 at most 30 minutes of PPO). The second (part 3, Gao et al. 2022 at our scale) trains reward models on the first N
@@ -24,6 +25,7 @@ import math
 import shutil
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,49 +38,82 @@ GOAL_GAIN, GOAL_MINUTES = 0.15, 30.0
 RM_BATCH = 8  # the recipe's rm global batch
 
 
-def overrides_for(pairs: int | None, iterations: int | None, kl: float | None = None) -> list[str]:
-    """A part-3 run: the reward model on the first `pairs` labelled pairs for one epoch, PPO for `iterations` at
-    KL coefficient `kl` (the recipe's when None)."""
-    found = [] if kl is None else [f"ppo.ppo.kl_coef={kl}"]
-    if pairs is not None:
-        found += [f"pairs.prompts={pairs}", f"rm.train.max_steps={math.ceil(pairs / RM_BATCH)}"]
-    if iterations is not None:
-        found += [f"ppo.ppo.iterations={iterations}", "ppo.ppo.eval_every=3", "ppo.checkpoint.every_steps=1000"]
-    return found
+@dataclass(frozen=True)
+class Run:
+    """One pipeline run of a seed. All None: the recipe as written (part 2). Part 3 (Gao et al. at our scale): the
+    reward model on the first `pairs` labelled pairs for one epoch, PPO for `iterations` at KL coefficient `kl`,
+    policy learning rate `lr` and answers of up to `tokens` tokens (the recipe's where None)."""
+    seed: int
+    pairs: int | None = None
+    iterations: int | None = None
+    kl: float | None = None
+    lr: float | None = None
+    tokens: int | None = None
+
+    @classmethod
+    def of(cls, result: dict) -> "Run":
+        return cls(result["seed"], *(result.get(k) for k in ("pairs", "iterations", "kl", "lr", "tokens")))
+
+    @property
+    def is_recipe(self) -> bool:
+        return self == Run(self.seed)
+
+    def overrides(self) -> list[str]:
+        found = [] if self.kl is None else [f"ppo.ppo.kl_coef={self.kl}"]
+        if self.pairs is not None:
+            found += [f"pairs.prompts={self.pairs}", f"rm.train.max_steps={math.ceil(self.pairs / RM_BATCH)}"]
+        if self.iterations is not None:
+            found += [f"ppo.ppo.iterations={self.iterations}", "ppo.ppo.eval_every=3",
+                      "ppo.checkpoint.every_steps=1000"]
+        if self.lr is not None:
+            found += [f"ppo.policy.optim.lr={self.lr}"]
+        if self.tokens is not None:
+            found += [f"ppo.generation.sampling.max_new_tokens={self.tokens}"]
+        return found
+
+    def settings(self) -> str:
+        return settings_hash(RECIPE.read_text(), self.overrides())
+
+    @property
+    def name(self) -> str:
+        """seed1: the recipe as written; pairs60-seed1: its reward model on 60 pairs; pairs60-it30-kl0-seed1: and PPO
+        for 30 iterations at KL coefficient 0; ...-lr3e-05-tok96-seed1: at policy lr 3e-5 with 96-token answers."""
+        parts = [f"pairs{self.pairs}"] if self.pairs is not None else []
+        parts += [f"it{self.iterations}"] if self.iterations is not None else []
+        parts += [f"kl{self.kl:g}"] if self.kl is not None else []
+        parts += [f"lr{self.lr:g}"] if self.lr is not None else []
+        parts += [f"tok{self.tokens}"] if self.tokens is not None else []
+        return "-".join([*parts, f"seed{self.seed}"])
 
 
-def name_of(seed: int, pairs: int | None, iterations: int | None, kl: float | None = None) -> str:
-    """seed1: the recipe as written; pairs60-seed1: its reward model on 60 pairs; pairs60-it30-seed1: and PPO for 30
-    iterations; pairs60-it30-kl0-seed1: at KL coefficient 0."""
-    parts = ([f"pairs{pairs}"] if pairs is not None else []) + ([f"it{iterations}"] if iterations is not None else [])
-    parts += [f"kl{kl:g}"] if kl is not None else []
-    return "-".join([*parts, f"seed{seed}"])
-
-
-def share_stages(seed: int, work: Path, out: Path, pairs: int | None) -> None:
-    """Copy the seed's finished SFT stage and its labelled pairs (the first `pairs` training pairs of them, every
-    held-out pair) from an earlier run of the seed, so the runs differ only where they mean to."""
-    donor = work / name_of(seed, None, None)  # the recipe's own run of the seed
-    if donor == out or not (donor / "sft" / "summary.json").is_file():
+def share_stages(run: Run, work: Path, out: Path) -> None:
+    """Copy the seed's finished SFT stage and its labelled pairs (the first `run.pairs` training pairs of them, every
+    held-out pair) from an earlier run of the seed on all the pairs (the recipe's own, else a part-3 run on all the
+    pairs), so the runs differ only where they mean to."""
+    donors = [work / Run(run.seed).name, *sorted(work.glob(f"*it*-seed{run.seed}"))]
+    donors = [d for d in donors if d != out and not d.name.startswith("pairs") and (d / "sft" / "summary.json").is_file()
+              and (d / "rm" / "pairs" / "eval.jsonl").is_file()]
+    if not donors:
         return
+    donor = donors[0]
     if not (out / "sft").exists():
         shutil.copytree(donor / "sft", out / "sft", ignore=shutil.ignore_patterns("checkpoints"))
     source, target = donor / "rm" / "pairs", out / "rm" / "pairs"
-    if (source / "eval.jsonl").is_file() and not target.exists():
+    if not target.exists():
         target.mkdir(parents=True)
         train = source.joinpath("train.jsonl").read_text().splitlines()
-        kept = train if pairs is None else train[:pairs]
+        kept = train if run.pairs is None else train[:run.pairs]
         target.joinpath("train.jsonl").write_text("".join(line + "\n" for line in kept))
         shutil.copy(source / "eval.jsonl", target / "eval.jsonl")
         facts = json.loads((source / "pairs.json").read_text()) | {"train": len(kept)}
         target.joinpath("pairs.json").write_text(json.dumps(facts, indent=2))
 
 
-def run(seed: int, work: Path, pairs: int | None, iterations: int | None, kl: float | None = None) -> dict:
-    out = work / name_of(seed, pairs, iterations, kl)
-    share_stages(seed, work, out, pairs)
-    overrides = [f"seed={seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
-                 *overrides_for(pairs, iterations, kl)]
+def run(spec: Run, work: Path) -> dict:
+    out = work / spec.name
+    share_stages(spec, work, out)
+    overrides = [f"seed={spec.seed}", f"output_dir={out}", "cluster.dashboard=false", "logging.progress=false",
+                 *spec.overrides()]
     command = [sys.executable, "-m", "rlhf_ray.cli", "pipeline", "--config", str(RECIPE)]
     for item in overrides:
         command += ["--set", item]
@@ -87,10 +122,8 @@ def run(seed: int, work: Path, pairs: int | None, iterations: int | None, kl: fl
     # a rerun reuses the stages an earlier run finished: their time counts as if run now
     seconds += sum(part.get("seconds", 0) for part in summary.values() if isinstance(part, dict) and part.get("reused"))
     metrics = [json.loads(line) for line in (out / "ppo" / "metrics.jsonl").read_text().splitlines()]
-    result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak, "seed": seed,
-              "pairs": pairs, "iterations": iterations, "kl": kl,
-              "settings": settings_hash(RECIPE.read_text(), overrides_for(pairs, iterations, kl)), "date": today(),
-              "machine": machine()}
+    result = {"summary": summary, "metrics": metrics, "seconds": seconds, "peak_gib": peak, **asdict(spec),
+              "settings": spec.settings(), "date": today(), "machine": machine()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{out.name}.json").write_text(json.dumps(result) + "\n")
     for folder in out.glob("*/checkpoints"):
@@ -102,7 +135,7 @@ def kept() -> list[dict]:
     found = []
     for file in sorted(RESULTS.glob("*.json")):
         r = json.loads(file.read_text())
-        if r["settings"] == settings_hash(RECIPE.read_text(), overrides_for(r["pairs"], r["iterations"], r.get("kl"))):
+        if r["settings"] == Run.of(r).settings():
             found.append(r)
         else:
             print(f"not reported: {file} ran other settings than {RECIPE.name} holds now", flush=True)
@@ -138,8 +171,7 @@ def report(results: list[dict], doc: Path | None) -> str:
              "benchmarks/results/descriptions/). The gold score (`rlhf_ray.data.descriptions:gold`, docs/jobs.md "
              "\"Preference pairs with a hidden truth\") is evaluated on 100 held-out prompts about topics no stage "
              "trained on; `before` is the SFT model. ± is one standard error over the prompts.", ""]
-    recipe = sorted((r for r in results if r["pairs"] is None and r["iterations"] is None and r.get("kl") is None),
-                    key=lambda r: r["seed"])
+    recipe = sorted((r for r in results if Run.of(r).is_recipe), key=lambda r: r["seed"])
     if recipe:
         lines += ["| seed | pairs (train / held-out / ties) | RM held-out accuracy (ceiling) | gold greedy before -> "
                   "after | gold sampled before -> after | RM score greedy before -> after | PPO iterations min | PPO stage min | "
@@ -174,7 +206,7 @@ def report(results: list[dict], doc: Path | None) -> str:
             s, ppo = r["summary"], r["summary"]["ppo"]
             p = s["rm"].get("pairs", {})
             end = curve(r)[-1]
-            lines.append(f"| {name_of(r['seed'], r['pairs'], r['iterations'], r.get('kl'))} | "
+            lines.append(f"| {Run.of(r).name} | "
                          f"{r['pairs'] or p.get('train')} | "
                          f"{s['rm']['eval_accuracy']:.3f} ({p.get('gold_eval_accuracy', float('nan')):.3f}) | "
                          f"{ppo['task_accuracy_before']:.3f} -> {ppo['task_accuracy_after']:.3f} | "
@@ -185,8 +217,7 @@ def report(results: list[dict], doc: Path | None) -> str:
         plt = pyplot()
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         for r, points in curves:
-            label = (f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs, seed {r['seed']}"
-                     + (f", kl {r['kl']:g}" if r.get("kl") is not None else ""))
+            label = f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs: {Run.of(r).name}"
             xs = [p[1] for p in points]
             axes[0].plot(xs, [p[2] - points[0][2] for p in points], marker="o", label=label)
             axes[1].plot(xs, [p[3] for p in points], marker="o", label=label)
@@ -199,7 +230,7 @@ def report(results: list[dict], doc: Path | None) -> str:
     if gao or curves:
         lines += ["Per evaluation (iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled):", ""]
         for r, points in curves:
-            lines.append(f"- {name_of(r['seed'], r['pairs'], r['iterations'], r.get('kl'))}: " + "; ".join(
+            lines.append(f"- {Run.of(r).name}: " + "; ".join(
                 f"{p[0]}: {p[1]:.2f}, {p[2]:.2f}, {p[3]:.3f}, {p[4]:.2f}, {p[5]:.3f}" for p in points))
         lines.append("")
     return "\n".join(lines)
@@ -208,9 +239,13 @@ def report(results: list[dict], doc: Path | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", default="1")
-    parser.add_argument("--overoptimisation", default=None, help="pair counts, e.g. 100,200,400 (part 3)")
+    parser.add_argument("--overoptimisation", default=None,
+                        help="pair counts, e.g. all,60,200 (part 3; 'all': every labelled pair, the recipe's reward "
+                             "model; name it first, the others take the first N of its pairs)")
     parser.add_argument("--iterations", type=int, default=None, help="PPO iterations of the part-3 runs")
     parser.add_argument("--kl", type=float, default=None, help="KL coefficient of the part-3 runs (recipe's: 0.02)")
+    parser.add_argument("--lr", type=float, default=None, help="policy learning rate of the part-3 runs (recipe's: 1e-5)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="answer length of the part-3 runs (recipe's: 64)")
     parser.add_argument("--work", default=None, help="where the runs write (default: a temporary folder)")
     parser.add_argument("--write", default=None, help="docs/benchmarks.md: replace this section there")
     parser.add_argument("--report-only", action="store_true")
@@ -218,9 +253,12 @@ def main() -> int:
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-descriptions-"))
     if not args.report_only:
         for seed in map(int, args.seeds.split(",")):
-            sizes = [None] if args.overoptimisation is None else [int(n) for n in args.overoptimisation.split(",")]
-            for pairs in sizes:
-                run(seed, work, pairs, *((args.iterations, args.kl) if args.overoptimisation else (None, None)))
+            if args.overoptimisation is None:
+                run(Run(seed), work)
+                continue
+            for size in args.overoptimisation.split(","):
+                run(Run(seed, None if size == "all" else int(size), args.iterations, args.kl, args.lr,
+                        args.new_tokens), work)
     results = kept()
     if not results:
         print("no kept results")
