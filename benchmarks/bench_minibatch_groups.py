@@ -34,8 +34,9 @@ MODES = {"whole groups": ("whole", TRAIN_BATCH), "rows one by one": ("rows", TRA
 
 ROWS_ONE_BY_ONE = ("import sys\n"
                    "from rlhf_ray.jobs.ppo import rollouts\n"
-                   "init = rollouts.RolloutFeed.__init__\n"
-                   "rollouts.RolloutFeed.__init__ = lambda self, *a, **k: init(self, *a, **{**k, 'group_size': 1})\n"
+                   "import dataclasses\n"
+                   "of = rollouts.FeedSettings.of\n"
+                   "rollouts.FeedSettings.of = classmethod(lambda cls, job: dataclasses.replace(of(job), group_size=1))\n"
                    "from rlhf_ray.cli import main\n"
                    "sys.exit(main(sys.argv[1:]))\n")
 """The CLI with the driver's rollout feed planning mini-batches row by row (the plan before whole groups)."""

@@ -95,8 +95,8 @@ def left_on_the_node(*patterns: str) -> set[Path]:
 @contextlib.contextmanager
 def placed_trainer(job, tokenizer, data, tokens=None):
     """A PPOTrainer on its roles, placed on the job's cluster (an embedded Ray unless one is connected), as run_ppo
-    places it; every actor and placement group goes at the end. Tests drive its parts: a rollout put with
-    `trainer.rollouts.put`, then `trainer.iterate(step)`, the loop body of `fit` (one_update does both)."""
+    places it; every actor and placement group goes at the end. Tests drive its parts: a rollout scored and put
+    with `trainer.rollouts.put`, then `trainer.iterate(step)`, the loop body of `fit` (one_update does both)."""
     from rlhf_ray import cluster
     from rlhf_ray.plan import ResourcePlan
 
@@ -134,7 +134,8 @@ def trainer_on(job, plan, placements, tokenizer, data, tokens=None):
 
 def one_update(trainer, step: int, rollout) -> dict[str, float]:
     """Train on `rollout` (collected by the test): scored and put in the buffer, then one iteration of the loop."""
-    trainer.rollouts.put(step, rollout, trainer.weights.version)
+    scorer, version = trainer.workers.scorer, trainer.weights.version
+    trainer.rollouts.put(step, rollout, scorer.advantages(scorer.score(rollout), version), version)
     return trainer.iterate(step)[1]
 
 

@@ -1,7 +1,8 @@
 """Stand-ins for the PPO trainer's actors, for unit tests of its parts without Ray: an engine pool that finishes
 rollouts in the order they were queued, with the weights the engines had when each was queued (as an engine actor
 does: a weight update waits behind the rollouts queued before it), scoring that records what it scored, and the real
-ReplayBuffer behind an ActorGroup stand-in. Every step is recorded in `events` ("start 3", "put 3", "train 3")."""
+ReplayBuffer behind an ActorGroup stand-in. Every step is recorded in `events` ("start 3", "put 3", "train 3"; "put":
+scored to be put). `take` runs the producer half of PPOTrainer.iterate on them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from types import SimpleNamespace
 
 from rlhf_ray.actors.pool import EnginesLoaded
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
-from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
+from rlhf_ray.jobs.ppo.rollouts import FeedSettings, RolloutFeed, Taken
 from rlhf_ray.actors.experience_worker import Assembled
-from rlhf_ray.jobs.ppo.scoring import Scored
+from rlhf_ray.jobs.ppo.scoring import ResultsLost, Scored
 
 
 class Group:
@@ -88,10 +89,13 @@ class Workers:
         self.restarts = SimpleNamespace(replaced=[])
         self.scorer = self  # RoleWorkers' scorer: `score` below
 
-    def score(self, rollout: FakeRollout, scored_at: int = 0, keep_samples: int = 0) -> Scored:
+    def score(self, rollout: FakeRollout) -> FakeRollout:
         self.events.append(f"put {rollout.index}")
-        experience = Assembled(ref=rollout.index, rows=rollout.samples, samples=[], token_versions={},
-                               metrics={"rollout": rollout.index, "compute/assembly_seconds": 0.0})
+        return rollout
+
+    def advantages(self, scores: FakeRollout, scored_at: int) -> Scored:
+        experience = Assembled(ref=scores.index, rows=scores.samples, samples=[], token_versions={},
+                               metrics={"rollout": scores.index, "compute/assembly_seconds": 0.0})
         return Scored(experience, role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:
@@ -101,5 +105,22 @@ class Workers:
 
 
 def feed(workers: Workers, ahead: int, redo_limit: int = 0) -> RolloutFeed:
-    return RolloutFeed(workers, Prompts(), ahead=ahead, redo_limit=redo_limit,
-                       capacity=workers.buffer.target.capacity, train_batch_size=4, epochs=1, seed=0)
+    return RolloutFeed(workers, Prompts(), FeedSettings(ahead=ahead, redo_limit=redo_limit,
+                                                        capacity=workers.buffer.target.capacity, train_batch_size=4,
+                                                        epochs=1, seed=0))
+
+
+def take(rollouts: RolloutFeed, workers: Workers, updates_left: int) -> Taken:
+    """The producer half of PPOTrainer.iterate, on stand-ins: score and put what the feed generates, then take;
+    again while the buffer refused everything it held."""
+    version, taken = workers.version, None
+    while taken is None:
+        for index, rollout in rollouts.generated(updates_left):
+            try:
+                experience = workers.scorer.advantages(workers.scorer.score(rollout), version)
+            except ResultsLost as lost:
+                rollouts.redo(index, lost)
+                continue
+            rollouts.put(index, rollout, experience, version)
+        taken = rollouts.take(version)
+    return taken

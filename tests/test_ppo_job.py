@@ -524,7 +524,7 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
                     workers.reference, "logprobs", batch_ref, len(truth)))
                 reference = torch.cat(ray.get([r.ref for r in reference]))
                 scored_rows.clear()
-                assembled = workers.scorer.score(rollout, trainer.weights.version).experience
+                assembled = workers.scorer.advantages(workers.scorer.score(rollout), trainer.weights.version).experience
                 kept, _ = informative_groups_first(scores, 2, 4)
                 assert scored_rows == [("reward", 16), ("reference", 8)] and assembled.rows == 8
                 experience = ray.get(assembled.ref)

@@ -11,7 +11,7 @@ from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.actors.experience_worker import Assembled
 from rlhf_ray.jobs.ppo.scoring import ResultsLost, Scored
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
-from tests.ppo_standins import FakeRollout, Workers, feed
+from tests.ppo_standins import Workers, feed, take
 
 
 def test_a_dead_or_hung_rank_of_a_learner_group_is_named_with_the_checkpoint_to_resume_from(tmp_path):
@@ -84,33 +84,43 @@ class ScoringLosesResults(Workers):
         super().__init__(capacity=4, max_staleness=4)
         self.losses, self.rollouts = losses, []
 
-    def score(self, rollout, scored_at: int = 0, keep_samples: int = 0) -> Scored:
+    def score(self, rollout):
         self.rollouts.append(rollout)
         if len(self.rollouts) <= self.losses:
             raise ResultsLost(str(lost_with_node()))
-        return Scored(Assembled(rollout.index, rollout.samples, {"reward/mean": 1.0}, [], {}), {})
+        return rollout
+
+    def advantages(self, scores, scored_at: int) -> Scored:
+        return Scored(Assembled(scores.index, scores.samples, {"reward/mean": 1.0}, [], {}), {})
+
+
+def from_rollout(workers: Workers, index: int, redo_limit: int):
+    rollouts = feed(workers, ahead=0, redo_limit=redo_limit)
+    rollouts.resume_at(index)
+    return rollouts
 
 
 def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_again():
     assert results_lost(lost_with_node())
     assert not results_lost(RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError()))
-    workers, first = ScoringLosesResults(losses=2), FakeRollout(4, 0)
-    rollouts = feed(workers, ahead=0, redo_limit=3)
-    rollouts.put(4, first, 0)
-    assert rollouts.puts[4].scored.experience.metrics == {"reward/mean": 1.0}
-    assert workers.rollouts[0] is first and workers.events == ["start 4", "start 4"]  # generated again, twice
-    assert len(workers.rollouts) == 3
+    workers = ScoringLosesResults(losses=2)
+    taken = take(from_rollout(workers, 4, redo_limit=3), workers, updates_left=1)
+    assert taken.put.index == 4 and taken.put.scored.experience.metrics == {"reward/mean": 1.0}
+    assert workers.events == ["start 4", "start 4", "start 4"]  # generated, then generated again twice
+    assert len(workers.rollouts) == 3 and taken.put.rollout is workers.rollouts[-1]
+    losing = ScoringLosesResults(losses=5)
     with pytest.raises(ResultsLost, match="OwnerDiedError"):  # bounded: a node that keeps taking results
-        feed(ScoringLosesResults(losses=5), ahead=0, redo_limit=2).put(4, first, 0)
+        take(from_rollout(losing, 4, redo_limit=2), losing, updates_left=1)
+    assert losing.events == ["start 4"] * 3
 
     class RewardFails(Workers):
-        def score(self, rollout, scored_at: int = 0, keep_samples: int = 0):
+        def score(self, rollout):
             raise RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError())
 
     failing = RewardFails(capacity=4, max_staleness=4)
     with pytest.raises(RemoteCallError, match="ValueError"):  # any other failure is the job's, not retried
-        feed(failing, ahead=0, redo_limit=2).put(4, first, 0)
-    assert failing.events == []  # nothing was generated again
+        take(from_rollout(failing, 4, redo_limit=2), failing, updates_left=1)
+    assert failing.events == ["start 4"]  # nothing was generated again
 
 
 NODE_DIED = ("The actor died because its node has died. Node Id: 300bbe81\n\tthe actor's node was terminated "

@@ -4,7 +4,7 @@ rollouts in the order they were queued, with the weights the engines had when ea
 
 from __future__ import annotations
 
-from tests.ppo_standins import Workers, feed
+from tests.ppo_standins import Workers, feed, take
 
 
 def run_loop(run: Workers, ahead: int, updates: int) -> list[dict]:
@@ -12,7 +12,7 @@ def run_loop(run: Workers, ahead: int, updates: int) -> list[dict]:
     rollouts = feed(run, ahead)
     lines = []
     for iteration in range(updates):
-        taken = rollouts.take(run.version, updates - iteration)
+        taken = take(rollouts, run, updates - iteration)
         # the metrics logged are those of the experience trained on
         assert taken.put.scored.experience.metrics["rollout"] == taken.minibatches.meta.rollout_index
         run.train_on(taken)
@@ -57,9 +57,9 @@ def test_experience_waiting_past_the_staleness_bound_is_refused():
 def test_when_the_buffer_refuses_all_it_holds_a_rollout_starts_for_the_update():
     run = Workers(capacity=3, max_staleness=1, finish_at_once=True)
     rollouts = feed(run, ahead=3)
-    run.train_on(rollouts.take(run.version, 4))  # rollouts 0-3 started; 0 trained, 1-3 wait in the buffer
+    run.train_on(take(rollouts, run, 4))  # rollouts 0-3 started; 0 trained, 1-3 wait in the buffer
     run.version = 5  # as if the learner had moved on: every entry is too stale
-    taken = rollouts.take(run.version, 3)
+    taken = take(rollouts, run, 3)
     assert run.events[-2:] == ["start 4", "put 4"] and taken.minibatches.meta.rollout_index == 4
 
 
@@ -74,9 +74,9 @@ def test_a_resume_regenerates_from_the_oldest_rollout_whose_answers_were_still_g
     run.pool.submit = lambda index: (run.events.append(f"start {index}")
                                      or FakeRollout(index, run.version, prompt_keys=swapped.get(index, [(index, index)])))
     rollouts = feed(run, ahead=1)
-    run.train_on(rollouts.take(run.version, 3))
+    run.train_on(take(rollouts, run, 3))
     assert rollouts.last_taken == 0 and rollouts.next_after_taken == 0  # rollout 0's own prompt is in flight
-    run.train_on(rollouts.take(run.version, 2))
+    run.train_on(take(rollouts, run, 2))
     assert rollouts.next_after_taken == 2
 
 
@@ -93,7 +93,7 @@ def test_a_jobs_feed_trains_on_mini_batches_of_whole_answer_groups():
     run.pool.submit = lambda index: FakeRollout(index, run.version, samples=32, prompt_keys=[(index, index)])
     rollouts = RolloutFeed.for_job(job, run, prompts=[])
     rollouts.prompts = Prompts()  # the stand-in pool is asked by rollout index
-    plan = rollouts.take(run.version, 1).minibatches.rows
+    plan = take(rollouts, run, 1).minibatches.rows
     assert len(plan) == 4
     for minibatch in plan:
         groups = {row // 4 for row in minibatch}

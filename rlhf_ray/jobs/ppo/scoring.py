@@ -1,9 +1,11 @@
-"""Scoring a rollout on every role at once: the reward, the reference's and the teacher's log-probs, the policy's old
-log-probs where the loss needs them, the critic's values; then the assembler turns what they gave (RoleOutputs) into
-experience. The roles' actors are RoleWorkers' (jobs/ppo/workers.py), which starts and kills them."""
+"""Scoring a rollout on every role at once (`Scorer.score`): the reward, the reference's and the teacher's log-probs,
+the policy's old log-probs where the loss needs them, the critic's values; then (`Scorer.advantages`) the assembler
+turns what they gave (RoleOutputs) into experience: KL-shaped rewards, advantages and returns by the job's estimator
+(algorithms/advantages.py). The roles' actors are RoleWorkers' (jobs/ppo/workers.py), which starts and kills them."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -22,6 +24,19 @@ class ResultsLost(RuntimeError):
 
 
 @dataclass
+class Scores:
+    """What every role gave for a rollout, not yet experience."""
+
+    batch: object
+    """The packed batch's object reference: the rollout's rows, or with dynamic sampling the kept groups' rows."""
+    outputs: RoleOutputs
+    sampled_metrics: dict[str, float] | None
+    """With dynamic sampling: the rollout metrics over every sampled answer, reported instead of the kept rows'."""
+    role_seconds: dict[str, float]
+    """Compute seconds of each role (reference, reward, policy, critic, teacher), the slowest replica's."""
+
+
+@dataclass
 class Scored:
     """A rollout scored into experience by every role."""
 
@@ -33,22 +48,29 @@ class Scored:
 
 
 class Scorer:
-    """Scores rollouts with the groups of `roles` (a RoleWorkers: read at each call, so a replaced actor is used)."""
+    """Scores rollouts with the groups of `roles` (a RoleWorkers: read at each call, so a replaced actor is used).
+    Both steps raise ResultsLost when a node took results they needed (nothing changed yet: generate it again)."""
 
     def __init__(self, job: PPOJob, roles):
         self.job, self.roles = job, roles
 
-    def score(self, rollout: Rollout, scored_at: int, keep_samples: int = 0) -> Scored:
-        """Every role scores the rollout at once, then the assembler turns their outputs into experience. With
+    def score(self, rollout: Rollout) -> Scores:
+        """Every role scores the rollout at once (the policy's old log-probs: with its current weights). With
         dynamic sampling the reward scores first and the others score only the groups kept (veRL's DAPO filters
-        before its old-log-prob and reference passes too): half the rows at `oversample: 2`. ResultsLost when a node
-        took results the scoring needed (nothing changed yet: generate it again)."""
-        try:
-            return self._score(rollout, scored_at, keep_samples)
-        except RemoteCallError as err:
-            if results_lost(err):
-                raise ResultsLost(str(err)) from err
-            raise
+        before its old-log-prob and reference passes too): half the rows at `oversample: 2`."""
+        with lost_results():
+            return self._score(rollout)
+
+    def advantages(self, scores: Scores, scored_at: int) -> Scored:
+        """The assembler turns the roles' outputs into experience: KL-shaped rewards, then advantages and returns by
+        the job's estimator (config/estimators.py names it, algorithms/advantages.py computes it). `scored_at`: the
+        policy version whose old log-probs came with the scores (the engine/learner mismatch by age)."""
+        (assembler,) = self.roles.assembler.actors
+        with lost_results():
+            (out,) = self.roles.assembler.gather([assembler.experience.remote(
+                scores.batch, scores.outputs, scored_at, self.job.logging.samples_per_iteration,
+                scores.sampled_metrics)], "experience")
+        return Scored(out, scores.role_seconds)
 
     def reward_scores(self, batch_ref, rows: int) -> torch.Tensor:
         """The reward role's score of each row of a packed batch (evaluation's answers, a test's rollout)."""
@@ -67,7 +89,7 @@ class Scorer:
             return group.gather(submitted[1], method)
         return resilient_gather(group, method, submitted[0], submitted[1], self.roles.restarts)
 
-    def _score(self, rollout: Rollout, scored_at: int, keep_samples: int) -> Scored:
+    def _score(self, rollout: Rollout) -> Scores:
         roles = self.roles
         (assembler,) = roles.assembler.actors
         batch, rows = assembler.batch.remote(rollout.refs), rollout.samples
@@ -94,11 +116,22 @@ class Scorer:
                               old_logp=parts.get("old_logp"), ref_logp=parts.get("ref_logp"),
                               values=parts.get("values"), teacher_logp=parts.get("teacher_logp"))
         # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
-        (out,) = roles.assembler.gather([assembler.experience.remote(
-            batch, outputs, scored_at, keep_samples, kept.metrics if kept is not None else None)], "experience")
-        return Scored(out, {ROLE_OF[field]: max(r.seconds for r in part) for field, part in results.items()})
+        return Scores(batch, outputs, kept.metrics if kept is not None else None,
+                      {ROLE_OF[field]: max(r.seconds for r in part) for field, part in results.items()})
 
 
 ROLE_OF = {"reward": "reward", "ref_logp": "reference", "teacher_logp": "teacher", "old_logp": "policy",
            "values": "critic"}
-"""The role that gives each RoleOutputs field (Scored.role_seconds is by role: the time/<role> metrics)."""
+"""The role that gives each RoleOutputs field (Scores.role_seconds is by role: the time/<role> metrics)."""
+
+
+@contextmanager
+def lost_results():
+    """A RemoteCallError whose results died with a node becomes ResultsLost (the loop generates the rollout again);
+    any other failure is the job's."""
+    try:
+        yield
+    except RemoteCallError as err:
+        if results_lost(err):
+            raise ResultsLost(str(err)) from err
+        raise

@@ -1,7 +1,7 @@
-"""The PPO loop, as docs/architecture.md draws it: rollouts into the replay buffer, the oldest fresh experience out,
-PPO epochs on policy and critic, the new weights to the engines; then log, evaluate, checkpoint. Each part owns its
-state: the role workers (workers.py), the rollout feed (rollouts.py), the weight sync (weight_sync.py) and the
-evaluation (evaluation.py)."""
+"""The PPO loop, as docs/architecture.md draws it: generate -> score on every role -> advantages -> into the replay
+buffer, the oldest fresh experience out -> PPO epochs on policy and critic -> the new weights to the engines; then
+log, evaluate, checkpoint. Each part owns its state: the role workers (workers.py), the scorer (scoring.py), the
+rollout feed (rollouts.py), the weight sync (weight_sync.py) and the evaluation (evaluation.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rlhf_ray.jobs.ppo.best_model import BestModel
 from rlhf_ray.jobs.ppo.evaluation import Evaluator
 from rlhf_ray.jobs.ppo.iteration_metrics import iteration_metrics
 from rlhf_ray.jobs.ppo.rollouts import RolloutFeed, Taken
+from rlhf_ray.jobs.ppo.scoring import ResultsLost
 from rlhf_ray.jobs.ppo.weight_sync import WeightSync
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
 from rlhf_ray.jobs.progress import Progress
@@ -59,13 +60,27 @@ class PPOTrainer:
         return self.finish()
 
     def iterate(self, step: int) -> tuple[Taken, dict[str, float]]:
-        """One update: the oldest fresh experience (rollouts generated, scored and buffered as far ahead as the mode
-        allows) -> PPO epochs on policy and critic (the critic alone in its warm-up) -> the new weights to the
-        engines (policy version + 1)."""
-        began = time.perf_counter()
-        taken = self.rollouts.take(self.weights.version, updates_left=self.end - step)
-        trained = self.workers.train(taken.minibatches, policy=step >= self.job.ppo.critic_warmup)
-        synced = self.weights.sync() if trained.steps_applied else self.weights.unchanged(taken.minibatches, trained)
+        """One update, the method's phases in order. The feed hands out the rollouts to score before this update
+        (sync mode: the one rollout sampled with the current weights; async: as far ahead as the mode allows, the
+        next ones generating meanwhile). The buffer gives the oldest fresh experience; None when it refused all it
+        held as too stale, and a rollout is generated for this update."""
+        began, version, scorer = time.perf_counter(), self.weights.version, self.workers.scorer
+        taken = None
+        while taken is None:
+            for index, rollout in self.rollouts.generated(updates_left=self.end - step):  # 1. generate
+                try:
+                    scores = scorer.score(rollout)  # 2. reward, reference and old log-probs, values
+                    experience = scorer.advantages(scores, version)  # 3. advantages (algorithms/advantages.py)
+                except ResultsLost as lost:  # a node took results with it: the same rollout is generated again
+                    self.rollouts.redo(index, lost)
+                    continue
+                self.rollouts.put(index, rollout, experience, version)
+            taken = self.rollouts.take(version)
+        trained = self.workers.train(taken.minibatches, policy=step >= self.job.ppo.critic_warmup)  # 4. PPO epochs
+        if trained.steps_applied:
+            synced = self.weights.sync()  # 5. the new weights to the engines: policy version + 1
+        else:
+            synced = self.weights.unchanged(taken.minibatches, trained)
         return taken, iteration_metrics(taken, trained, synced, time.perf_counter() - began,
                                         len(self.workers.pool.group), len(self.workers.restarts.replaced),
                                         self.learner_restarts)
