@@ -5,13 +5,13 @@ deploy/prometheus/prometheus.yml, scrapes them: every panel of the shipped Grafa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import socket
 import subprocess
 import threading
 import time
-import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -133,21 +133,29 @@ def test_a_gauge_set_once_stays_on_the_endpoint_until_its_job_ends(scraped_run):
     assert kept > 10, f"the job took only {kept:.1f} s: too short to tell (report interval: 1 s)"
 
 
+def draw_panels():
+    """deploy/grafana/draw_panels.py, the shipped script that reads the dashboard's queries from Prometheus."""
+    spec = importlib.util.spec_from_file_location("draw_panels", ROOT / "deploy/grafana/draw_panels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def dashboard_queries() -> list[tuple[str, str]]:
     """(panel title, PromQL) of every target of every panel of the shipped dashboard."""
-    board = json.loads((ROOT / "deploy/grafana/rlhf_ray.json").read_text())
-    return [(panel["title"], target["expr"]) for panel in board["panels"] for target in panel["targets"]]
+    return draw_panels().queries(json.loads((ROOT / "deploy/grafana/rlhf_ray.json").read_text()))
 
 
 def empty_panels(scraped_run) -> list[str]:
     """`title: query` of every dashboard query that Prometheus has no series of the run for, since the run began."""
-    base = f"http://127.0.0.1:{scraped_run['prometheus']}/api/v1/"
+    prometheus, query_range = f"http://127.0.0.1:{scraped_run['prometheus']}", draw_panels().query_range
     empty = []
     for title, expr in dashboard_queries():
-        params = urllib.parse.urlencode({"query": expr.replace("$run", RUN), "start": scraped_run["started"],
-                                         "end": time.time(), "step": "1"})
-        answer = json.loads(get(f"{base}query_range?{params}") or '{"data": {"result": []}}')
-        if not [s for s in answer["data"]["result"] if s["metric"].get("run") == RUN and s["values"]]:
+        try:
+            series = query_range(prometheus, expr.replace("$run", RUN), scraped_run["started"], time.time(), 1, 5)
+        except (OSError, RuntimeError):
+            series = []
+        if not [s for s in series if s["metric"].get("run") == RUN and s["values"]]:
             empty.append(f"{title}: {expr}")
     return empty
 

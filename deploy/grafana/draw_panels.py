@@ -20,9 +20,15 @@ from pathlib import Path
 BOARD = Path(__file__).resolve().parent / "rlhf_ray.json"
 
 
-def query_range(prometheus: str, expr: str, start: float, end: float, step: float) -> list[dict]:
+def queries(board: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL with its $run variable) of every target of every panel of a dashboard."""
+    return [(panel["title"], target["expr"]) for panel in board["panels"] for target in panel["targets"]]
+
+
+def query_range(prometheus: str, expr: str, start: float, end: float, step: float, timeout: float = 30) -> list[dict]:
+    """The series Prometheus' HTTP API gives for `expr` over [start, end] (a refused query raises, naming it)."""
     params = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
-    with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query_range?{params}", timeout=30) as answer:
+    with urllib.request.urlopen(f"{prometheus.rstrip('/')}/api/v1/query_range?{params}", timeout=timeout) as answer:
         body = json.loads(answer.read())
     if body.get("status") != "success":
         raise RuntimeError(f"Prometheus refused {expr!r}: {body.get('error')}")
