@@ -165,9 +165,9 @@ def curve(r: dict) -> list[tuple[int, float, float, float, float, float]]:
 
 
 def report(results: list[dict], doc: Path | None) -> str:
-    first = results[0]
+    first, dates = results[0], sorted({r["date"] for r in results})
     lines = [HEADING, "",
-             f"Measured {first['date']} on {first['machine']} by `benchmarks/bench_descriptions.py` (results kept in "
+             f"Measured {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} on {first['machine']} by `benchmarks/bench_descriptions.py` (results kept in "
              "benchmarks/results/descriptions/). The gold score (`rlhf_ray.data.descriptions:gold`, docs/jobs.md "
              "\"Preference pairs with a hidden truth\") is evaluated on 100 held-out prompts about topics no stage "
              "trained on; `before` is the SFT model. ± is one standard error over the prompts.", ""]
@@ -199,32 +199,42 @@ def report(results: list[dict], doc: Path | None) -> str:
         lines += ["", *verdicts, ""]
     gao = sorted((r for r in results if r not in recipe), key=lambda r: (r["seed"], r["pairs"] or 0, r.get("kl") or 0))
     if gao:
-        lines += ["Reward models on fewer pairs (part 3), each against its own PPO run from the same SFT model:", "",
+        lines += ["Reward models on fewer pairs (part 3), each against its own PPO run from the same SFT model; the "
+                  "sampled gold score's peak over the evaluations, and how far it fell from there by the end while "
+                  "the sampled proxy moved as the last column says:", "",
                   "| run | training pairs | RM held-out accuracy (ceiling) | gold greedy before -> after | "
-                  "proxy greedy before -> after | sqrt(KL) at the end |", "|---|---:|---|---|---|---:|"]
+                  "proxy greedy before -> after | sqrt(KL) at the end | gold sampled: peak (sqrt(KL)) -> end | "
+                  "proxy sampled from the gold's peak to the end |", "|---|---:|---|---|---|---:|---|---|"]
         for r in [*recipe[:1], *gao]:
             s, ppo = r["summary"], r["summary"]["ppo"]
             p = s["rm"].get("pairs", {})
-            end = curve(r)[-1]
+            points = curve(r)
+            peak = max(points, key=lambda q: q[5])
+            end = points[-1]
             lines.append(f"| {Run.of(r).name} | "
                          f"{r['pairs'] or p.get('train')} | "
                          f"{s['rm']['eval_accuracy']:.3f} ({p.get('gold_eval_accuracy', float('nan')):.3f}) | "
                          f"{ppo['task_accuracy_before']:.3f} -> {ppo['task_accuracy_after']:.3f} | "
-                         f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {end[1]:.2f} |")
+                         f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {end[1]:.2f} | "
+                         f"{peak[5]:.3f} ({peak[1]:.2f}) -> {end[5]:.3f} | {peak[4]:.2f} -> {end[4]:.2f} |")
         lines.append("")
     curves = [(r, curve(r)) for r in (recipe + gao)]
-    if curves and doc is not None:
+    plotted = [(r, points) for r, points in curves if r in gao or gao and r["seed"] in {g["seed"] for g in gao}]
+    if plotted and doc is not None:  # part 3: its runs and the recipe's run of their seed
         plt = pyplot()
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        for r, points in curves:
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+        for r, points in plotted:
             label = f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs: {Run.of(r).name}"
             xs = [p[1] for p in points]
-            axes[0].plot(xs, [p[2] - points[0][2] for p in points], marker="o", label=label)
-            axes[1].plot(xs, [p[3] for p in points], marker="o", label=label)
-        axes[0].set(title="proxy: reward-model score - its start (greedy, held-out)",
-                    xlabel="sqrt(KL to the SFT policy, nats)")
-        axes[1].set(title="gold score (greedy, held-out)", xlabel="sqrt(KL to the SFT policy, nats)")
-        for ax in axes:
+            for row, (proxy, gold) in enumerate(((2, 3), (4, 5))):
+                axes[row][0].plot(xs, [p[proxy] - points[0][proxy] for p in points], marker="o", label=label)
+                axes[row][1].plot(xs, [p[gold] for p in points], marker="o", label=label)
+        for row, how in enumerate(("greedy", "sampled at T = 1")):
+            axes[row][0].set(title=f"proxy: reward-model score - its start ({how}, held-out)")
+            axes[row][1].set(title=f"gold score ({how}, held-out)")
+        for ax in axes[1]:
+            ax.set(xlabel="sqrt(KL to the SFT policy, nats)")
+        for ax in axes.flat:
             ax.legend(fontsize=7)
         lines += [save_figure(fig, doc, "descriptions_overoptimisation.png"), ""]
     if gao or curves:
