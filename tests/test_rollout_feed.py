@@ -99,3 +99,19 @@ def test_a_jobs_feed_trains_on_mini_batches_of_whole_answer_groups():
         groups = {row // 4 for row in minibatch}
         assert len(groups) == 2 and set(minibatch) == {g * 4 + k for g in groups for k in range(4)}
     assert sorted(row for minibatch in plan for row in minibatch) == list(range(32))
+
+
+def test_a_put_the_buffer_refuses_as_too_stale_is_not_kept_and_the_count_is_the_buffers():
+    """A rollout sampled by weights two versions back, put once the learner is there: the buffer refuses it, the feed
+    keeps nothing of it, and the count it goes by is the buffer's answer (before, a refused put counted as kept)."""
+    from tests.ppo_standins import FakeRollout
+
+    run = Workers(capacity=4, max_staleness=1)
+    rollouts = feed(run, ahead=1)
+    (index, rollout), = [next(rollouts.generated(updates_left=1))]
+    assert rollout.version == 0 and rollouts.collected_at
+    rollouts.put(index, rollout, run.advantages(run.score(rollout), 2), version=2)
+    assert rollouts.held == 0 and rollouts.puts == {} and rollouts.collected_at == {}
+    fresh = FakeRollout(1, version=2)
+    rollouts.put(1, fresh, run.advantages(run.score(fresh), 2), version=2)
+    assert rollouts.held == 1 and list(rollouts.puts) == [1]

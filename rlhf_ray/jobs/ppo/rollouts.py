@@ -176,8 +176,9 @@ class RolloutFeed:
         buffer = self.workers.buffer
         (answer,) = buffer.gather(buffer.submit("put", [scored.experience.ref], meta, version), "put")
         self.held = answer.entries
+        seconds = now - self.collected_at.pop(index, now)
         if answer.accepted:
-            self.puts[index] = Put(index, rollout, scored, now - self.collected_at.pop(index, now))
+            self.puts[index] = Put(index, rollout, scored, seconds)
 
     def take(self, version: int) -> Taken | None:
         """The oldest experience within the staleness bound of `version`; None when the buffer refused everything it
