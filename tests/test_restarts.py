@@ -3,6 +3,8 @@ attempt, how many attempts run, what the final error says."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 
@@ -108,6 +110,11 @@ def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_aga
     assert taken.put.index == 4 and taken.put.scored.experience.metrics == {"reward/mean": 1.0}
     assert workers.events == ["start 4", "start 4", "start 4"]  # generated, then generated again twice
     assert len(workers.rollouts) == 3 and taken.put.rollout is workers.rollouts[-1]
+    slow = ScoringLosesResults(losses=1)  # each collection takes 0.2 s: the wait is the first one's, the redo's is
+    collect = slow.pool.collect           # the experience's time (counted once)
+    slow.pool.collect = lambda pending: (time.sleep(0.2), collect(pending))[1]
+    taken = take(from_rollout(slow, 4, redo_limit=1), slow, updates_left=1)
+    assert 0.2 <= taken.wait_seconds < 0.35 and taken.put.seconds >= 0.2
     losing = ScoringLosesResults(losses=5)
     with pytest.raises(ResultsLost, match="OwnerDiedError"):  # bounded: a node that keeps taking results
         take(from_rollout(losing, 4, redo_limit=2), losing, updates_left=1)

@@ -139,14 +139,16 @@ class RolloutFeed:
         than the updates left (this one included) can train on."""
         self._start(updates_left)
         while self.redos or self.held == 0 or self.held < self.settings.ahead and self._oldest_done():
-            if self.redos:
+            redo = bool(self.redos)
+            if redo:
                 index, pending = self.redos.popleft()
             else:
                 self._start(updates_left, one_at_least=True)
                 index, pending = self.pending.popleft()
             began = time.perf_counter()
             rollout = self._collect(pending)
-            self.waited += time.perf_counter() - began
+            if not redo:  # generating a rollout again counts in its time/experience, from its first collection
+                self.waited += time.perf_counter() - began
             self.collected_at.setdefault(index, time.perf_counter())
             self._start(updates_left, in_flight=1)
             yield index, rollout
