@@ -83,11 +83,22 @@ def local_nodes(spec: ClusterSpec) -> list[dict[str, float]]:
     cpus = spec.num_cpus if spec.num_cpus is not None else _cpu_count()
     gpus = spec.num_gpus if spec.num_gpus is not None else _visible_gpus()
     node = {"CPU": float(cpus), "GPU": float(gpus), "memory": float(psutil.virtual_memory().total)}
-    if gpus:
+    if gpus and _visible_gpus():
         import torch
 
         node["gpu_memory"] = float(torch.cuda.get_device_properties(0).total_memory)
     return [node]
+
+
+def missing_local_gpus(spec: ClusterSpec) -> str | None:
+    """Why an embedded local Ray could not give the GPUs `cluster.num_gpus` declares, or None when it can: Ray
+    would offer them, and every process placed on one would fail at start-up."""
+    visible = _visible_gpus()
+    if spec.num_gpus is None or spec.num_gpus <= visible:
+        return None
+    return (f"{spec.num_gpus:g} GPU(s) declared, but torch sees {visible} CUDA GPU(s) on this machine, so an "
+            "embedded local Ray would offer GPUs no process can use; run it on the GPU machine, connect to a "
+            "cluster (cluster.address), or declare cluster.shape to plan for another one")
 
 
 def _is_loopback(address: str) -> bool:

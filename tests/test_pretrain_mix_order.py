@@ -59,7 +59,7 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
         events.append("ppo forward")
         return rank.deepspeed.weight.sum() * 0 + micro.action_mask.sum(), {}
 
-    metrics = PPOLearnerRank.run_epochs(rank, batch, minibatches, token_loss)
+    metrics = PPOLearnerRank.run_epochs(rank, minibatches, token_loss, batch)
     assert events == ["ppo forward", "mix forward", "backward"] * 2
     assert rank.deepspeed.boundaries == [False, True]  # the optimizer steps after the mini-batch's last one
     assert metrics["ptx_loss"] > 0

@@ -403,6 +403,11 @@ def check_plan(job: JobBase, live: bool = False, show: bool = True) -> list[str]
     out = Console(soft_wrap=True)
     nodes, which = _cluster_nodes(job, live)
     problems: list[str] = []
+    if which.startswith("this machine"):
+        from rlhf_ray.cluster import missing_local_gpus
+
+        if missing := missing_local_gpus(job.cluster):
+            problems.append(f"{job.where(('cluster', 'num_gpus'))}: {missing}")
     derived: dict = {}  # shapes of the models earlier stages write
     for name, stage_job in job.named_stages().items():
         stage = name or stage_job.kind

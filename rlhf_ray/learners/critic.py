@@ -40,4 +40,4 @@ class CriticLearner(PPOLearnerRank):
             loss = value_loss(self._values(micro), micro.values, micro.returns, micro.action_mask, self.clip_value)
             return loss * micro.action_mask.sum(), {}
 
-        return {f"critic/{k}": v for k, v in self.run_epochs(self.fetch(minibatches), minibatches, token_loss).items()}
+        return {f"critic/{k}": v for k, v in self.run_epochs(minibatches, token_loss).items()}

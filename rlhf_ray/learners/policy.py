@@ -66,7 +66,7 @@ class PolicyLearner(PPOLearnerRank):
         if self.ema_beta is not None:
             self.ema = self.gathered_state_dict(GATHER_BYTES)  # the EMA starts at the starting policy
             if self.ema is not None:
-                self.ema = {k: v.float() for k, v in self.ema.items()}
+                self.ema = host_average(self.ema, self.deepspeed.device)
         return info
 
     def _logprobs(self, batch: RolloutBatch, with_entropy: bool = False):
@@ -114,10 +114,12 @@ class PolicyLearner(PPOLearnerRank):
             return aggregated_sum(loss, mask, self.loss_aggregation), {
                 **{k: v.item() * tokens for k, v in stats.items()}, "entropy": ent.sum().item(), **extra}
 
-        metrics = self.run_epochs(self.fetch(minibatches), minibatches, token_loss)
+        metrics = self.run_epochs(minibatches, token_loss)
+        started = time.perf_counter()
         if self.ema_beta is not None and metrics["steps_applied"]:  # unchanged weights: nothing to average in
             self.update_ema()
-        return {f"policy/{k}": v for k, v in metrics.items()}
+        ema = time.perf_counter() - started
+        return {f"policy/{k}": v for k, v in (metrics | {"ema_seconds": ema, "seconds": metrics["seconds"] + ema}).items()}
 
     # ---- PPO-ptx ------------------------------------------------------------------------------------------
     def auxiliary_losses(self, minibatches, step: int, micro_batches: int) -> list:
@@ -145,10 +147,12 @@ class PolicyLearner(PPOLearnerRank):
     # ---- EMA ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def update_ema(self) -> None:
-        """ema = beta * ema + (1 - beta) * weights, on rank 0 in fp32 (a collective under ZeRO-3)."""
-        for group in self.gathered_groups(GATHER_BYTES):
+        """ema = beta * ema + (1 - beta) * weights, kept on rank 0's host in fp32 (a collective under ZeRO-3)."""
+        for group in self.gathered_groups(GATHER_BYTES, copy=False):
             for name, tensor in group:
-                self.ema[name].mul_(self.ema_beta).add_(tensor.float(), alpha=1 - self.ema_beta)
+                average_into(self.ema[name], tensor, self.ema_beta)
+            if self.deepspeed.device.type == "cuda":  # before the group is let go (ZeRO-3 frees what it gathered)
+                torch.cuda.synchronize()              # and before anyone reads the host copies
 
     def save_checkpoint(self, directory: str, client_state: dict) -> None:
         super().save_checkpoint(directory, client_state)
@@ -158,7 +162,7 @@ class PolicyLearner(PPOLearnerRank):
     def load_checkpoint(self, directory: str, tag: str = "state") -> dict:
         state = super().load_checkpoint(directory, tag)
         if self.ema_beta is not None and self.rank == 0:
-            self.ema = torch.load(Path(directory) / EMA_FILE)
+            self.ema = host_average(torch.load(Path(directory) / EMA_FILE), self.deepspeed.device)
         return state
 
     def export_ema(self, directory: str) -> str | None:
@@ -236,3 +240,22 @@ class PolicyLearner(PPOLearnerRank):
         e = self.deepspeed
         return (e.device.type == "cpu" and e.zero_optimization_stage() == 0 and not self.model_spec.lora.enabled
                 and not (e.fp16_enabled() or e.bfloat16_enabled()))
+
+
+def host_average(weights: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """The EMA's storage: fp32 copies on the host, pinned where the model is on a GPU (so that `average_into`'s
+    copies to and from the device run at the bus's speed)."""
+    pin = device.type == "cuda"
+    return {k: (v.float().pin_memory() if pin else v.float()) for k, v in weights.items()}
+
+
+def average_into(average: torch.Tensor, weights: torch.Tensor, beta: float) -> None:
+    """average = beta * average + (1 - beta) * weights. `average` lives on the host; weights on a GPU are averaged
+    there (the host copy goes up and comes back: the host does no arithmetic over the model), so the host is only
+    up to date once the device has synchronised."""
+    if weights.device == average.device:
+        average.lerp_(weights.float(), 1 - beta)
+        return
+    here = average.to(weights.device, non_blocking=True)
+    here.lerp_(weights.float(), 1 - beta)
+    average.copy_(here, non_blocking=True)

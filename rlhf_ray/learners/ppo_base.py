@@ -91,15 +91,18 @@ class PPOLearnerRank(LearnerRank):
         before that micro-batch's backward pass, so only one micro-batch's graph is alive at a time; [] for none."""
         return []
 
-    def run_epochs(self, batch: Experience, minibatches, token_loss: TokenLoss) -> dict[str, float]:
-        """`token_loss(micro_batch)` returns (its loss sum under `loss_aggregation`, stats summed over tokens).
+    def run_epochs(self, minibatches, token_loss: TokenLoss, batch: Experience | None = None) -> dict[str, float]:
+        """PPO epochs on the experience `minibatches` points to (`batch`: that experience, already fetched).
+        `token_loss(micro_batch)` returns (its loss sum under `loss_aggregation`, stats summed over tokens).
         Gradients equal those of sum / (units of the global mini-batch: answer tokens, or answers for the sequence
         means), whatever the split over ranks and micro-batches; reported stats are token means per mini-batch
         (the loss: the aggregated mean), averaged over mini-batches. The mini-batches (rows of the
         experience, epoch after epoch) come from the replay buffer (Minibatches). `steps_applied`: optimizer steps of
         this call that changed the weights (0: every one was skipped for a non-finite gradient);
-        `padding_fraction`: the share of the training forwards' tokens that were padding."""
+        `padding_fraction`: the share of the training forwards' tokens that were padding; `seconds`: the whole call,
+        fetching the experience included."""
         started = time.perf_counter()
+        batch = self.fetch(minibatches) if batch is None else batch
         applied_before = self.step_counts["applied"]
         self.deepspeed.train()
         totals: dict[str, float] = {}

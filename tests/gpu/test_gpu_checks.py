@@ -103,3 +103,16 @@ def test_every_role_on_one_gpu_with_the_hf_engine(tmp_path, sft_model, rm_model)
     run = engines_decode_like_the_learner(tmp_path, sft_model, rm_model, *hf, "generation.engine=hf",
                                           "generation.weight_sync.transport=auto")
     assert run["transport"] == "ipc"
+
+
+def test_ema_averaged_on_the_gpu_equals_the_host_arithmetic():
+    from rlhf_ray.learners.policy import average_into, host_average
+
+    torch.manual_seed(0)
+    weights = torch.randn(1 << 20, dtype=torch.float16, device="cuda")
+    average = host_average({"w": torch.randn(1 << 20)}, weights.device)["w"]
+    assert average.is_pinned()
+    expected = 0.99 * average + 0.01 * weights.float().cpu()
+    average_into(average, weights, 0.99)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(average, expected, rtol=1e-5, atol=1e-6)
