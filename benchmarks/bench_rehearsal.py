@@ -100,8 +100,7 @@ NOTES = [
     "resident in both processes, not memory of the engine's own. The plan leaves them out so that a node's "
     "total stays right; on a GPU (CUDA IPC, the allocator's peak) they do not count.",
     "",
-    "Rehearsal on a GPU (the CUDA allocator's peak, which holds no shared pages) has not been run: no GPU was "
-    "lent to the sessions since it was built.",
+    "Rehearsal on a GPU (the CUDA allocator's peak, which holds no shared pages): the next section.",
 ]
 
 

@@ -391,6 +391,19 @@ def test_plan_needing_more_gpus_than_the_cluster_is_refused(capsys):
     assert "lower generation.placement.num_gpus (or replicas)" in " ".join(err.split())  # the field to change
 
 
+def test_gpus_this_machine_does_not_have_are_refused_naming_the_field(write_yaml, capsys, monkeypatch):
+    """An embedded local Ray would offer the declared GPUs and every process placed on one would fail at start-up;
+    validate crashed in torch instead ('Torch not compiled with CUDA enabled')."""
+    import rlhf_ray.cluster
+
+    monkeypatch.setattr(rlhf_ray.cluster, "_visible_gpus", lambda: 0)  # as in CI, also where a GPU is lent
+    path = write_yaml(PPO + "cluster:\n  num_gpus: 1\n")
+    assert main(["validate", "--quiet", str(path)]) == EXIT_PLAN_DOES_NOT_FIT
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"{path}:" in err and "cluster.num_gpus: 1 GPU(s) declared, but torch sees 0 CUDA GPU(s)" in err
+    assert "cluster.shape" in err  # the way to plan for another machine
+
+
 def test_colocation_errors_point_at_the_yaml_line(write_yaml):
     text = PPO + "reference:\n  placement: {colocate_with: polcy}\n"
     (problem,) = problems_of(write_yaml(text))
