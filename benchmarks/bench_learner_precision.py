@@ -53,7 +53,7 @@ def learner_calls(model_dir: Path, calls: int) -> dict[str, list[dict[str, float
     for call in range(calls):
         for dtype in (DTYPES if call % 2 == 0 else DTYPES[::-1]):
             learner, experience = learners[dtype]
-            metrics = learner.train(plan)
+            metrics = learner.train(plan).metrics()
             began = time.perf_counter()
             learner.over_my_rows(experience, learner._logprobs)
             scored = time.perf_counter() - began

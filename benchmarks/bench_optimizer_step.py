@@ -90,7 +90,7 @@ def learner_calls(model_dir: Path, calls: int) -> dict[str, list[dict[str, float
         for label in (list(results) if call % 2 == 0 else list(results)[::-1]):  # ABBA: no order bias
             set_kernel(learner.deepspeed.optimizer, label)
             spent[0] = 0.0
-            metrics = learner.train(plan)
+            metrics = learner.train(plan).metrics()
             results[label].append({"train": metrics["policy/seconds"], "steps": spent[0]})
             print(f"call {call + 1}, {label}: train {metrics['policy/seconds']:.1f} s, optimizer steps "
                   f"{spent[0]:.2f} s", flush=True)

@@ -4,12 +4,14 @@ orchestration)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
 import torch
 
 from rlhf_ray.learners.policy import PolicyLearner, average_into, host_average
+from rlhf_ray.learners.ppo_base import TrainReport
 
 
 def test_average_is_beta_times_the_average_plus_the_rest_times_the_weights():
@@ -44,12 +46,20 @@ def test_update_ema_averages_the_live_parameters_of_every_group():
 def test_the_learners_seconds_include_the_ema_update():
     learner = object.__new__(PolicyLearner)
     learner.ema_beta = 0.99
-    learner.run_epochs = lambda minibatches, token_loss: {"seconds": 0.01, "steps_applied": 1.0}
+    epochs = TrainReport("policy", {"loss": 0.5}, seconds=0.01, steps_applied=1, padding_fraction=0.0)
+    learner.run_epochs = lambda minibatches, token_loss: epochs
     learner.update_ema = lambda: time.sleep(0.2)
-    metrics = PolicyLearner.train(learner, minibatches=None)
-    assert metrics["policy/ema_seconds"] >= 0.2
-    assert metrics["policy/seconds"] >= 0.21  # what the driver subtracts from the phase's wall time
+    report = PolicyLearner.train(learner, minibatches=None)
+    assert report.ema_seconds >= 0.2
+    assert report.seconds >= 0.21  # what the driver subtracts from the phase's wall time
+    assert report.metrics()["policy/ema_seconds"] == report.ema_seconds
 
-    learner.run_epochs = lambda minibatches, token_loss: {"seconds": 0.01, "steps_applied": 0.0}
+    learner.run_epochs = lambda minibatches, token_loss: dataclasses.replace(epochs, steps_applied=0)
     skipped = PolicyLearner.train(learner, minibatches=None)  # no step applied: nothing to average in
-    assert skipped["policy/ema_seconds"] < 0.1 and skipped["policy/seconds"] < 0.1
+    assert skipped.ema_seconds < 0.1 and skipped.seconds < 0.1
+
+
+def test_a_train_report_logs_the_names_runs_always_had():
+    critic = TrainReport("critic", {"loss": 0.25, "lr": 1e-5}, seconds=1.5, steps_applied=2, padding_fraction=0.1)
+    assert critic.metrics() == {"critic/loss": 0.25, "critic/lr": 1e-5, "critic/seconds": 1.5,
+                                "critic/steps_applied": 2.0, "critic/padding_fraction": 0.1}

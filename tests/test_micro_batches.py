@@ -112,7 +112,7 @@ def run(cls, stage, budget, packed=False, **kwargs):
     learner.fetch = lambda mb: exp
     forward = learner._logprobs if cls is PolicyLearner else learner._values
     before = learner.over_my_rows(exp, forward)
-    metrics = learner.train(minibatches)
+    metrics = learner.train(minibatches).metrics()
     after = [p.detach().clone() for p in learner.deepspeed.module.parameters()]
     return before, metrics, after, learner.step_counts
 

@@ -46,7 +46,8 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
     rank = SimpleNamespace(deepspeed=RecordingEngine(events), mix=mix, rank=0, world_size=1, micro_batch_size=2,
                            ptx_coef=0.5, all_reduce_sum=lambda values: values, optimizer_step=lambda: None,
                            step_info=lambda: {}, loss_aggregation="token_mean",
-                           step_counts={"applied": 0, "skipped": 0}, max_tokens=None, packed=False)
+                           step_counts={"applied": 0, "skipped": 0}, max_tokens=None, packed=False,
+                           role="policy")
     rank.micro_rows = lambda batch, rows: PPOLearnerRank.micro_rows(rank, batch, rows)
     rank.rank_slice = lambda n: PPOLearnerRank.rank_slice(rank, n)
     rank.micro_batch = lambda batch, rows: PPOLearnerRank.micro_batch(rank, batch, rows)
@@ -59,7 +60,7 @@ def test_each_mix_micro_batch_runs_with_its_ppo_micro_batch():
         events.append("ppo forward")
         return rank.deepspeed.weight.sum() * 0 + micro.action_mask.sum(), {}
 
-    metrics = PPOLearnerRank.run_epochs(rank, minibatches, token_loss, batch)
+    report = PPOLearnerRank.run_epochs(rank, minibatches, token_loss, batch)
     assert events == ["ppo forward", "mix forward", "backward"] * 2
     assert rank.deepspeed.boundaries == [False, True]  # the optimizer steps after the mini-batch's last one
-    assert metrics["ptx_loss"] > 0
+    assert report.stats["ptx_loss"] > 0 and report.metrics()["policy/ptx_loss"] == report.stats["ptx_loss"]

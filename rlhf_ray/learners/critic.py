@@ -7,12 +7,14 @@ import torch
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.losses import value_loss
 from rlhf_ray.algorithms.batch import Experience, RolloutBatch
-from rlhf_ray.learners.ppo_base import PPOLearnerRank
+from rlhf_ray.learners.ppo_base import PPOLearnerRank, TrainReport
 from rlhf_ray.models.loading import load_scalar_model, token_values
 from rlhf_ray.models.packing import pack, packed_values
 
 
 class CriticLearner(PPOLearnerRank):
+    role = "critic"
+
     def __init__(self, *, clip_value: float, pad_token_id: int, **kwargs):
         super().__init__(**kwargs)
         self.clip_value, self.pad_token_id = clip_value, pad_token_id
@@ -35,9 +37,9 @@ class CriticLearner(PPOLearnerRank):
         """Values of this rank's slice of the batch (rank order)."""
         return self.over_my_rows(batch, self._values)
 
-    def train(self, minibatches) -> dict[str, float]:
+    def train(self, minibatches) -> TrainReport:
         def token_loss(micro: Experience):
             loss = value_loss(self._values(micro), micro.values, micro.returns, micro.action_mask, self.clip_value)
             return loss * micro.action_mask.sum(), {}
 
-        return {f"critic/{k}": v for k, v in self.run_epochs(minibatches, token_loss).items()}
+        return self.run_epochs(minibatches, token_loss)

@@ -19,7 +19,7 @@ from rlhf_ray.algorithms.losses import (LossAggregation, aggregated_sum, lm_loss
 from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.algorithms.rewards import kl_estimate
 from rlhf_ray.algorithms.batch import Experience, RolloutBatch
-from rlhf_ray.learners.ppo_base import PPOLearnerRank
+from rlhf_ray.learners.ppo_base import PPOLearnerRank, TrainReport
 from rlhf_ray.learners.pretrain_mix import PretrainMix
 from rlhf_ray.models.loading import load_causal_lm
 from rlhf_ray.models.shared_prompt import answer_logprobs_and_entropy
@@ -42,6 +42,8 @@ class SentWeights:
 
 
 class PolicyLearner(PPOLearnerRank):
+    role = "policy"
+
     def __init__(self, *, clip_ratio: float, dual_clip: float | None, pad_token_id: int, train_batch_size: int,
                  clip_ratio_high: float | None = None, loss_aggregation: LossAggregation = "token_mean",
                  tis_cap: float | None = None,
@@ -85,7 +87,7 @@ class PolicyLearner(PPOLearnerRank):
         """Log-probs of this rank's slice of the batch (rank order) at the sampling temperature."""
         return self.over_my_rows(batch, self._logprobs)
 
-    def train(self, minibatches) -> dict[str, float]:
+    def train(self, minibatches) -> TrainReport:
         def token_loss(micro: Experience):
             logp, ent = self._logprobs(micro, with_entropy=True)
             # without old log-probs in the experience this is the rollout's only update: they equal these
@@ -114,12 +116,12 @@ class PolicyLearner(PPOLearnerRank):
             return aggregated_sum(loss, mask, self.loss_aggregation), {
                 **{k: v.item() * tokens for k, v in stats.items()}, "entropy": ent.sum().item(), **extra}
 
-        metrics = self.run_epochs(minibatches, token_loss)
+        report = self.run_epochs(minibatches, token_loss)
         started = time.perf_counter()
-        if self.ema_beta is not None and metrics["steps_applied"]:  # unchanged weights: nothing to average in
+        if self.ema_beta is not None and report.steps_applied:  # unchanged weights: nothing to average in
             self.update_ema()
         ema = time.perf_counter() - started
-        return {f"policy/{k}": v for k, v in (metrics | {"ema_seconds": ema, "seconds": metrics["seconds"] + ema}).items()}
+        return dataclasses.replace(report, seconds=report.seconds + ema, ema_seconds=ema)
 
     # ---- PPO-ptx ------------------------------------------------------------------------------------------
     def auxiliary_losses(self, minibatches, step: int, micro_batches: int) -> list:

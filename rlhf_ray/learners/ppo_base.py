@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,7 +21,37 @@ from rlhf_ray.models import packing
 TokenLoss = Callable[[Experience], tuple[torch.Tensor, dict[str, float]]]
 
 
+@dataclass
+class TrainReport:
+    """One learner rank's answer to `train`, one PPO update: what the driver acts on, typed, beside the statistics
+    it only logs (whose names depend on the loss)."""
+
+    role: str
+    """"policy" or "critic": the prefix of its metric names."""
+    stats: dict[str, float]
+    """The loss's statistics, token means over the update's mini-batches (loss, clip_fraction, kl, entropy, ...), and
+    the optimizer's state after it (lr, grad_norm, applied, steps_skipped, peak_memory_gib)."""
+    seconds: float
+    """The whole call on this rank: fetching the experience, the epochs, the policy's EMA."""
+    steps_applied: int
+    """Optimizer steps of this update that changed the weights (0: each was skipped for a non-finite gradient)."""
+    padding_fraction: float
+    """The share of the training forwards' tokens that were padding."""
+    ema_seconds: float | None = None
+    """The policy's: averaging its weights into the EMA (0.0 without one); None for the critic."""
+
+    def metrics(self) -> dict[str, float]:
+        """The flat names every run logs: `policy/loss`, `critic/seconds`, ..."""
+        typed = {"seconds": self.seconds, "steps_applied": float(self.steps_applied),
+                 "padding_fraction": self.padding_fraction}
+        if self.ema_seconds is not None:
+            typed["ema_seconds"] = self.ema_seconds
+        return {f"{self.role}/{k}": v for k, v in (self.stats | typed).items()}
+
+
 class PPOLearnerRank(LearnerRank):
+    role: str = ""
+    """The role's name in metrics: "policy", "critic"."""
     loss_aggregation: LossAggregation = "token_mean"
     """What `token_loss`'s sum is averaged over (algorithms/losses.aggregated_sum): the critic's is token_mean."""
 
@@ -91,16 +122,13 @@ class PPOLearnerRank(LearnerRank):
         before that micro-batch's backward pass, so only one micro-batch's graph is alive at a time; [] for none."""
         return []
 
-    def run_epochs(self, minibatches, token_loss: TokenLoss, batch: Experience | None = None) -> dict[str, float]:
+    def run_epochs(self, minibatches, token_loss: TokenLoss, batch: Experience | None = None) -> TrainReport:
         """PPO epochs on the experience `minibatches` points to (`batch`: that experience, already fetched).
         `token_loss(micro_batch)` returns (its loss sum under `loss_aggregation`, stats summed over tokens).
         Gradients equal those of sum / (units of the global mini-batch: answer tokens, or answers for the sequence
         means), whatever the split over ranks and micro-batches; reported stats are token means per mini-batch
         (the loss: the aggregated mean), averaged over mini-batches. The mini-batches (rows of the
-        experience, epoch after epoch) come from the replay buffer (Minibatches). `steps_applied`: optimizer steps of
-        this call that changed the weights (0: every one was skipped for a non-finite gradient);
-        `padding_fraction`: the share of the training forwards' tokens that were padding; `seconds`: the whole call,
-        fetching the experience included."""
+        experience, epoch after epoch) come from the replay buffer (Minibatches)."""
         started = time.perf_counter()
         batch = self.fetch(minibatches) if batch is None else batch
         applied_before = self.step_counts["applied"]
@@ -136,6 +164,6 @@ class PPOLearnerRank(LearnerRank):
                     totals[key] = totals.get(key, 0.0) + value
         *reduced, pads, tokens = self.all_reduce_sum([*totals.values(), *padding])
         means = {k: v / max(len(minibatches.rows), 1) for k, v in zip(totals, reduced)}
-        return means | self.step_info() | {"padding_fraction": pads / max(tokens, 1.0),
-                                            "seconds": time.perf_counter() - started,
-                                            "steps_applied": float(self.step_counts["applied"] - applied_before)}
+        return TrainReport(self.role, means | self.step_info(), seconds=time.perf_counter() - started,
+                           steps_applied=self.step_counts["applied"] - applied_before,
+                           padding_fraction=pads / max(tokens, 1.0))

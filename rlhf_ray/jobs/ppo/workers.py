@@ -29,6 +29,7 @@ from rlhf_ray.distributed import actor_env
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.learner_group import rendezvous, setup_learner_group, spawn_learner_group
 from rlhf_ray.learners.policy import PolicyLearner
+from rlhf_ray.learners.ppo_base import TrainReport
 from rlhf_ray.jobs.ppo.scoring import Scorer
 from rlhf_ray.learners.resharding import load_group_checkpoint
 from rlhf_ray.models.loading import load_tokenizer
@@ -203,12 +204,13 @@ class RoleWorkers:
         calls = [(self.policy, self.policy.submit("train", minibatches))] if policy else []
         if self.critic is not None:
             calls.append((self.critic, self.critic.submit("train", minibatches)))
-        metrics, seconds = {}, 0.0
+        metrics, seconds, applied = {}, 0.0, 0
         for group, refs in calls:
-            out = group.gather(refs, "train")
-            metrics |= out[0]
-            seconds = max([seconds] + [m[f"{group.role}/seconds"] for m in out])
-        applied = int(metrics.get("policy/steps_applied", 0)) if policy else 0  # the learner's answer, read once here
+            ranks: list[TrainReport] = group.gather(refs, "train")
+            metrics |= ranks[0].metrics()  # rank 0's statistics stand for the group's (they are all-reduced)
+            seconds = max([seconds] + [r.seconds for r in ranks])
+            if group is self.policy:
+                applied = ranks[0].steps_applied
         return Trained(metrics, seconds, time.perf_counter() - began, policy_trained=policy, steps_applied=applied)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
