@@ -95,7 +95,7 @@ class Workers:
 
     def advantages(self, scores: FakeRollout, scored_at: int) -> Scored:
         experience = Assembled(ref=scores.index, rows=scores.samples, samples=[], token_versions={},
-                               metrics={"rollout": scores.index, "compute/assembly_seconds": 0.0})
+                               metrics={"rollout": scores.index})
         return Scored(experience, role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:

@@ -44,11 +44,14 @@ class Assembled:
     rows: int
     """Its rows."""
     metrics: dict[str, float]
-    """Reward, answer, KL and engine/learner mismatch metrics, compute/assembly_seconds."""
+    """Reward, answer, KL and engine/learner mismatch metrics."""
     samples: list[dict]
     """The first `keep_samples` rows: {prompt_ids, answer_ids, score, columns} (for samples.jsonl)."""
     token_versions: dict[int, int]
     """Answer tokens per policy version that sampled them."""
+    assembly_seconds: float = 0.0
+    """Packing the batch and assembling its experience (not the object store's reads and writes); logged as
+    compute/assembly_seconds."""
 
 
 @dataclass
@@ -125,9 +128,7 @@ class ExperienceWorker:
 
     def experience(self, batch: RolloutBatch, roles: RoleOutputs, scored_at: int = 0, keep_samples: int = 0,
                    sampled_metrics: dict[str, float] | None = None) -> Assembled:
-        """What the roles gave -> the experience. The metric
-        compute/assembly_seconds: packing the batch and assembling its experience (not the object store's reads
-        and writes). `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
+        """What the roles gave -> the experience. `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
         mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*).
         `sampled_metrics`: the rollout metrics dynamic sampling took over every sampled answer (KeptGroups.metrics),
         reported instead of the kept rows' own."""
@@ -159,9 +160,9 @@ class ExperienceWorker:
         metrics["generate/multi_version_answers"] = (  # answers a weight update reached mid-generation
             ((batch.token_version.masked_fill(batch.action_mask == 0, -1).amax(-1) > batch.version).float().mean()
              .item()))
-        metrics["compute/assembly_seconds"] = self.packing_seconds + time.perf_counter() - start
         return Assembled(ray.put(assembled), len(assembled), metrics, samples,
-                         {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))})
+                         {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))},
+                         assembly_seconds=self.packing_seconds + time.perf_counter() - start)
 
 
 def mismatch_by_age(batch: RolloutBatch, learner_logp: torch.Tensor, scored_at: int) -> dict[str, float]:

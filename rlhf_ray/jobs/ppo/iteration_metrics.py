@@ -17,8 +17,8 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
     put, minibatches = taken.put, taken.minibatches
     rollout, assembled = put.rollout, put.scored.experience
     roles = {f"compute/{role}_seconds": seconds for role, seconds in put.scored.role_seconds.items()}
-    experience_compute = max(roles.values()) + assembled.metrics["compute/assembly_seconds"]  # the roles run at once
-    line = {**assembled.metrics, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
+    experience_compute = max(roles.values()) + assembled.assembly_seconds  # the roles run at once
+    line = {**assembled.metrics, "compute/assembly_seconds": assembled.assembly_seconds, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
             **minibatches.stats,
             "compute/experience_seconds": experience_compute, "time/experience": put.seconds,
             "time/engine_generate": rollout.engine_seconds, "time/engine_busy": rollout.engine_busy_seconds,
