@@ -43,8 +43,10 @@ class Minibatches:
     """The experience rows of each mini-batch, epoch after epoch."""
     meta: ExperienceMeta
     staleness: int
+    entries: int = 0
+    """Entries the buffer holds after this take (saves the trainer a round trip)."""
     stats: dict[str, float] = field(default_factory=dict)
-    """The buffer's metrics after this take (saves the trainer a round trip)."""
+    """The buffer's metrics after this take, for the log."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,7 @@ class ReplayBuffer:
             self.last_staleness = self.learner_version - meta.version
             rows = minibatch_rows(meta.samples, train_batch_size, epochs, stable_seed(seed, "ppo", meta.rollout_index),
                                   group_size)
-            return Minibatches(refs, rows, meta, self.last_staleness, self.stats())
+            return Minibatches(refs, rows, meta, self.last_staleness, len(self.entries), self.stats())
         return None
 
     def stats(self) -> dict[str, float]:

@@ -191,7 +191,7 @@ class RolloutFeed:
             self.held = 0
             self.puts.clear()
             return None
-        self.held = minibatches.stats["buffer/entries"]
+        self.held = minibatches.entries
         self.updates, self.last_taken = self.updates + 1, minibatches.meta.rollout_index
         for index in [i for i in self.puts if i < minibatches.meta.rollout_index]:
             self.puts.pop(index)
