@@ -12,7 +12,8 @@ import pytest
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
-from rlhf_ray.actors.group import ActorCallTimeout, ActorDiedError, ActorGroup, RemoteCallError  # noqa: E402
+from rlhf_ray.actors.group import (ActorCallTimeout, ActorDiedError, ActorGroup, RemoteCallError, Slots,  # noqa: E402
+                                   Timeouts)
 from rlhf_ray.cluster import ClusterTooSmall, PlacementTimeout, connect, local_nodes, place, remove  # noqa: E402
 from rlhf_ray.config.placement import ClusterSpec, PlacementSpec  # noqa: E402
 from rlhf_ray.plan import ResourcePlan  # noqa: E402
@@ -67,9 +68,9 @@ def echo(cluster):
     plan = ResourcePlan.from_roles({"echo": PlacementSpec(replicas=2, num_cpus=0.5)})
     pgs = place(plan, cluster.nodes(), timeout_s=30)
     placement, bundles = plan.role_slots("echo")
-    group = ActorGroup(Echo, "echo", 2, placement_group=pgs[placement], bundle_indices=bundles, num_cpus=0.5,
-                       kwargs={"greeting": "hello"}, call_timeout_s=30, start_timeout_s=60,
-                       env_vars={"RLHF_RAY_TEST_VAR": "42"})
+    group = ActorGroup(Echo, "echo", 2, Slots(0.5, placement_group=pgs[placement], bundle_indices=bundles,
+                                              env_vars={"RLHF_RAY_TEST_VAR": "42"}),
+                       kwargs={"greeting": "hello"}, timeouts=Timeouts(call_s=30, start_s=60))
     group.wait_ready()
     yield group
     group.kill()
@@ -77,7 +78,7 @@ def echo(cluster):
 
 
 def small_group(cls, role: str, replicas: int = 1) -> ActorGroup:
-    return ActorGroup(cls, role, replicas, num_cpus=0.25, call_timeout_s=30, start_timeout_s=60)
+    return ActorGroup(cls, role, replicas, Slots(0.25), timeouts=Timeouts(call_s=30, start_s=60))
 
 
 def test_embedded_cluster_is_local_and_loopback(cluster):
@@ -122,8 +123,8 @@ def test_jobs_sharing_a_cluster_name_their_actors_and_placement_groups_apart(ech
         with job_names(job_tag("sft", "/runs/shared-out/")) as tag:
             plan = ResourcePlan.from_roles({"echo": PlacementSpec(replicas=1, num_cpus=0.25)})
             pgs = place(plan, cluster.nodes(), timeout_s=30)
-            group = ActorGroup(Echo, "echo", 1, placement_group=pgs["echo"], num_cpus=0.25, call_timeout_s=30,
-                               start_timeout_s=5)
+            group = ActorGroup(Echo, "echo", 1, Slots(0.25, placement_group=pgs["echo"]),
+                               timeouts=Timeouts(call_s=30, start_s=5))
             runs.append((tag, pgs, group))
     try:
         (a, pgs_a, group_a), (b, pgs_b, group_b) = runs

@@ -16,7 +16,7 @@ from rlhf_ray import cluster
 from rlhf_ray.actors.actor_logs import actor_logs
 from rlhf_ray.actors.engine import engine_env
 from rlhf_ray.actors.generator import GenerationWorker
-from rlhf_ray.actors.group import ActorGroup
+from rlhf_ray.actors.group import ActorGroup, Slots, Timeouts
 from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
@@ -38,11 +38,11 @@ def engine(request, sft_model, tmp_path_factory):
         "sampling": {"max_new_tokens": MAX_NEW, "n_samples_per_prompt": N, "temperature": TEMPERATURE}})
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)), actor_logs(tmp_path_factory.mktemp("logs")):
-        group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=1,
+        group = ActorGroup(GenerationWorker, "generation", 1, Slots(1, env_vars=engine_env(name, spec, 2)),
                            kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
                                        generation=spec.model_dump(), engine=name,
                                        tokens=TokenConventions.from_tokenizer(tokenizer, sft_model)),
-                           env_vars=engine_env(name, spec, 2), call_timeout_s=300).wait_ready(300)
+                           timeouts=Timeouts(call_s=300)).wait_ready(300)
         assert group.call("engine_name") == [name]
         yield group, tokenizer
         group.kill()

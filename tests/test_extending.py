@@ -99,7 +99,7 @@ def test_an_engine_named_by_its_module_serves_a_generation_worker(sft_model, tmp
     from transformers import AutoTokenizer
 
     from rlhf_ray.actors.generator import GenerationWorker
-    from rlhf_ray.actors.group import ActorGroup
+    from rlhf_ray.actors.group import ActorGroup, Slots, Timeouts
     from rlhf_ray.config.generation import GenerationSpec
     from rlhf_ray.config.model import ModelSpec
     from rlhf_ray.data.tokens import TokenConventions
@@ -109,11 +109,11 @@ def test_an_engine_named_by_its_module_serves_a_generation_worker(sft_model, tmp
     with pytest.raises(ValueError, match="no module 'tests.nowhere' can be imported here"):
         GenerationSpec(engine="tests.nowhere:X")
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
-    group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=1,
+    group = ActorGroup(GenerationWorker, "generation", 1, Slots(1),
                        kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
                                    generation=spec.model_dump(), engine=engine,
                                    tokens=TokenConventions.from_tokenizer(tokenizer, sft_model)),
-                       call_timeout_s=300).wait_ready(300)
+                       timeouts=Timeouts(call_s=300)).wait_ready(300)
     try:
         assert group.call("engine_name") == ["timed-hf"]
         prompts = [tokenizer(" Human: Sort 3 1 2 Assistant:")["input_ids"]]

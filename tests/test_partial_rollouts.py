@@ -68,7 +68,7 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
 
     from rlhf_ray.actors.engine import engine_env
     from rlhf_ray.actors.generator import GenerationWorker
-    from rlhf_ray.actors.group import ActorGroup
+    from rlhf_ray.actors.group import ActorGroup, Slots, Thread, Timeouts
     from rlhf_ray.actors.pool import WEIGHT_CALLS
     from rlhf_ray.algorithms.logprobs import answer_logprobs
     from rlhf_ray.config.generation import GenerationSpec
@@ -83,12 +83,11 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
     prompts = [tokenizer(t)["input_ids"] for t in (" Human: Sort 3 1 2 Assistant:", " Human: Sort 9 4 Assistant:")]
 
     def start(name: str, env: dict) -> ActorGroup:
-        return ActorGroup(GenerationWorker, name, 1, num_cpus=0.5,
+        return ActorGroup(GenerationWorker, name, 1, Slots(0.5, env_vars={**engine_env(engine, spec, 1), **env}),
                           kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
                                       generation=spec.model_dump(), engine=engine,
                                       tokens=TokenConventions.from_tokenizer(tokenizer, sft_model)),
-                          env_vars={**engine_env(engine, spec, 1), **env}, call_timeout_s=300,
-                          threads={"weights": list(WEIGHT_CALLS)})
+                          timeouts=Timeouts(call_s=300), threads={"weights": Thread(WEIGHT_CALLS)})
 
     plain, held = start("plain", {}), start("held", {HOLD_ENV: str(HOLD)})
     try:

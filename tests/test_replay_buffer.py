@@ -77,11 +77,11 @@ def test_a_take_plans_whole_groups():
 @pytest.mark.system
 def test_buffer_actor_hands_out_references_not_payloads():
     from rlhf_ray import cluster
-    from rlhf_ray.actors.group import ActorGroup
+    from rlhf_ray.actors.group import ActorGroup, Slots
     from rlhf_ray.config.placement import ClusterSpec
 
     with cluster.connect(ClusterSpec(num_cpus=1, dashboard=False)):
-        group = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
+        group = ActorGroup(ReplayBuffer, "replay-buffer", 1, Slots(0),
                            kwargs={"capacity": 2, "max_staleness": 1}).wait_ready(60)
         payload = {"x": torch.arange(6)}
         ref = ray.put(payload)

@@ -20,13 +20,13 @@ pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one 
 
 
 def _sharded_group(cls, **kwargs):
-    from rlhf_ray.actors.group import ActorGroup
+    from rlhf_ray.actors.group import ActorGroup, Slots, Timeouts
     from rlhf_ray.config.placement import PlacementSpec
     from rlhf_ray.distributed import actor_env
     from rlhf_ray.learners.learner_group import rendezvous
 
-    group = ActorGroup(cls, cls.__name__.lower(), 2, num_cpus=0.5, kwargs={**kwargs, "sharded": True},
-                       env_vars=actor_env(PlacementSpec(num_cpus=0.5)), call_timeout_s=300)
+    group = ActorGroup(cls, cls.__name__.lower(), 2, Slots(0.5, env_vars=actor_env(PlacementSpec(num_cpus=0.5))),
+                       kwargs={**kwargs, "sharded": True}, timeouts=Timeouts(call_s=300))
     return group, group.call("setup", *rendezvous(group, 120), 300.0, timeout=300)
 
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_ray import cluster
 from rlhf_ray.actors.engine import engine_env
 from rlhf_ray.actors.generator import GenerationWorker
-from rlhf_ray.actors.group import ActorGroup, RestartBudget
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, Slots, Timeouts
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
@@ -86,11 +86,11 @@ def test_tensor_parallel_workers_copy_only_their_shards(small_model):
 
     before = left_outside()
     with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
-        group = ActorGroup(GenerationWorker, "generation", 1, num_cpus=2,
+        group = ActorGroup(GenerationWorker, "generation", 1, Slots(2, env_vars=engine_env("vllm", spec, 2)),
                            kwargs=dict(model=ModelSpec(path=str(small_model), dtype="fp32").model_dump(),
                                        generation=spec.model_dump(), engine="vllm",
                                        tokens=TokenConventions.from_tokenizer(tokenizer, small_model)),
-                           env_vars=engine_env("vllm", spec, 2), call_timeout_s=300).wait_ready(300)
+                           timeouts=Timeouts(call_s=300)).wait_ready(300)
         try:
             engine = group.actors[0]
             actor_pid = ray.get(engine.__ray_call__.remote(lambda worker: __import__("os").getpid()))

@@ -14,6 +14,8 @@ import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -127,6 +129,61 @@ def gather(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: st
     return [results[r] for r in refs]
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Where each actor of a group goes and what it is given: Ray's resources, the placement group and each rank's
+    bundle in it (none: anywhere Ray finds room), environment variables and any other Ray options (e.g. a node
+    affinity)."""
+
+    num_cpus: float = 1
+    num_gpus: float = 0
+    placement_group: Any = None
+    bundle_indices: Sequence[int] | None = None
+    """Rank i's bundle; with a placement group and none given, rank i takes bundle i."""
+    env_vars: dict[str, str] | None = None
+    ray_options: dict | None = None
+
+    @classmethod
+    def of(cls, placement, placement_group: Any = None, bundle_indices: Sequence[int] | None = None,
+           env_vars: dict[str, str] | None = None) -> "Slots":
+        """A role's slots from its PlacementSpec (CPUs and GPUs per replica)."""
+        return cls(placement.num_cpus, placement.num_gpus, placement_group, bundle_indices, env_vars)
+
+    def for_replicas(self, role: str, replicas: int) -> "Slots":
+        """These slots, checked against `replicas` and with every rank's bundle named."""
+        if self.placement_group is None:
+            if self.bundle_indices is not None:
+                raise ValueError(f"{role}: bundle_indices given without a placement_group")
+            return self
+        bundles = list(range(replicas)) if self.bundle_indices is None else list(self.bundle_indices)
+        if len(bundles) != replicas:
+            raise ValueError(f"{role}: {replicas} replicas but {len(bundles)} bundle indices")
+        return dataclasses.replace(self, bundle_indices=bundles)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a group's actors may take to start and to answer a call (cluster.startup_timeout_s and
+    cluster.call_timeout_s in a job) before they are reported by name."""
+
+    call_s: float = 1800
+    start_s: float = 300
+
+    @classmethod
+    def of(cls, cluster) -> "Timeouts":
+        """A job's: its ClusterSpec's call_timeout_s and startup_timeout_s."""
+        return cls(cluster.call_timeout_s, cluster.startup_timeout_s)
+
+
+@dataclass(frozen=True)
+class Thread:
+    """Methods that run in a thread of their own (a Ray concurrency group), `at_once` calls at a time, beside the
+    actor's other calls."""
+
+    methods: tuple[str, ...]
+    at_once: int = 1
+
+
 class ActorGroup:
     """`replicas` actors of one class, named `{role}-{rank}`, replica i on bundle `bundle_indices[i]`.
 
@@ -134,42 +191,28 @@ class ActorGroup:
     `world_size` (besides `args`/`kwargs`), so every role knows its place in the group without a setup call.
     """
 
-    def __init__(self, actor_cls: type, role: str, replicas: int, *, placement_group=None,
-                 bundle_indices: list[int] | None = None, num_cpus: float = 1, num_gpus: float = 0,
-                 args: tuple = (), kwargs: dict | None = None, call_timeout_s: float = 1800,
-                 start_timeout_s: float = 300, env_vars: dict[str, str] | None = None,
-                 ray_options: dict | None = None, threads: dict[str, list[str]] | None = None,
-                 concurrent: dict[str, int] | None = None):
+    def __init__(self, actor_cls: type, role: str, replicas: int, slots: Slots = Slots(), *, args: tuple = (),
+                 kwargs: dict | None = None, timeouts: Timeouts = Timeouts(), threads: dict[str, Thread] | None = None):
         if replicas < 1:
             raise ValueError(f"{role}: replicas must be >= 1, got {replicas}")
-        if placement_group is None and bundle_indices is not None:
-            raise ValueError(f"{role}: bundle_indices given without a placement_group")
-        if placement_group is not None:
-            bundle_indices = list(range(replicas)) if bundle_indices is None else list(bundle_indices)
-            if len(bundle_indices) != replicas:
-                raise ValueError(f"{role}: {replicas} replicas but {len(bundle_indices)} bundle indices")
-        self.actor_cls = actor_cls
-        self.role = role
-        self.call_timeout_s = call_timeout_s
-        self.start_timeout_s = start_timeout_s
+        slots = slots.for_replicas(role, replicas)
+        self.actor_cls, self.role = actor_cls, role
+        self.call_timeout_s, self.start_timeout_s = timeouts.call_s, timeouts.start_s
         self.names = [f"{role}-{rank}" for rank in range(replicas)]
         self.ray_names = [ray_name(name) for name in self.names]
         """The names on the cluster (and the dashboard): the job's tag first, when it runs within job_names."""
-        self.thread_of = {method: name for name, methods in (threads or {}).items() for method in methods}
-        """Methods that run in a thread of their own (a Ray concurrency group, one call at a time unless
-        `concurrent` gives the group more), beside the actor's other calls: `threads` maps the thread's name to its
-        methods."""
+        self.thread_of = {method: name for name, thread in (threads or {}).items() for method in thread.methods}
+        """Methods that run in a thread of their own (a Ray concurrency group), beside the actor's other calls."""
         logged = logging_to_file(actor_cls)
-        self._remote_cls = (ray.remote(concurrency_groups={name: (concurrent or {}).get(name, 1) for name in threads})
-                            (logged) if threads else ray.remote(logged))
+        self._remote_cls = (ray.remote(concurrency_groups={name: t.at_once for name, t in threads.items()})(logged)
+                            if threads else ray.remote(logged))
         self.log_files = [log_file(name) for name in self.names]
         """Where each actor's output goes (actors/actor_logs.py); None: Ray's worker logs."""
-        self._spawn_args = (args, kwargs or {}, num_cpus, num_gpus, placement_group, bundle_indices, env_vars,
-                            ray_options or {})
+        self.slots, self._args, self._kwargs = slots, args, kwargs or {}
         self.actors: list = []
         try:
             for rank in range(replicas):
-                self.actors.append(self._spawn_named(rank, start_timeout_s))
+                self.actors.append(self._spawn_named(rank, self.start_timeout_s))
         except Exception:
             self.kill()
             raise
@@ -188,16 +231,17 @@ class ActorGroup:
                 time.sleep(0.2)
 
     def _spawn(self, rank: int):
-        args, kwargs, num_cpus, num_gpus, placement_group, bundle_indices, env_vars, ray_options = self._spawn_args
-        opts: dict[str, Any] = {"name": self.ray_names[rank], "num_cpus": num_cpus, "num_gpus": num_gpus, **ray_options}
-        if placement_group is not None:
+        slots = self.slots
+        opts: dict[str, Any] = {"name": self.ray_names[rank], "num_cpus": slots.num_cpus, "num_gpus": slots.num_gpus,
+                                **(slots.ray_options or {})}
+        if slots.placement_group is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=bundle_indices[rank],
+                slots.placement_group, placement_group_bundle_index=slots.bundle_indices[rank],
                 placement_group_capture_child_tasks=True)
-        if env_vars:
-            opts["runtime_env"] = {"env_vars": dict(env_vars)}
-        return self._remote_cls.options(**opts).remote(*args, rank=rank, world_size=len(self.names),
-                                                       log_file=self.log_files[rank], **kwargs)
+        if slots.env_vars:
+            opts["runtime_env"] = {"env_vars": dict(slots.env_vars)}
+        return self._remote_cls.options(**opts).remote(*self._args, rank=rank, world_size=len(self.names),
+                                                       log_file=self.log_files[rank], **self._kwargs)
 
     def replace(self, rank: int, timeout: float | None = None) -> None:
         """Start a fresh replica `rank` on the same bundle, under the same name (the old one is killed first if it

@@ -16,7 +16,7 @@ import ray
 from rlhf_ray.actors.engine import RolloutSample, engine_env
 from rlhf_ray.models.support import resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker, Loaded, RolloutPart
-from rlhf_ray.actors.group import ActorGroup, RestartBudget, gather, resilient_gather
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, Slots, Thread, Timeouts, gather, resilient_gather
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.data.split import stable_seed
 from rlhf_ray.data.tokens import TokenConventions
@@ -111,14 +111,14 @@ class GenerationPool:
         engine, reason = resolve_engine(spec, job.policy.model)
         log.info("generation engine: %s (%s)", engine, reason)
         placement = spec.placement
-        group = ActorGroup(GenerationWorker, "generation", placement.replicas, placement_group=placement_group,
-                           bundle_indices=bundle_indices, num_cpus=placement.num_cpus, num_gpus=placement.num_gpus,
+        group = ActorGroup(GenerationWorker, "generation", placement.replicas,
+                           Slots.of(placement, placement_group, bundle_indices,
+                                    env_vars=engine_env(engine, spec, threads(placement))),
                            kwargs={"model": job.policy.model.model_dump(), "generation": spec.model_dump(),
                                    "engine": engine, "tokens": tokens, "max_staleness": job.ppo.max_staleness},
-                           call_timeout_s=job.cluster.call_timeout_s, start_timeout_s=job.cluster.startup_timeout_s,
-                           env_vars=engine_env(engine, spec, threads(placement)),
-                           threads={"weights": list(WEIGHT_CALLS), "rollouts": ["rollout"]}
-                           if spec.partial_rollouts else None, concurrent={"rollouts": ROLLOUTS_AT_ONCE})
+                           timeouts=Timeouts.of(job.cluster),
+                           threads={"weights": Thread(WEIGHT_CALLS),
+                                    "rollouts": Thread(("rollout",), ROLLOUTS_AT_ONCE)} if spec.partial_rollouts else None)
         if wait:
             group.wait_ready(job.cluster.startup_timeout_s)
         return cls(group, engine, budget or RestartBudget(job.cluster.max_actor_restarts))

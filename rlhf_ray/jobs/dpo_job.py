@@ -22,7 +22,7 @@ import ray
 import torch
 from tqdm import tqdm
 
-from rlhf_ray.actors.group import ActorGroup, RestartBudget, resilient_gather
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, Slots, Timeouts, resilient_gather
 from rlhf_ray.actors.scoring import ReferenceWorker
 from rlhf_ray.algorithms.dpo_loss import pack_pairs, pair_sequence_logps
 from rlhf_ray.algorithms.experience import row_bounds, row_slices
@@ -51,12 +51,10 @@ class ReferenceScores:
         ref = job.dpo.reference
         placement, bundles = plan.role_slots("reference")
         self.group = ActorGroup(ReferenceWorker, "reference", ref.placement.replicas,
-                                placement_group=placements[placement], bundle_indices=bundles,
-                                num_cpus=ref.placement.num_cpus, num_gpus=ref.placement.num_gpus,
+                                Slots.of(ref.placement, placements[placement], bundles, actor_env(ref.placement)),
                                 kwargs={"model": job.reference_model.model_dump(), "temperature": 1.0,
                                         "micro_batch_size": 2 * ref.micro_batch_size},
-                                call_timeout_s=job.cluster.call_timeout_s,
-                                start_timeout_s=job.cluster.startup_timeout_s, env_vars=actor_env(ref.placement))
+                                timeouts=Timeouts.of(job.cluster))
         self.budget = RestartBudget(job.cluster.max_actor_restarts)
         self.pad_id = pad_id
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlhf_ray.actors.group import ActorGroup, gather
+from rlhf_ray.actors.group import ActorGroup, Slots, Timeouts, gather
 from rlhf_ray.config.placement import ClusterSpec, PlacementSpec
 from rlhf_ray.distributed import actor_env
 
@@ -17,10 +17,9 @@ def start_learner_group(cls: type, role: str, placement: PlacementSpec, placemen
 def spawn_learner_group(cls: type, role: str, placement: PlacementSpec, placement_group, bundle_indices: list[int],
                         cluster: ClusterSpec, **kwargs) -> ActorGroup:
     """The ranks' processes, started without waiting for them (so several roles start at once)."""
-    return ActorGroup(cls, role, placement.replicas, placement_group=placement_group, bundle_indices=bundle_indices,
-                      num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
-                      call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
-                      env_vars=actor_env(placement))
+    return ActorGroup(cls, role, placement.replicas,
+                      Slots.of(placement, placement_group, bundle_indices, actor_env(placement)), kwargs=kwargs,
+                      timeouts=Timeouts.of(cluster))
 
 
 def setup_learner_group(group: ActorGroup, cluster: ClusterSpec, total_steps: int) -> ActorGroup:

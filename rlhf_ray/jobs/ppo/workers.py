@@ -17,7 +17,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf_ray.actors.http_reward import credentials
 from rlhf_ray.actors.experience_worker import ExperienceWorker
-from rlhf_ray.actors.group import ActorGroup, RestartBudget
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, Slots, Timeouts
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
@@ -114,16 +114,15 @@ class RoleWorkers:
         # The assembler owns every experience object and the buffer holds their references: both live on the
         # driver's node, which goes only with the driver. Placed anywhere, a lost worker node would take them
         # and the experience with them (the learners' fetch then fails with OwnerDiedError).
-        on_driver_node = {"scheduling_strategy": NodeAffinitySchedulingStrategy(
-            ray.get_runtime_context().get_node_id(), soft=False)}
-        self.assembler = ActorGroup(ExperienceWorker, "experience", 1, num_cpus=0,
+        on_driver_node = Slots(num_cpus=0, ray_options={"scheduling_strategy": NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)})
+        timeouts = Timeouts(call_s=cluster.call_timeout_s)
+        self.assembler = ActorGroup(ExperienceWorker, "experience", 1, on_driver_node, timeouts=timeouts,
                                     kwargs={"ppo": ppo.model_dump(), "pad_token_id": pad,
                                             "group_size": job.generation.sampling.n_samples_per_prompt,
-                                            "max_answer_tokens": job.generation.sampling.max_new_tokens},
-                                    call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
-        self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, num_cpus=0,
-                                 kwargs={"capacity": ppo.buffer_capacity, "max_staleness": ppo.max_staleness},
-                                 call_timeout_s=cluster.call_timeout_s, ray_options=on_driver_node)
+                                            "max_answer_tokens": job.generation.sampling.max_new_tokens})
+        self.buffer = ActorGroup(ReplayBuffer, "replay-buffer", 1, on_driver_node, timeouts=timeouts,
+                                 kwargs={"capacity": ppo.buffer_capacity, "max_staleness": ppo.max_staleness})
         setup_learner_group(self.policy, cluster, (ppo.iterations - ppo.critic_warmup) * steps_per_iteration)
         if self.critic is not None:
             setup_learner_group(self.critic, cluster, ppo.iterations * steps_per_iteration)
@@ -167,11 +166,8 @@ class RoleWorkers:
 
     def _inference_group(self, cls, role, placement, slot, **kwargs) -> ActorGroup:
         """The role's replicas, started; the caller waits for them."""
-        cluster = self.job.cluster
-        return ActorGroup(cls, role, placement.replicas, placement_group=slot[0], bundle_indices=slot[1],
-                          num_cpus=placement.num_cpus, num_gpus=placement.num_gpus, kwargs=kwargs,
-                          call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.startup_timeout_s,
-                          env_vars=actor_env(placement))
+        return ActorGroup(cls, role, placement.replicas, Slots.of(placement, *slot, actor_env(placement)),
+                          kwargs=kwargs, timeouts=Timeouts.of(self.job.cluster))
 
     def peak_memory(self) -> dict[str, int]:
         """Each role's peak bytes (its largest replica) above what its processes held before their models: what the
