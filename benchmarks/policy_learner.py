@@ -67,14 +67,14 @@ def policy_learner(model_dir: Path, dtype: str = "fp32"):
     from rlhf_ray.config.model import ModelSpec
     from rlhf_ray.config.optim import OptimizerSpec
     from rlhf_ray.learners.deepspeed_setup import build_deepspeed
+    from rlhf_ray.algorithms.losses import PolicyLoss
     from rlhf_ray.learners.policy import PolicyLearner
 
     spec, ds = ModelSpec(path=str(model_dir), dtype=dtype), DeepSpeedSpec(zero_stage=0)
     optim = OptimizerSpec(lr=5e-6, warmup_steps=0, weight_decay=0.0)  # the recipe's policy optimizer
     learner = PolicyLearner(rank=0, world_size=1, model=spec.model_dump(), optim=optim.model_dump(),
                             deepspeed=ds.model_dump(), micro_batch_size=MINI_BATCH, seed=0, temperature=1.0,
-                            pad_token_id=0, clip_ratio=0.2, dual_clip=None, train_batch_size=MINI_BATCH,
-                            kl_loss_coef=0.04)
+                            pad_token_id=0, loss=PolicyLoss(kl_coef=0.04), train_batch_size=MINI_BATCH)
     learner.deepspeed, learner.scheduler = build_deepspeed(learner.build_model(), spec, optim, ds, MINI_BATCH, 1,
                                                            100)
     experience = synthetic_experience(learner.deepspeed.module.config.vocab_size)

@@ -116,7 +116,7 @@ def trainer_on(job, plan, placements, tokenizer, data, tokens=None):
     from rlhf_ray.data.tokens import TokenConventions
     from rlhf_ray.jobs.checkpoints import Checkpoints
     from rlhf_ray.jobs.metrics import MetricsLogger
-    from rlhf_ray.jobs.ppo.trainer import PPOTrainer
+    from rlhf_ray.jobs.ppo.trainer import Attempt, PPOTrainer
     from rlhf_ray.jobs.ppo.workers import RoleWorkers
 
     tokens = tokens or TokenConventions.from_tokenizer(tokenizer, job.policy.model.path)
@@ -124,8 +124,8 @@ def trainer_on(job, plan, placements, tokenizer, data, tokens=None):
     metrics = MetricsLogger(job.output_dir, job.logging, run_name="test")
     try:
         workers = RoleWorkers(job, plan, placements, tokenizer, tokens)
-        yield PPOTrainer(job, workers, data, tokenizer, metrics=metrics,
-                         checkpoints=Checkpoints(job.output_dir, job.checkpoint.keep_last))
+        yield PPOTrainer(job, workers, data, tokenizer,
+                         Attempt(metrics, Checkpoints(job.output_dir, job.checkpoint.keep_last)))
     finally:
         metrics.close()
         if workers is not None:  # named actors go before their placement groups: the next test can take the names

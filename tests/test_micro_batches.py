@@ -73,6 +73,7 @@ from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.distributed import init_process_group, listen
 from rlhf_ray.learners.critic import CriticLearner
 from rlhf_ray.learners.deepspeed_setup import build_deepspeed
+from rlhf_ray.algorithms.losses import PolicyLoss
 from rlhf_ray.learners.policy import PolicyLearner
 from rlhf_ray.models import packing
 
@@ -116,7 +117,7 @@ def run(cls, stage, budget, packed=False, **kwargs):
     after = [p.detach().clone() for p in learner.deepspeed.module.parameters()]
     return before, metrics, after, learner.step_counts
 
-for cls, kwargs in ((PolicyLearner, dict(clip_ratio=0.2, dual_clip=None, train_batch_size=8, kl_loss_coef=0.1)),
+for cls, kwargs in ((PolicyLearner, dict(loss=PolicyLoss(kl_coef=0.1), train_batch_size=8)),
                     (CriticLearner, dict(clip_value=0.2))):
     for stage in (0, 2):
         rows = run(cls, stage, None, **kwargs)

@@ -46,14 +46,15 @@ def test_a_learner_scores_on_its_scoring_threads_and_keeps_its_own_for_training(
     import torch
 
     from rlhf_ray.algorithms.batch import RolloutBatch
+    from rlhf_ray.algorithms.losses import PolicyLoss
     from rlhf_ray.learners.policy import PolicyLearner
 
     before = torch.get_num_threads()
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the learner's process threads, as its actor is started with
     try:
         learner = PolicyLearner(rank=0, world_size=1, model={"path": "unused"}, optim={}, deepspeed={},
-                                micro_batch_size=2, seed=0, temperature=1.0, pad_token_id=0, clip_ratio=0.2,
-                                dual_clip=None, train_batch_size=4, scoring_threads=1)
+                                micro_batch_size=2, seed=0, temperature=1.0, pad_token_id=0,
+                                loss=PolicyLoss(), train_batch_size=4, scoring_threads=1)
         learner.deepspeed = SimpleNamespace(eval=lambda: None, device=torch.device("cpu"))  # no model needed here
         batch = RolloutBatch(sequences=torch.ones(4, 5, dtype=torch.long), attention_mask=torch.ones(4, 5),
                              action_mask=torch.ones(4, 3), prompt_width=2)

@@ -168,6 +168,7 @@ from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.optim import OptimizerSpec
 from rlhf_ray.distributed import init_process_group, listen
 from rlhf_ray.learners.deepspeed_setup import build_deepspeed
+from rlhf_ray.algorithms.losses import PolicyLoss
 from rlhf_ray.learners.policy import PolicyLearner
 
 sock = listen("127.0.0.1")
@@ -175,7 +176,7 @@ init_process_group(0, 1, "127.0.0.1", sock.getsockname()[1], sock, 120)
 spec = ModelSpec(path="{model}", dtype="fp32")
 learner = PolicyLearner(rank=0, world_size=1, model=spec.model_dump(), optim=OptimizerSpec().model_dump(),
                         deepspeed=DeepSpeedSpec(zero_stage=0).model_dump(), micro_batch_size=2, seed=0,
-                        temperature=1.0, pad_token_id=0, clip_ratio=0.2, dual_clip=None, train_batch_size=2)
+                        temperature=1.0, pad_token_id=0, loss=PolicyLoss(), train_batch_size=2)
 learner.deepspeed, _ = build_deepspeed(learner.build_model(), spec, OptimizerSpec(), DeepSpeedSpec(zero_stage=0), 2, 1, 10)
 for size in (1, 2**14, 2**16, 2**62):
     assert learner.engine_weight_group_count(size) == sum(1 for _ in learner.engine_weight_groups(size)), size

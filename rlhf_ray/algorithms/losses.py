@@ -3,11 +3,28 @@ answer tokens of a batch unless the policy loss is told another aggregation."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from rlhf_ray.config.ppo import LossAggregation
 from rlhf_ray.algorithms.masked import masked_mean, zero_masked
 from rlhf_ray.data.tokenized import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The policy's PPO loss, as `ppo.*` sets it: the clip range (`clip_ratio`, and `clip_ratio_high` for a higher
+    upper bound), the dual clip, how token losses are averaged, the truncated importance-sampling cap, and the KL
+    term in the loss (its coefficient, 0 where the KL is in the reward instead) with its estimator."""
+
+    clip_ratio: float = 0.2
+    dual_clip: float | None = None
+    clip_ratio_high: float | None = None
+    aggregation: LossAggregation = "token_mean"
+    tis_cap: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
 
 
 def lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

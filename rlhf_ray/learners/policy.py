@@ -14,7 +14,7 @@ import torch
 
 from rlhf_ray.actors.payload import by_reference
 from rlhf_ray.algorithms.experience import logprob_gap, mismatch_kl
-from rlhf_ray.algorithms.losses import (LossAggregation, aggregated_sum, lm_loss_sum, loss_tokens, policy_token_loss,
+from rlhf_ray.algorithms.losses import (PolicyLoss, aggregated_sum, lm_loss_sum, loss_tokens, policy_token_loss,
                                        truncated_is_weights)
 from rlhf_ray.algorithms.masked import masked_mean
 from rlhf_ray.algorithms.rewards import kl_estimate
@@ -44,15 +44,12 @@ class SentWeights:
 class PolicyLearner(PPOLearnerRank):
     role = "policy"
 
-    def __init__(self, *, clip_ratio: float, dual_clip: float | None, pad_token_id: int, train_batch_size: int,
-                 clip_ratio_high: float | None = None, loss_aggregation: LossAggregation = "token_mean",
-                 tis_cap: float | None = None,
-                 kl_loss_coef: float = 0.0, kl_estimator: str = "k3", ema_beta: float | None = None,
+    def __init__(self, *, loss: PolicyLoss, pad_token_id: int, train_batch_size: int, ema_beta: float | None = None,
                  pretrain_data: list[str] | None = None, ptx_coef: float = 0.0, **kwargs):
+        """`ema_beta`: keep an EMA of the weights (ppo.ema); `pretrain_data`, `ptx_coef`: PPO-ptx's corpora and
+        coefficient; the rest: LearnerRank's and PPOLearnerRank's."""
         super().__init__(**kwargs)
-        self.clip_ratio, self.dual_clip, self.clip_ratio_high = clip_ratio, dual_clip, clip_ratio_high
-        self.loss_aggregation, self.tis_cap = loss_aggregation, tis_cap
-        self.kl_loss_coef, self.kl_estimator = kl_loss_coef, kl_estimator
+        self.loss, self.loss_aggregation = loss, loss.aggregation
         self.ema_beta, self.ema = ema_beta, None
         self.ptx_coef = ptx_coef
         self.mix = PretrainMix(pretrain_data, train_batch_size, self.seed, pad_token_id) if pretrain_data else None
@@ -93,22 +90,22 @@ class PolicyLearner(PPOLearnerRank):
             # without old log-probs in the experience this is the rollout's only update: they equal these
             old_logp = micro.old_logp if micro.old_logp is not None else logp.detach()
             mask = micro.action_mask
-            loss, stats = policy_token_loss(logp, old_logp, micro.advantages, mask, self.clip_ratio,
-                                            self.dual_clip, self.clip_ratio_high)
-            if self.tis_cap is not None:  # the samples came from the engine's distribution, not old_logp's
-                weights = truncated_is_weights(old_logp, micro.engine_logp, mask, self.tis_cap)
+            loss, stats = policy_token_loss(logp, old_logp, micro.advantages, mask, self.loss.clip_ratio,
+                                            self.loss.dual_clip, self.loss.clip_ratio_high)
+            if self.loss.tis_cap is not None:  # the samples came from the engine's distribution, not old_logp's
+                weights = truncated_is_weights(old_logp, micro.engine_logp, mask, self.loss.tis_cap)
                 loss = loss * weights
                 stats |= {"tis_weight": masked_mean(weights, mask),
-                          "tis_truncated": masked_mean((weights >= self.tis_cap).float(), mask)}
+                          "tis_truncated": masked_mean((weights >= self.loss.tis_cap).float(), mask)}
             tokens = mask.sum().item()
             extra = {}
             # the KL to the reference: in the loss with kl_in_loss, else a metric (detached: no graph kept); none
             # without a reference
             if micro.ref_logp is not None:
-                kl = kl_estimate(logp if self.kl_loss_coef else logp.detach(), micro.ref_logp, self.kl_estimator,
+                kl = kl_estimate(logp if self.loss.kl_coef else logp.detach(), micro.ref_logp, self.loss.kl_estimator,
                                  mask) * mask
-                if self.kl_loss_coef:
-                    loss = loss + self.kl_loss_coef * kl
+                if self.loss.kl_coef:
+                    loss = loss + self.loss.kl_coef * kl
                 extra["kl"] = kl.detach().sum().item()
             if micro.old_logp is None and micro.engine_logp is not None:  # the on-policy step: the pure engine gap
                 extra["engine_logprob_gap"] = logprob_gap(micro.engine_logp, logp.detach(), mask) * tokens

@@ -17,7 +17,7 @@ from rlhf_ray.envs.episode import EPISODE_COLUMNS
 from rlhf_ray.functions import RewardFunctionError, column_arguments, load_function
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.metrics import TIMELINE_FILE, MetricsLogger, write_timeline
-from rlhf_ray.jobs.ppo.trainer import PPOTrainer
+from rlhf_ray.jobs.ppo.trainer import Attempt, PPOTrainer
 from rlhf_ray.jobs.ppo.workers import RoleWorkers, learner_groups
 from rlhf_ray.jobs.preflight import check_corpora
 from rlhf_ray.jobs.restarts import learner_deaths_explained, placed_attempts
@@ -60,8 +60,8 @@ def run_ppo(job: PPOJob, stop_after: int | None = None) -> dict:
         workers = None
         try:
             workers = RoleWorkers(job, plan, placements, tokenizer, tokens)
-            trainer = PPOTrainer(job, workers, data, tokenizer, rule=rule, metrics=metrics, checkpoints=checkpoints,
-                                 stop_after=stop_after, learner_restarts=restarts, started=started)
+            attempt = Attempt(metrics, checkpoints, started, learner_restarts=restarts, stop_after=stop_after)
+            trainer = PPOTrainer(job, workers, data, tokenizer, attempt, rule)
             with learner_deaths_explained(checkpoints, learner_groups(job)):
                 return trainer.fit()
         finally:

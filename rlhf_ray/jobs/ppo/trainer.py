@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf_ray.config.jobs import EMA_MODEL_DIR, FINAL_MODEL_DIR
@@ -28,15 +29,27 @@ from rlhf_ray.jobs.progress import Progress
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class Attempt:
+    """What an attempt of the job shares with the attempts before it (after a learner died, every role restarts
+    from the newest checkpoint): where the metrics and checkpoints go, when the job started, how many times the
+    learners were restarted, and where to stop early (`stop_after`: checkpoint at that iteration and return)."""
+
+    metrics: MetricsLogger
+    checkpoints: Checkpoints
+    started: float = field(default_factory=time.time)
+    learner_restarts: int = 0
+    stop_after: int | None = None
+
+
 class PPOTrainer:
-    def __init__(self, job: PPOJob, workers: RoleWorkers, data: PhaseData, tokenizer, *, rule=None,
-                 metrics: MetricsLogger, checkpoints: Checkpoints, stop_after: int | None = None,
-                 learner_restarts: int = 0, started: float | None = None):
+    def __init__(self, job: PPOJob, workers: RoleWorkers, data: PhaseData, tokenizer, attempt: Attempt, rule=None):
+        """`rule`: the held-out accuracy check (jobs/ppo/job.py:accuracy_rule), None for none."""
         ppo = job.ppo
         self.job, self.workers, self.tokenizer = job, workers, tokenizer
-        self.metrics, self.checkpoints, self.learner_restarts = metrics, checkpoints, learner_restarts
-        self.started = started or time.time()
-        self.end = min(ppo.iterations, stop_after) if stop_after is not None else ppo.iterations
+        self.metrics, self.checkpoints = attempt.metrics, attempt.checkpoints
+        self.learner_restarts, self.started = attempt.learner_restarts, attempt.started
+        self.end = ppo.iterations if attempt.stop_after is None else min(ppo.iterations, attempt.stop_after)
         self.weights = WeightSync(job, workers)
         self.rollouts = RolloutFeed.for_job(job, workers, data.train)
         self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)

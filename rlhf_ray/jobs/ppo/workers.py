@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from rlhf_ray.actors.http_reward import credentials
 from rlhf_ray.actors.experience_worker import ExperienceWorker
 from rlhf_ray.actors.group import ActorGroup, RestartBudget, Slots, Timeouts
+from rlhf_ray.algorithms.losses import PolicyLoss
 from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.actors.scoring import ReferenceWorker, RewardWorker
@@ -89,11 +90,10 @@ class RoleWorkers:
 
         self.sharded = sharded_roles(job)
         self.policy = spawn_learner_group(PolicyLearner, "policy", job.policy.placement, *slots("policy"), cluster,
-                                          clip_ratio=ppo.clip_ratio, dual_clip=ppo.dual_clip,
-                                          clip_ratio_high=ppo.clip_ratio_high, loss_aggregation=ppo.loss_aggregation,
-                                          tis_cap=ppo.tis_cap, pad_token_id=pad, train_batch_size=job.train_batch_size,
-                                          kl_loss_coef=ppo.kl_coef if ppo.kl_in_loss else 0.0,
-                                          kl_estimator=ppo.kl_estimator,
+                                          loss=PolicyLoss(ppo.clip_ratio, ppo.dual_clip, ppo.clip_ratio_high,
+                                                          ppo.loss_aggregation, ppo.tis_cap,
+                                                          ppo.kl_coef if ppo.kl_in_loss else 0.0, ppo.kl_estimator),
+                                          pad_token_id=pad, train_batch_size=job.train_batch_size,
                                           ema_beta=ppo.ema.beta if ppo.ema.enabled else None,
                                           pretrain_data=ppo.pretrain_data, ptx_coef=ppo.ptx_coef,
                                           **_learner_kwargs(job, "policy"))
