@@ -28,10 +28,7 @@ def run_pretrain(job: PretrainJob, stop_after: int | None = None) -> dict:
     splits = [HeldOutSplit(len(c), data.heldout_fraction, data.heldout_max_samples) for c in corpora]
     train_samples = sum(s.num_train for s in splits)
     steps = total_steps(job, train_samples)
-    args = {**learner_kwargs(job, tokens.pad_id), "corpora": [c.path for c in data.corpora],
-            "weights": [c.weight for c in data.corpora], "labels": [c.label for c in data.corpora],
-            "heldout_fraction": data.heldout_fraction, "heldout_max_samples": data.heldout_max_samples,
-            "max_seq_len": data.max_seq_len}
+    args = {**learner_kwargs(job, tokens.pad_id), "data": data.model_dump()}
     result = run_learner_group(job, "pretrain", PretrainLearner, steps, stop_after, args)
     if "stopped_at_step" in result:
         return result

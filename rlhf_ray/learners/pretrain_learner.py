@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import math
 
+from rlhf_ray.config.pretrain import PretrainDataSpec
 from rlhf_ray.learners.causal_lm import CausalLMRank
 from rlhf_ray.learners.pretrain_mix import PretrainMix
 
 
 class PretrainLearner(CausalLMRank):
-    def __init__(self, *, corpora: list[str], weights: list[float], labels: list[str], heldout_fraction: float,
-                 heldout_max_samples: int, max_seq_len: int | None, global_batch_size: int, eval_batch_size: int,
-                 pad_token_id: int, **kwargs):
+    def __init__(self, *, data: dict, global_batch_size: int, eval_batch_size: int, pad_token_id: int, **kwargs):
+        """`data`: the job's PretrainDataSpec (dumped: actor arguments travel as plain data)."""
         super().__init__(**kwargs)
-        self.mix = PretrainMix(corpora, global_batch_size, self.seed, pad_token_id, weights,
-                               (heldout_fraction, heldout_max_samples), max_seq_len)
-        self.labels, self.eval_batch_size, self.pad_token_id = labels, eval_batch_size, pad_token_id
+        spec = PretrainDataSpec.model_validate(data)
+        self.mix = PretrainMix([c.path for c in spec.corpora], global_batch_size, self.seed, pad_token_id,
+                               [c.weight for c in spec.corpora], (spec.heldout_fraction, spec.heldout_max_samples),
+                               spec.max_seq_len)
+        self.labels = [c.label for c in spec.corpora]
+        self.eval_batch_size, self.pad_token_id = eval_batch_size, pad_token_id
 
     def train_step(self, step: int) -> dict:
         """Global batch `step` of the mix (a pure function of the step: resuming replays and skips nothing)."""
