@@ -41,7 +41,9 @@ def imports() -> list[tuple[str, str, str]]:
             continue
         source = parts[1]
         for node in ast.walk(ast.parse(file.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlhf_ray."):
+            if isinstance(node, ast.ImportFrom) and node.module == "rlhf_ray":  # from rlhf_ray import cluster
+                targets = [f"rlhf_ray.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlhf_ray."):
                 targets = [node.module]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names if a.name.startswith("rlhf_ray.")]
@@ -114,3 +116,9 @@ def test_no_cycles_between_files():
 
     circles = {m: path for m in sorted(edges) if (path := path_back(m))}
     assert circles == {}, "\n".join(" -> ".join(p) for p in circles.values())
+
+
+def test_imports_of_a_unit_from_the_package_count_too():
+    """`from rlhf_ray import cluster` is an import of the cluster unit (it was not seen before)."""
+    found = {(src, dst, where.split(":")[0]) for src, dst, where in imports()}
+    assert ("cluster", "orphan_guard", "rlhf_ray/cluster.py") in found
