@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import os
 import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
