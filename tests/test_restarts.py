@@ -205,6 +205,28 @@ def test_weights_lost_with_the_policy_node_during_a_sync_end_the_attempt_as_that
             weights.sync()
 
 
+def test_an_engine_replaced_after_the_policy_node_died_ends_the_attempt_as_that_ranks_death(tmp_path):
+    """Object-store sync, the node holding policy rank 0 and an engine dies: the engine is replaced first, and its
+    re-sync reads the last published buckets, whose owner (policy rank 0) died with the node. That too is the
+    policy rank's death, so the job restarts from its checkpoint (tests/test_hosts.py's lost host stopped on
+    `generation-0 failed in load_weights`, OwnerDiedError, when policy rank 0 was placed on the lost host)."""
+    from types import SimpleNamespace
+
+    from rlhf_ray.jobs.ppo.weight_sync import WeightSync
+
+    class Pool:
+        on_replaced = None
+
+        def resync(self, rank):
+            raise lost_with_node()
+
+    weights = object.__new__(WeightSync)
+    weights.workers = SimpleNamespace(policy=SimpleNamespace(names=["policy-0"]), pool=Pool())
+    with pytest.raises(LearnerRankDied, match="policy-0 died.*publish_weights"):
+        with learner_deaths_explained(Checkpoints(tmp_path, keep_last=1), ("policy", "critic")):
+            weights._resync_published(0)
+
+
 def test_the_end_of_a_job_kills_engines_that_cannot_shut_down():
     """GenerationPool.close: the engines are asked to release what they hold outside their processes; a hung or dead
     one fails the call, and every engine is killed all the same."""

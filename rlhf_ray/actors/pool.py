@@ -99,7 +99,7 @@ class GenerationPool:
     def __init__(self, group: ActorGroup, engine: str, budget: RestartBudget):
         self.group, self.engine, self.budget = group, engine, budget
         self.weights: tuple[list, int] | None = None  # (bucket refs, version) of the last broadcast
-        self.on_replaced = self._resync
+        self.on_replaced = self.resync
         """Brings a replacement engine to the current weights; the collective and ipc transports set their own."""
 
     @classmethod
@@ -128,7 +128,7 @@ class GenerationPool:
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
         return bounds, [(prompts[bounds[i]: bounds[i + 1]], stable_seed(seed, "engine", i), greedy) for i in range(k)]
 
-    def _resync(self, rank: int) -> None:
+    def resync(self, rank: int) -> None:
         """A replacement engine starts from the model files (version 0); bring it to the current version."""
         if self.weights is not None:
             refs, version = self.weights

@@ -5,6 +5,7 @@ memory on a node's CPUs, CUDA IPC on one GPU), a broadcast over a process group 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -101,6 +102,8 @@ class WeightSync:
             workers.pool.on_replaced = self._rejoin
         elif self.transport == "ipc":
             workers.pool.on_replaced = self._hand_off_again
+        else:
+            workers.pool.on_replaced = self._resync_published
 
     def sync(self, bump: bool = True) -> SyncResult:
         """Policy weights -> every engine, bucket by bucket; the policy version goes up by one (unless `bump` is
@@ -121,14 +124,8 @@ class WeightSync:
             return SyncResult(self.version, float(sent.bytes), seconds, seconds, sent.seconds, seconds, 0.0)
         published = policy.call("publish_weights", self.bucket_bytes, self.adapters_only)[0]
         gathered = time.perf_counter()
-        try:
+        with self._published_weights_lost():
             loaded = pool.broadcast(published.refs, self.version)
-        except Exception as err:
-            if results_lost(err):  # the buckets went with their owner, policy rank 0 (its node died meanwhile)
-                raise ActorDiedError(f"{policy.names[0]} died during `publish_weights`: the engines could not "
-                                     f"read the weights it had published ({err.cause})", policy.names[0],
-                                     "publish_weights") from err
-            raise
         return SyncResult(self.version, float(published.bytes), time.perf_counter() - start, gathered - start,
                           published.seconds, loaded.seconds, loaded.engine_seconds)
 
@@ -184,6 +181,25 @@ class WeightSync:
         seconds = time.perf_counter() - start
         return SyncResult(self.version, float(nbytes), seconds, learner_seconds, learner_seconds,
                           seconds - learner_seconds, engine_seconds)
+
+    @contextlib.contextmanager
+    def _published_weights_lost(self):
+        """Engines that cannot read the buckets policy rank 0 published: they went with their owner, whose node died
+        meanwhile. That is policy rank 0's death (the job restarts every role from its checkpoint), not the engine's
+        failure."""
+        policy = self.workers.policy.names[0]
+        try:
+            yield
+        except Exception as err:
+            if results_lost(err):
+                raise ActorDiedError(f"{policy} died during `publish_weights`: the engines could not read the weights "
+                                     f"it had published ({err.cause})", policy, "publish_weights") from err
+            raise
+
+    def _resync_published(self, rank: int) -> None:
+        """object_store: a replacement engine loads the last published weights, if their owner still lives."""
+        with self._published_weights_lost():
+            self.workers.pool.resync(rank)
 
     def _hand_off_again(self, rank: int) -> None:
         """ipc: a replacement engine gets the current weights (after the handoff in progress, if there is one)."""
