@@ -187,11 +187,11 @@ class WeightSync:
         """Engines that cannot read the buckets policy rank 0 published: they went with their owner, whose node died
         meanwhile. That is policy rank 0's death (the job restarts every role from its checkpoint), not the engine's
         failure."""
-        policy = self.workers.policy.names[0]
         try:
             yield
         except Exception as err:
             if results_lost(err):
+                policy = self.workers.policy.names[0]
                 raise ActorDiedError(f"{policy} died during `publish_weights`: the engines could not read the weights "
                                      f"it had published ({err.cause})", policy, "publish_weights") from err
             raise
