@@ -12,7 +12,7 @@ from types import SimpleNamespace
 from rlhf_ray.actors.pool import EnginesLoaded
 from rlhf_ray.buffer.replay_buffer import ReplayBuffer
 from rlhf_ray.jobs.ppo.rollouts import FeedSettings, RolloutFeed, Taken
-from rlhf_ray.actors.experience_worker import Assembled
+from rlhf_ray.actors.experience_worker import Assembled, ExperienceStats, RolloutStats
 from rlhf_ray.jobs.ppo.scoring import ResultsLost, Scored
 
 
@@ -95,7 +95,7 @@ class Workers:
 
     def advantages(self, scores: FakeRollout, scored_at: int) -> Scored:
         experience = Assembled(ref=scores.index, rows=scores.samples, samples=[], token_versions={},
-                               metrics={"rollout": scores.index})
+                               stats=experience_stats(reward_mean=float(scores.index)))  # which rollout, in metrics
         return Scored(experience, role_seconds={"reward": 0.0})
 
     def train_on(self, taken: Taken) -> None:
@@ -124,3 +124,8 @@ def take(rollouts: RolloutFeed, workers: Workers, updates_left: int) -> Taken:
             rollouts.put(index, rollout, experience, version)
         taken = rollouts.take(version)
     return taken
+
+
+def experience_stats(reward_mean: float) -> ExperienceStats:
+    """An experience's statistics with this mean reward (the rest zero)."""
+    return ExperienceStats(RolloutStats(reward_mean, 0.0, 0.0, 0.0, 1.0), multi_version_answers=0.0)

@@ -48,7 +48,7 @@ def assembled(monkeypatch, source: str, learner_logp):
     batch.ended, batch.engine_logp = torch.tensor([True, True]), engine_logp
     batch.version, batch.token_version = torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
     out = worker.experience(batch, RoleOutputs(rewards=[torch.tensor([1.0, 0.0])], old_logp=learner_logp))
-    return out.ref, out.metrics, engine_logp
+    return out.ref, out.stats.metrics(), engine_logp
 
 
 def test_the_experience_carries_the_engine_log_probs_as_old_ones(monkeypatch):
@@ -59,3 +59,18 @@ def test_the_experience_carries_the_engine_log_probs_as_old_ones(monkeypatch):
     experience, metrics, _ = assembled(monkeypatch, "policy", [learner])
     torch.testing.assert_close(experience.old_logp, learner)  # the policy's forward, as before
     assert metrics["generate/logprob_gap"] == pytest.approx(0.1)
+
+
+def test_kl_and_the_engine_gap_come_from_the_policys_training_forward_only_where_scoring_measured_none():
+    """Without old log-probs from the policy (or with the KL in the loss) scoring measures neither; the policy's
+    training forward does, and the line reports its values under the same names."""
+    from rlhf_ray.actors.experience_worker import ExperienceStats, RolloutStats
+
+    rollout = RolloutStats(0.5, 0.1, 12.0, 0.0, 1.0)
+    policy = {"loss": 0.3, "kl": 0.02, "engine_logprob_gap": 0.1, "engine_mismatch_kl": 0.004}
+    line = ExperienceStats(rollout, 0.0).measured_in_training(policy).metrics()
+    assert (line["kl/mean"], line["generate/logprob_gap"], line["generate/mismatch_kl"]) == (0.02, 0.1, 0.004)
+    line = ExperienceStats(rollout, 0.0, kl=0.5, logprob_gap=0.2, mismatch_kl=0.01).measured_in_training(policy).metrics()
+    assert (line["kl/mean"], line["generate/logprob_gap"], line["generate/mismatch_kl"]) == (0.5, 0.2, 0.01)
+    line = ExperienceStats(rollout, 0.0).measured_in_training(None).metrics()  # the critic's warm-up
+    assert not {"kl/mean", "generate/logprob_gap", "generate/mismatch_kl", "loss"} & line.keys()

@@ -276,7 +276,7 @@ def test_the_engine_learner_mismatch_is_reported_by_the_age_of_each_tokens_sampl
     """Answer tokens sampled 0, 1 and 2 versions before the learner that scored them: each age's mismatch is the
     KL over its own tokens only (the old weights' drift adds to the numeric gap), and an age without tokens is
     not reported."""
-    from rlhf_ray.actors.experience_worker import mismatch_by_age
+    from rlhf_ray.actors.experience_worker import mismatch_by_age as by_age
     from rlhf_ray.algorithms.batch import RolloutBatch
     from rlhf_ray.algorithms.experience import mismatch_kl
 
@@ -286,6 +286,10 @@ def test_the_engine_learner_mismatch_is_reported_by_the_age_of_each_tokens_sampl
     learner = engine + torch.tensor([[0.3, 0.3, 0.01, 0.0], [0.9, 0.01, 0.0, 0.0]])
     batch = RolloutBatch(sequences=torch.zeros(2, 6, dtype=torch.long), attention_mask=torch.ones(2, 6),
                          action_mask=action, prompt_width=2, engine_logp=engine, token_version=versions)
+    def mismatch_by_age(batch, learner, scored_at):  # the metrics' names of what is measured
+        return {f"generate/mismatch_kl_age_{age}": value for age, value
+                in zip(("0", "1", "2plus"), by_age(batch, learner, scored_at)) if value is not None}
+
     out = mismatch_by_age(batch, learner, scored_at=6)
     assert set(out) == {"generate/mismatch_kl_age_0", "generate/mismatch_kl_age_1", "generate/mismatch_kl_age_2plus"}
     only = lambda cells: mismatch_kl(engine, learner, torch.tensor(cells).float())  # noqa: E731

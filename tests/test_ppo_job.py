@@ -530,7 +530,7 @@ def test_reward_functions_score_each_sample_against_its_own_ground_truth(tmp_pat
                 experience = ray.get(assembled.ref)
                 assert experience.sequences.tolist() == batch.sequences[kept].tolist()
                 torch.testing.assert_close(experience.ref_logp, reference[kept], rtol=0, atol=1e-5)
-                assert assembled.metrics["reward/mean"] == scores.mean().item()
+                assert assembled.stats.rollout.reward_mean == scores.mean().item()
             result = one_update(trainer, iteration, rollout)
             assert pool.versions() == [iteration + 1] * 2 and result["reward/mean"] == scores.mean().item()
             assert result["dynamic/sampled_groups"] == 8 and result["dynamic/trained_groups"] == 4  # filled

@@ -12,12 +12,19 @@ from rlhf_ray.jobs.ppo.trainer import PPOTrainer
 from rlhf_ray.jobs.ppo.weight_sync import WeightSync
 from rlhf_ray.learners.policy import SentWeights
 from rlhf_ray.jobs.ppo.workers import Trained
+from rlhf_ray.learners.ppo_base import TrainReport
 from tests.ppo_standins import Group, Workers, feed
 
 
 class Policy:
     def publish_weights(self, bucket_bytes: int, adapters_only: bool) -> SentWeights:
         return SentWeights(8, 0.0)
+
+
+def report(role: str, steps_applied: int = 1) -> TrainReport:
+    """A learner's answer to `train` with these steps applied."""
+    return TrainReport(role, {"loss": 0.1} | ({"kl": 0.0} if role == "policy" else {}), seconds=0.01,
+                       steps_applied=steps_applied, padding_fraction=0.0)
 
 
 def trainer_with(workers: Workers, train, critic_warmup: int = 0) -> PPOTrainer:
@@ -37,7 +44,7 @@ def test_an_update_whose_policy_steps_were_all_skipped_keeps_the_version_and_sen
     workers = Workers(capacity=4, max_staleness=4)
     applied = iter([1, 0, 2])
     trainer = trainer_with(workers, lambda minibatches, policy: Trained(
-        {"policy/loss": 0.1, "policy/kl": 0.0}, seconds=0.01, wall=0.01, steps_applied=next(applied)))
+        report("policy", steps_applied=next(applied)), None, seconds=0.01, wall=0.01))
     versions, bytes_sent = [], []
     for step in range(3):
         _, metrics = trainer.iterate(step)
@@ -56,8 +63,8 @@ def test_the_critics_warm_up_trains_the_critic_alone_and_sends_no_weights(caplog
 
     def train(minibatches, policy):
         asked.append(policy)
-        metrics = {"critic/loss": 0.5} | ({"policy/loss": 0.1, "policy/kl": 0.0} if policy else {})
-        return Trained(metrics, seconds=0.01, wall=0.01, policy_trained=policy, steps_applied=int(policy))
+        return Trained(report("policy", steps_applied=1) if policy else None, report("critic"), seconds=0.01,
+                       wall=0.01)
 
     trainer = trainer_with(workers, train, critic_warmup=2)
     lines = [trainer.iterate(step)[1] for step in range(3)]

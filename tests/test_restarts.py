@@ -13,7 +13,7 @@ from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.actors.experience_worker import Assembled
 from rlhf_ray.jobs.ppo.scoring import ResultsLost, Scored
 from rlhf_ray.jobs.restarts import LearnerRankDied, learner_deaths_explained, with_learner_restarts
-from tests.ppo_standins import Workers, feed, take
+from tests.ppo_standins import Workers, experience_stats, feed, take
 
 
 def test_a_dead_or_hung_rank_of_a_learner_group_is_named_with_the_checkpoint_to_resume_from(tmp_path):
@@ -93,7 +93,7 @@ class ScoringLosesResults(Workers):
         return rollout
 
     def advantages(self, scores, scored_at: int) -> Scored:
-        return Scored(Assembled(scores.index, scores.samples, {"reward/mean": 1.0}, [], {}), {})
+        return Scored(Assembled(scores.index, scores.samples, experience_stats(1.0), [], {}), {})
 
 
 def from_rollout(workers: Workers, index: int, redo_limit: int):
@@ -107,7 +107,7 @@ def test_an_iteration_whose_results_died_with_a_node_is_generated_and_scored_aga
     assert not results_lost(RemoteCallError("reward-0 raised in `score`: ValueError", "reward-0", ValueError()))
     workers = ScoringLosesResults(losses=2)
     taken = take(from_rollout(workers, 4, redo_limit=3), workers, updates_left=1)
-    assert taken.put.index == 4 and taken.put.scored.experience.metrics == {"reward/mean": 1.0}
+    assert taken.put.index == 4 and taken.put.scored.experience.stats.metrics()["reward/mean"] == 1.0
     assert workers.events == ["start 4", "start 4", "start 4"]  # generated, then generated again twice
     assert len(workers.rollouts) == 3 and taken.put.rollout is workers.rollouts[-1]
     slow = ScoringLosesResults(losses=1)  # each collection takes 0.2 s: the wait is the first one's, the redo's is

@@ -14,7 +14,7 @@ def run_loop(run: Workers, ahead: int, updates: int) -> list[dict]:
     for iteration in range(updates):
         taken = take(rollouts, run, updates - iteration)
         # the metrics logged are those of the experience trained on
-        assert taken.put.scored.experience.metrics["rollout"] == taken.minibatches.meta.rollout_index
+        assert taken.put.scored.experience.stats.metrics()["reward/mean"] == taken.minibatches.meta.rollout_index
         run.train_on(taken)
         lines.append(taken.minibatches.stats)
     return lines

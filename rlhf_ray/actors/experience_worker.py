@@ -23,6 +23,80 @@ from rlhf_ray.config.ppo import PPOSpec
 
 
 @dataclass
+class RolloutStats:
+    """Reward and answer statistics of a rollout's rows (with dynamic sampling: of every answer sampled)."""
+
+    reward_mean: float
+    """The share right under a 0/1 rule."""
+    reward_std: float
+    answer_length: float
+    """Mean answer tokens."""
+    reward_length_correlation: float
+    answer_ended: float
+    """The share of answers that ended (not cut at the length limit)."""
+    overlong_penalty: float | None = None
+    """With ppo.overlong_buffer: the mean bonus added to the scores."""
+    informative_groups: float | None = None
+    """With dynamic sampling: groups whose scores differ, a share of rollout_batch_size."""
+    sampled_groups: float | None = None
+    """With dynamic sampling: groups sampled."""
+    trained_groups: float | None = None
+    """With dynamic sampling: groups kept for training."""
+
+    def metrics(self) -> dict[str, float]:
+        named = {"reward/mean": self.reward_mean, "reward/std": self.reward_std, "answer/length": self.answer_length,
+                 "reward/length_correlation": self.reward_length_correlation, "answer/ended": self.answer_ended,
+                 "answer/overlong_penalty": self.overlong_penalty,
+                 "dynamic/informative_groups": self.informative_groups, "dynamic/sampled_groups": self.sampled_groups,
+                 "dynamic/trained_groups": self.trained_groups}
+        return {name: value for name, value in named.items() if value is not None}
+
+
+@dataclass
+class ExperienceStats:
+    """What the driver reports of a rollout's experience. None: not measured at scoring (the policy measures KL and
+    the engine gap in its training forward where it gave no old log-probs: `measured_in_training`)."""
+
+    rollout: RolloutStats
+    multi_version_answers: float
+    """The share of answers a weight update reached mid-generation (partial rollouts)."""
+    advantage: tuple[float, float, float, float] | None = None
+    """Mean, std, min and max of the advantages over the answer tokens (None: no answer tokens)."""
+    kl: float | None = None
+    """Mean per-token KL to the reference in the shaped rewards (kl/mean)."""
+    distill_reverse_kl: float | None = None
+    """Distillation: the reverse KL(policy || teacher) per answer token."""
+    logprob_gap: float | None = None
+    """Mean |engine - learner| log-prob of the sampled tokens (generate/logprob_gap)."""
+    mismatch_kl: float | None = None
+    """KL(engine || learner) per answer token (generate/mismatch_kl)."""
+    mismatch_kl_by_age: tuple[float | None, float | None, float | None] = (None, None, None)
+    """mismatch_kl over the tokens sampled 0, 1, 2 or more policy versions before the scoring one."""
+
+    def measured_in_training(self, policy_stats: dict[str, float] | None) -> "ExperienceStats":
+        """With the KL and engine gap the policy measured in its training forward (its `kl`, `engine_logprob_gap`,
+        `engine_mismatch_kl` statistics) where scoring measured none: the policy gave no old log-probs, or the
+        KL is in the loss."""
+        if not policy_stats:
+            return self
+        return dataclasses.replace(
+            self, kl=policy_stats.get("kl") if self.kl is None else self.kl,
+            logprob_gap=policy_stats.get("engine_logprob_gap") if self.logprob_gap is None else self.logprob_gap,
+            mismatch_kl=policy_stats.get("engine_mismatch_kl") if self.mismatch_kl is None else self.mismatch_kl)
+
+    def metrics(self) -> dict[str, float]:
+        """The flat names metrics.jsonl, TensorBoard and the dashboards read."""
+        named = {"kl/mean": self.kl, "distill/reverse_kl": self.distill_reverse_kl,
+                 "generate/logprob_gap": self.logprob_gap, "generate/mismatch_kl": self.mismatch_kl,
+                 "generate/multi_version_answers": self.multi_version_answers}
+        named |= dict(zip(("generate/mismatch_kl_age_0", "generate/mismatch_kl_age_1", "generate/mismatch_kl_age_2plus"),
+                          self.mismatch_kl_by_age))
+        if self.advantage is not None:
+            named |= dict(zip(("advantage/mean", "advantage/std", "advantage/min", "advantage/max"), self.advantage))
+        return self.rollout.metrics() | {name: value for name, value in named.items() if value is not None}
+
+
+@dataclass
 class KeptGroups:
     """What dynamic sampling kept of a rollout (ExperienceWorker.keep_informative), besides the kept rows' batch."""
 
@@ -30,9 +104,9 @@ class KeptGroups:
     """[rows]: the reward of each kept row."""
     rows: int
     """Rows kept: whole groups."""
-    metrics: dict[str, float]
-    """The sampled rollout's reward and answer metrics (every answer sampled, not the kept ones), with
-    dynamic/informative_groups (a share of rollout_batch_size), dynamic/sampled_groups and dynamic/trained_groups."""
+    sampled: RolloutStats
+    """The sampled rollout's reward and answer statistics (every answer sampled, not the kept ones), with the
+    groups informative, sampled and trained."""
 
 
 @dataclass
@@ -43,8 +117,8 @@ class Assembled:
     """ObjectRef of the Experience batch (it never passes through the driver)."""
     rows: int
     """Its rows."""
-    metrics: dict[str, float]
-    """Reward, answer, KL and engine/learner mismatch metrics."""
+    stats: ExperienceStats
+    """Reward, answer, advantage, KL and engine/learner mismatch statistics."""
     samples: list[dict]
     """The first `keep_samples` rows: {prompt_ids, answer_ids, score, columns} (for samples.jsonl)."""
     token_versions: dict[int, int]
@@ -106,31 +180,27 @@ class ExperienceWorker:
         scores = torch.cat(ray.get(score_refs))
         rows, informative = informative_groups_first(scores, self.group_size, self.spec.rollout_batch_size,
                                                      self.spec.dynamic_sampling.fill)
-        metrics = self.rollout_metrics(scores, batch) | {
-            "dynamic/informative_groups": informative / self.spec.rollout_batch_size,
-            "dynamic/sampled_groups": len(scores) / self.group_size,
-            "dynamic/trained_groups": len(rows) / self.group_size}
-        return batch.select(rows), KeptGroups(scores[rows], len(rows), metrics)
+        sampled = dataclasses.replace(self.rollout_stats(scores, batch),
+                                      informative_groups=informative / self.spec.rollout_batch_size,
+                                      sampled_groups=len(scores) / self.group_size,
+                                      trained_groups=len(rows) / self.group_size)
+        return batch.select(rows), KeptGroups(scores[rows], len(rows), sampled)
 
-    def rollout_metrics(self, scores: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
-        """Reward and answer metrics of a rollout's rows: reward/mean (the share right under a 0/1 rule),
-        reward/std, answer/length, reward/length_correlation, answer/ended, and with ppo.overlong_buffer
-        answer/overlong_penalty (the mean bonus added to the scores)."""
+    def rollout_stats(self, scores: torch.Tensor, batch: RolloutBatch) -> RolloutStats:
+        """Reward and answer statistics of a rollout's rows."""
         lengths = batch.action_mask.sum(-1)
-        metrics = {"reward/mean": scores.float().mean().item(), "reward/std": scores.float().std().item(),
-                   "answer/length": lengths.float().mean().item(),
-                   "reward/length_correlation": correlation(scores, lengths),
-                   "answer/ended": batch.ended.float().mean().item()}
+        penalty = None
         if self.spec.overlong_buffer:
-            metrics["answer/overlong_penalty"] = overlong_penalty(
-                lengths, self.max_answer_tokens, self.spec.overlong_buffer, self.spec.overlong_penalty).mean().item()
-        return metrics
+            penalty = overlong_penalty(lengths, self.max_answer_tokens, self.spec.overlong_buffer,
+                                       self.spec.overlong_penalty).mean().item()
+        return RolloutStats(scores.float().mean().item(), scores.float().std().item(), lengths.float().mean().item(),
+                            correlation(scores, lengths), batch.ended.float().mean().item(), penalty)
 
     def experience(self, batch: RolloutBatch, roles: RoleOutputs, scored_at: int = 0, keep_samples: int = 0,
-                   sampled_metrics: dict[str, float] | None = None) -> Assembled:
+                   sampled: RolloutStats | None = None) -> Assembled:
         """What the roles gave -> the experience. `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
         mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*).
-        `sampled_metrics`: the rollout metrics dynamic sampling took over every sampled answer (KeptGroups.metrics),
+        `sampled`: the rollout statistics dynamic sampling took over every sampled answer (KeptGroups.sampled),
         reported instead of the kept rows' own."""
 
         def cat(refs):
@@ -144,38 +214,38 @@ class ExperienceWorker:
         start = time.perf_counter()
         targets = make_experience(scores, old_logp, ref_logp, values, batch.action_mask, batch.ended, self.spec,
                                   self.group_size, self.max_answer_tokens, teacher_logp)
-        metrics = dict(sampled_metrics) if sampled_metrics is not None else self.rollout_metrics(scores, batch)
         assembled = Experience.of(batch, targets)
+        stats = ExperienceStats(
+            sampled if sampled is not None else self.rollout_stats(scores, batch),
+            multi_version_answers=(  # answers a weight update reached mid-generation
+                (batch.token_version.masked_fill(batch.action_mask == 0, -1).amax(-1) > batch.version).float().mean()
+                .item()),
+            advantage=advantage_stats(targets.advantages, batch.action_mask),
+            kl=targets.kl.mean().item() if targets.kl is not None else None)  # else the policy's, from training
         if teacher_logp is not None:  # the reverse KL(policy || teacher) per answer token, on the policy's samples
-            metrics["distill/reverse_kl"] = masked_mean(old_logp - teacher_logp, batch.action_mask).item()
-        if targets.kl is not None:  # else the policy reports it from its training forward (policy/kl)
-            metrics["kl/mean"] = targets.kl.mean().item()
-        metrics |= advantage_metrics(targets.advantages, batch.action_mask)
+            stats.distill_reverse_kl = masked_mean(old_logp - teacher_logp, batch.action_mask).item()
         if learner_logp is not None:  # else the policy measures it in its training forward, or nobody (engine's)
-            metrics["generate/logprob_gap"] = logprob_gap(batch.engine_logp, learner_logp, batch.action_mask)
-            metrics["generate/mismatch_kl"] = mismatch_kl(batch.engine_logp, learner_logp, batch.action_mask)
-            metrics |= mismatch_by_age(batch, learner_logp, scored_at)
+            stats.logprob_gap = logprob_gap(batch.engine_logp, learner_logp, batch.action_mask)
+            stats.mismatch_kl = mismatch_kl(batch.engine_logp, learner_logp, batch.action_mask)
+            stats.mismatch_kl_by_age = mismatch_by_age(batch, learner_logp, scored_at)
         samples = sample_rows(batch, scores, keep_samples)
         versions = batch.token_version[batch.action_mask.bool()]
-        metrics["generate/multi_version_answers"] = (  # answers a weight update reached mid-generation
-            ((batch.token_version.masked_fill(batch.action_mask == 0, -1).amax(-1) > batch.version).float().mean()
-             .item()))
-        return Assembled(ray.put(assembled), len(assembled), metrics, samples,
+        return Assembled(ray.put(assembled), len(assembled), stats, samples,
                          {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))},
                          assembly_seconds=self.packing_seconds + time.perf_counter() - start)
 
 
-def mismatch_by_age(batch: RolloutBatch, learner_logp: torch.Tensor, scored_at: int) -> dict[str, float]:
-    """generate/mismatch_kl_age_{0,1,2plus}: the engine/learner mismatch over the answer tokens sampled 0, 1, 2 or
-    more policy versions before the learner's `scored_at` (the drift of older weights adds to the engines' numeric
-    gap; only ages that have tokens)."""
+def mismatch_by_age(batch: RolloutBatch, learner_logp: torch.Tensor,
+                    scored_at: int) -> tuple[float | None, float | None, float | None]:
+    """The engine/learner mismatch over the answer tokens sampled 0, 1, 2 or more policy versions before the
+    learner's `scored_at` (the drift of older weights adds to the engines' numeric gap; None: no tokens of that
+    age)."""
     age = (scored_at - batch.token_version).clamp(min=0, max=2)
-    out = {}
-    for older, name in ((0, "0"), (1, "1"), (2, "2plus")):
+    out = []
+    for older in (0, 1, 2):
         mask = batch.action_mask * (age == older)
-        if mask.sum() > 0:
-            out[f"generate/mismatch_kl_age_{name}"] = mismatch_kl(batch.engine_logp, learner_logp, mask)
-    return out
+        out.append(mismatch_kl(batch.engine_logp, learner_logp, mask) if mask.sum() > 0 else None)
+    return tuple(out)
 
 
 def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]:
@@ -185,11 +255,11 @@ def sample_rows(batch: RolloutBatch, scores: torch.Tensor, n: int) -> list[dict]
             for i, (prompt, answer) in enumerate(unpack_rollouts(batch, 0, n))]
 
 
-def advantage_metrics(advantages: torch.Tensor, action_mask: torch.Tensor) -> dict[str, float]:
-    """advantage/mean, std, min and max over the answer tokens: what the estimator gave the policy to climb (a
-    std near 0 means it learns nothing from this rollout; GRPO's groups of equal scores give exact zeros)."""
+def advantage_stats(advantages: torch.Tensor, action_mask: torch.Tensor) -> tuple[float, float, float, float] | None:
+    """Mean, std, min and max over the answer tokens: what the estimator gave the policy to climb (a std near 0
+    means it learns nothing from this rollout; GRPO's groups of equal scores give exact zeros)."""
     taken = advantages[action_mask.bool()].float()
     if taken.numel() == 0:
-        return {}
-    return {"advantage/mean": taken.mean().item(), "advantage/std": taken.std().item() if taken.numel() > 1 else 0.0,
-            "advantage/min": taken.min().item(), "advantage/max": taken.max().item()}
+        return None
+    return (taken.mean().item(), taken.std().item() if taken.numel() > 1 else 0.0, taken.min().item(),
+            taken.max().item())

@@ -16,10 +16,12 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
     `learner_restarts`: times the job restarted every role after a learner rank died."""
     put, minibatches = taken.put, taken.minibatches
     rollout, assembled = put.rollout, put.scored.experience
+    # without old log-probs in the experience, the policy measured KL and the engine gap in its training forward
+    experience = assembled.stats.measured_in_training(trained.policy.stats if trained.policy is not None else None)
     roles = {f"compute/{role}_seconds": seconds for role, seconds in put.scored.role_seconds.items()}
     experience_compute = max(roles.values()) + assembled.assembly_seconds  # the roles run at once
-    line = {**assembled.metrics, "compute/assembly_seconds": assembled.assembly_seconds, **roles, **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics,
-            **minibatches.stats,
+    line = {**experience.metrics(), "compute/assembly_seconds": assembled.assembly_seconds, **roles,
+            **episode_metrics(rollout.episodes, rollout.samples), **trained.metrics(), **minibatches.stats,
             "compute/experience_seconds": experience_compute, "time/experience": put.seconds,
             "time/engine_generate": rollout.engine_seconds, "time/engine_busy": rollout.engine_busy_seconds,
             "generate/tokens": rollout.tokens,
@@ -31,12 +33,6 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
             "sync/load_seconds": synced.load_seconds, "policy_version": synced.version,
             "experience/staleness": minibatches.staleness, "actors/restarts": restarts,
             "actors/learner_restarts": learner_restarts}
-    # without old log-probs in the experience, the policy measures KL and the engine gap in its training forward
-    if "kl/mean" not in line and "policy/kl" in line:  # not in the critic's warm-up, where the policy did not run
-        line["kl/mean"] = line["policy/kl"]
-    if "policy/engine_logprob_gap" in line:
-        line.setdefault("generate/logprob_gap", line["policy/engine_logprob_gap"])
-        line.setdefault("generate/mismatch_kl", line["policy/engine_mismatch_kl"])
     line |= token_staleness(assembled.token_versions, minibatches.meta.version + minibatches.staleness)
     compute = rollout.engine_seconds + experience_compute + trained.seconds + line["compute/sync_seconds"]
     return line | {"time/generate_wait": taken.wait_seconds, "time/iteration": elapsed,

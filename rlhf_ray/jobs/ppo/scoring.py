@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from rlhf_ray.actors.experience_worker import Assembled, RoleOutputs
+from rlhf_ray.actors.experience_worker import Assembled, RoleOutputs, RolloutStats
 from rlhf_ray.actors.group import ActorGroup, RemoteCallError, resilient_gather, results_lost
 from rlhf_ray.actors.pool import Rollout
 from rlhf_ray.algorithms.experience import row_bounds
@@ -30,8 +30,9 @@ class Scores:
     batch: object
     """The packed batch's object reference: the rollout's rows, or with dynamic sampling the kept groups' rows."""
     outputs: RoleOutputs
-    sampled_metrics: dict[str, float] | None
-    """With dynamic sampling: the rollout metrics over every sampled answer, reported instead of the kept rows'."""
+    sampled: RolloutStats | None
+    """With dynamic sampling: the rollout statistics over every sampled answer, reported instead of the kept
+    rows'."""
     role_seconds: dict[str, float]
     """Compute seconds of each role (reference, reward, policy, critic, teacher), the slowest replica's."""
 
@@ -69,7 +70,7 @@ class Scorer:
         with lost_results():
             (out,) = self.roles.assembler.gather([assembler.experience.remote(
                 scores.batch, scores.outputs, scored_at, self.job.logging.samples_per_iteration,
-                scores.sampled_metrics)], "experience")
+                scores.sampled)], "experience")
         return Scored(out, scores.role_seconds)
 
     def reward_scores(self, batch_ref, rows: int) -> torch.Tensor:
@@ -116,7 +117,7 @@ class Scorer:
                               old_logp=parts.get("old_logp"), ref_logp=parts.get("ref_logp"),
                               values=parts.get("values"), teacher_logp=parts.get("teacher_logp"))
         # with dynamic sampling the rollout's reward and answer metrics are every sampled answer's, not the kept ones'
-        return Scores(batch, outputs, kept.metrics if kept is not None else None,
+        return Scores(batch, outputs, kept.sampled if kept is not None else None,
                       {ROLE_OF[field]: max(r.seconds for r in part) for field, part in results.items()})
 
 

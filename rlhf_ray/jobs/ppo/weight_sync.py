@@ -132,7 +132,7 @@ class WeightSync:
     def unchanged(self, minibatches: Minibatches, trained: Trained) -> SyncResult:
         """An update that left the policy's weights as they were (the critic's warm-up, or every policy step skipped
         for non-finite gradients): same weights, same version, nothing to send."""
-        if trained.policy_trained:
+        if trained.policy is not None:
             log.warning("update on rollout %d: every policy optimizer step was skipped (inf / nan gradients); the "
                         "policy stays at version %d and no weights are sent", minibatches.meta.rollout_index + 1,
                         self.version)

@@ -53,18 +53,28 @@ def learner_groups(job: PPOJob) -> tuple[str, ...]:
 
 @dataclass
 class Trained:
-    """The learners' report of one update: their metrics (`policy/...`, `critic/...`) and compute time."""
+    """The learners' report of one update: rank 0's TrainReport of each group that trained (its statistics stand for
+    the group's: they are all-reduced) and the compute time."""
 
-    metrics: dict[str, float]
+    policy: TrainReport | None
+    """None: the policy did not train (the critic's warm-up)."""
+    critic: TrainReport | None
+    """None: no critic."""
     seconds: float
     """The slowest rank's compute seconds."""
     wall: float
     """From the call to the last result, at the driver."""
-    policy_trained: bool = True
-    """The policy took part (False in the critic's warm-up)."""
-    steps_applied: int = 0
-    """Policy optimizer steps that changed the weights (0: the policy did not train, or every one of its steps was
-    skipped for a non-finite gradient): whether the engines need new weights."""
+
+    @property
+    def steps_applied(self) -> int:
+        """Policy optimizer steps that changed the weights (0: the policy did not train, or every one of its steps was
+        skipped for a non-finite gradient): whether the engines need new weights."""
+        return self.policy.steps_applied if self.policy is not None else 0
+
+    def metrics(self) -> dict[str, float]:
+        """`policy/...` and `critic/...`."""
+        return {name: value for report in (self.policy, self.critic) if report is not None
+                for name, value in report.metrics().items()}
 
 
 def _learner_kwargs(job: PPOJob, name: str) -> dict:
@@ -200,14 +210,12 @@ class RoleWorkers:
         calls = [(self.policy, self.policy.submit("train", minibatches))] if policy else []
         if self.critic is not None:
             calls.append((self.critic, self.critic.submit("train", minibatches)))
-        metrics, seconds, applied = {}, 0.0, 0
+        reports, seconds = {}, 0.0
         for group, refs in calls:
             ranks: list[TrainReport] = group.gather(refs, "train")
-            metrics |= ranks[0].metrics()  # rank 0's statistics stand for the group's (they are all-reduced)
+            reports[ranks[0].role] = ranks[0]
             seconds = max([seconds] + [r.seconds for r in ranks])
-            if group is self.policy:
-                applied = ranks[0].steps_applied
-        return Trained(metrics, seconds, time.perf_counter() - began, policy_trained=policy, steps_applied=applied)
+        return Trained(reports.get("policy"), reports.get("critic"), seconds, time.perf_counter() - began)
 
     # ---- checkpoints ------------------------------------------------------------------------------------------
     def save(self, staging: Path, iteration: int) -> None:
