@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 
+from rlhf_ray.jobs.held_out import Answered, Evaluation
 from rlhf_ray.jobs.progress import Progress, duration
 
 METRICS = {"reward/mean": 0.4123, "kl/mean": 0.0123, "policy/entropy": 1.234, "time/iteration": 8.0,
@@ -54,13 +55,25 @@ def test_disabled_progress_writes_nothing_and_durations_read_well():
 def test_the_latest_held_out_reward_and_check_show_with_the_iteration_they_were_measured_at():
     out = io.StringIO()
     progress = Progress(total=10, start=0, samples_per_iteration=32, stream=out)
-    progress.evaluated(0, {"reward": 0.1})  # no rule: nothing to show
+    progress.evaluated(0, Evaluation(Answered(0.1, 0.0)))  # no rule: nothing to show
     progress.update(1, METRICS)
-    progress.evaluated(0, {"reward": 0.1, "task_accuracy": 0.17})
+    progress.evaluated(0, Evaluation(Answered(0.1, 0.0, 0.17, 0.0)))
     progress.update(2, METRICS)
-    progress.evaluated(2, {"reward": 0.2, "task_accuracy": 0.25})
+    progress.evaluated(2, Evaluation(Answered(0.2, 0.0, 0.25, 0.0)))
     progress.update(3, METRICS)
     lines = out.getvalue().splitlines()
     assert "held-out" not in lines[0]
     assert "reward 0.412  held-out reward 0.100 check 0.170 (iter 0)  kl" in lines[1]
     assert "held-out reward 0.200 check 0.250 (iter 2)" in lines[2]
+
+
+def test_an_evaluation_kept_in_a_checkpoint_reads_back_as_it_was():
+    """A resumed job's starting evaluation comes from the checkpoint's eval_before: the flat names summary.json and
+    metrics.jsonl use, read back into the record."""
+    evaluation = Evaluation(Answered(0.5, 0.01, 0.25, 0.02), Answered(0.4, 0.03, 0.2, 0.04, 2.0, 1.0, 1.0))
+    flat = evaluation.metrics()
+    assert flat["task_accuracy"] == 0.25 and flat["sampled_reward"] == 0.4 and flat["sampled_turns_per_episode"] == 2.0
+    assert "turns_per_episode" not in flat
+    assert Evaluation.of(flat) == evaluation
+    assert Evaluation.of(Evaluation(Answered(0.5, 0.01)).metrics()) == Evaluation(Answered(0.5, 0.01))
+    assert not Evaluation.of({}) and Evaluation().metrics() == {}

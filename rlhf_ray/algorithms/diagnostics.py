@@ -5,7 +5,7 @@ games length makes the score follow the answer length; a policy whose entropy co
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,17 +40,15 @@ class Parting:
                 f"{join(self.reward)} while the held-out check went {join(self.check)}")
 
 
-def reward_hacking_signs(history: Sequence[tuple[int, dict[str, float]]], evaluations: int,
+def reward_hacking_signs(series: Mapping[str, Sequence[tuple[int, float, float]]], evaluations: int,
                          margin: float = 0.02) -> list[Parting]:
-    """What the held-out evaluations so far say (`history`: (iteration, Evaluator.evaluate's keys), oldest first):
-    for greedy and sampled answers, the reward rose by more than `margin` and the check (`task_accuracy`) fell by
-    more than `margin` at each of the last `evaluations` evaluations, against the one before it. The run of such
-    evaluations is followed back as far as it goes, so `parted_at` is where the two began to part. [] when
-    nothing looks wrong, or when the evaluations have no check."""
+    """What the held-out evaluations so far say (`series`: for each way of answering, "greedy" or "sampled", the
+    (iteration, reward, check) of every evaluation that had a check, oldest first): the reward rose by more than
+    `margin` and the check fell by more than `margin` at each of the last `evaluations` evaluations, against the one
+    before it. The run of such evaluations is followed back as far as it goes, so `parted_at` is where the two began
+    to part. [] when nothing looks wrong."""
     signs = []
-    for prefix, what in (("", "greedy"), ("sampled_", "sampled")):
-        reward, check = f"{prefix}reward", f"{prefix}task_accuracy"
-        points = [(step, e[reward], e[check]) for step, e in history if reward in e and check in e]
+    for what, points in series.items():
         run = 0
         while run + 1 < len(points):
             (_, r0, c0), (_, r1, c1) = points[-run - 2], points[-run - 1]

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import TextIO
 
+from rlhf_ray.jobs.held_out import Evaluation
+
 SPLIT = (("gen", "time/generate_wait"), ("exp", "time/experience"), ("train", "time/train"), ("sync", "time/sync"))
 """The parts of an iteration's wall time the line shows, by their metric."""
 
@@ -31,13 +33,15 @@ class Progress:
         self.width = 0
         self.held_out = ""
 
-    def evaluated(self, step: int, held_out: dict[str, float]) -> None:
+    def evaluated(self, step: int, held_out: Evaluation) -> None:
         """The held-out evaluation after `step` iterations: its reward and, with a check (a rule or gold function),
         the check's score, of greedy answers, show from the next line on with the iteration they were measured at
         (side by side: a reward that rises while the check falls is over-optimisation)."""
-        shown = [f"{label} {held_out[key]:.3f}" for label, key in (("reward", "reward"), ("check", "task_accuracy"))
-                 if key in held_out]
-        self.held_out = f"held-out {' '.join(shown)} (iter {step})" if "task_accuracy" in held_out else ""
+        greedy = held_out.greedy
+        if greedy is None or greedy.check is None:
+            self.held_out = ""
+            return
+        self.held_out = f"held-out reward {greedy.reward:.3f} check {greedy.check:.3f} (iter {step})"
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """The line for `step` (iterations done) with that iteration's metrics."""

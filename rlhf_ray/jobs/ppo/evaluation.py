@@ -16,6 +16,7 @@ from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.envs.episode import EPISODE_COLUMNS, episode_metrics
 from rlhf_ray.functions import column_arguments
+from rlhf_ray.jobs.held_out import Answered, Evaluation
 from rlhf_ray.jobs.ppo.workers import RoleWorkers
 
 
@@ -43,22 +44,20 @@ class Evaluator:
         self.job, self.workers, self.tokenizer, self.tokens = job, workers, tokenizer, tokens
         self.rows, self.rule = rows, rule
 
-    def evaluate(self) -> dict[str, float]:
-        """Mean reward score and, with a rule, task accuracy of the greedy answers (`reward`, `task_accuracy`) and,
-        with `ppo.eval_samples`, of sampled ones (`sampled_reward`, ...), each with its standard error over the
-        held-out prompts (`reward_se`, `task_accuracy_se`, ...: `mean_and_error`). Multi-turn: the episodes' turns
-        and tool calls too. No held-out prompts: nothing to report. (Small: the answers come to the driver, which decodes
-        them for the rule.)"""
+    def evaluate(self) -> Evaluation:
+        """Mean reward score and, with a rule, its check of the greedy answers and, with `ppo.eval_samples`, of
+        sampled ones, each with its standard error over the held-out prompts (`mean_and_error`). Multi-turn: the
+        episodes' turns and tool calls too. No held-out prompts: an empty Evaluation. (Small: the answers come to the
+        driver, which decodes them for the rule.)"""
         if not self.rows:
-            return {}
+            return Evaluation()
         pool, samples = self.workers.pool, self.job.ppo.eval_samples
         prompts, columns = [r["prompt_ids"] for r in self.rows], [r.get("columns", {}) for r in self.rows]
         with self._reward_model_on_every_core():
-            out = self._score(pool.generate(prompts, seed=0, greedy=True, columns=columns))
+            out = Evaluation(self._score(pool.generate(prompts, seed=0, greedy=True, columns=columns)))
             if samples:
                 rounds = -(-samples // self.job.generation.sampling.n_samples_per_prompt)
-                sampled = pool.generate(prompts * rounds, seed=1, columns=columns * rounds)
-                out |= {f"sampled_{k}": v for k, v in self._score(sampled).items()}
+                out.sampled = self._score(pool.generate(prompts * rounds, seed=1, columns=columns * rounds))
         return out
 
     @contextlib.contextmanager
@@ -76,7 +75,7 @@ class Evaluator:
         finally:
             reward.call("set_threads", before[0])
 
-    def _score(self, samples: list[dict]) -> dict[str, float]:
+    def _score(self, samples: list[dict]) -> Answered:
         rows = self.rows
         index = [s["prompt_index"] % len(rows) for s in samples]
         batch = pack_rollouts([s["prompt_ids"] for s in samples], [s["answer_ids"] for s in samples],
@@ -85,16 +84,17 @@ class Evaluator:
                                     columns=[{**rows[i].get("columns", {}), **s.get("episode", {})}
                                              for i, s in zip(index, samples)])
         scores = self.workers.scorer.reward_scores(ray.put(batch), len(samples)).float().tolist()
-        out = dict(zip(("reward", "reward_se"), mean_and_error(scores, index)))
+        out = Answered(*mean_and_error(scores, index))
         episodes = [s["episode"] for s in samples if "episode" in s]
         if episodes:  # multi-turn: how the episodes went (tool-call validity: nan when no tool was called)
             totals = {k: sum(e[k] for e in episodes) for k in EPISODE_COLUMNS}
-            out.update({k.removeprefix("env/"): v for k, v in episode_metrics(totals, len(episodes)).items()
-                        if k != "env/episode_reward"})
+            means = episode_metrics(totals, len(episodes))
+            out.turns_per_episode, out.tool_calls_per_episode, out.tool_call_validity = (
+                means["env/turns_per_episode"], means["env/tool_calls_per_episode"], means["env/tool_call_validity"])
         if self.rule is not None:
             answers = self.tokenizer.batch_decode([s["answer_ids"] for s in samples], skip_special_tokens=True)
             prompts = [rows[i]["prompt"] for i in index]
             columns = column_arguments(self.rule, batch.columns)
             verdicts = [float(v) for v in self.rule(prompts, answers, **columns)]
-            out.update(zip(("task_accuracy", "task_accuracy_se"), mean_and_error(verdicts, index)))
+            out.check, out.check_se = mean_and_error(verdicts, index)
         return out

@@ -16,6 +16,7 @@ from rlhf_ray.config.ppo_job import PPOJob
 from rlhf_ray.data.build import PhaseData
 from rlhf_ray.jobs.checkpoints import Checkpoints
 from rlhf_ray.jobs.alerts import Diagnostics
+from rlhf_ray.jobs.held_out import Evaluation
 from rlhf_ray.jobs.metrics import SAMPLES_FILE, MetricsLogger, write_samples
 from rlhf_ray.jobs.ppo.best_model import BestModel
 from rlhf_ray.jobs.ppo.evaluation import Evaluator
@@ -55,7 +56,7 @@ class PPOTrainer:
         self.evaluator = Evaluator(job, workers, tokenizer, workers.tokens, data.eval[: ppo.eval_prompts], rule)
         self.best = BestModel(Path(job.output_dir), ppo.keep_best,
                               lambda folder: workers.policy.call("export_hf", folder))
-        self.before: dict[str, float] = {}
+        self.before = Evaluation()
         self.watch = self.diagnostics()
 
     def fit(self) -> dict:
@@ -107,15 +108,15 @@ class PPOTrainer:
             self.metrics.rewind(-1)  # a fresh start: lines a previous run left in this output_dir are not this run's
             self.best.start_fresh()  # and so is a best model
             self.before = self.evaluator.evaluate()
-            self.metrics.log(0, {f"eval/{k}": v for k, v in self.before.items()})
-            self.best.consider(0, self.before)
+            self.metrics.log(0, eval_line(self.before))
+            self.best.consider(0, self.before.metrics())
             first = 0
         else:
             state = Checkpoints.state(latest)
             self.workers.restore(latest)
             self.weights.version = state["policy_version"]
             self.weights.sync(bump=False)
-            self.before, first = state["eval_before"], state["step"]
+            self.before, first = Evaluation.of(state["eval_before"]), state["step"]
             self.rollouts.resume_at(state.get("rollout", first))  # rollouts after the last trained on: generated again
             self.best.resume(state.get("best"))
             log.info("resumed PPO from %s (iteration %d, policy version %d)", latest, first, self.weights.version)
@@ -139,9 +140,9 @@ class PPOTrainer:
         every = self.job.ppo.eval_every
         if every and step % every == 0 and step < self.job.ppo.iterations:  # the last one: in finish()
             now = self.evaluator.evaluate()
-            self.metrics.log(step, {f"eval/{k}": v for k, v in now.items()} | self.watch.evaluation(step, now))
+            self.metrics.log(step, eval_line(now) | self.watch.evaluation(step, now))
             progress.evaluated(step, now)
-            self.best.consider(step, now)
+            self.best.consider(step, now.metrics())
 
     def maybe_checkpoint(self, step: int) -> None:
         every = self.job.checkpoint.every_steps
@@ -149,7 +150,7 @@ class PPOTrainer:
             staging = self.checkpoints.staging(step)
             self.workers.save(staging, step)
             self.checkpoints.commit(staging, step, {"policy_version": self.weights.version,
-                                                    "eval_before": self.before,
+                                                    "eval_before": self.before.metrics(),
                                                     "rollout": self.rollouts.next_after_taken,
                                                     "best": self.best.state()})
 
@@ -159,20 +160,25 @@ class PPOTrainer:
         if self.end < iterations:
             return {"stopped_at_iteration": self.end, "iterations": iterations}
         after = self.evaluator.evaluate()
-        self.metrics.log(iterations, {f"eval/{k}": v for k, v in after.items()} | self.watch.evaluation(iterations,
-                                                                                                        after))
-        self.best.consider(iterations, after)
+        self.metrics.log(iterations, eval_line(after) | self.watch.evaluation(iterations, after))
+        self.best.consider(iterations, after.metrics())
         out = Path(self.job.output_dir)
         self.workers.policy.call("export_hf", str(out / FINAL_MODEL_DIR))
         if self.job.ppo.ema.enabled:
             self.workers.policy.call("export_ema", str(out / EMA_MODEL_DIR))
+        before, after = self.before.metrics(), after.metrics()
         summary = {"iterations": iterations, "seconds": round(time.time() - self.started, 2),
-                   "reward_before": self.before.get("reward"), "reward_after": after.get("reward"),
+                   "reward_before": before.get("reward"), "reward_after": after.get("reward"),
                    "eval_prompts": len(self.evaluator.rows), "weight_sync": self.weights.transport,
                    "peak_memory_gib": {role: round(n / 2**30, 4) for role, n in self.workers.peak_memory().items()}}
         if self.best.metric is not None:
             summary["best"] = self.best.state()
-        for key in sorted(self.before.keys() - {"reward"}):  # task accuracy, sampled_*, episodes' turns and tool calls
-            summary.update({f"{key}_before": self.before[key], f"{key}_after": after[key]})
+        for key in sorted(before.keys() - {"reward"}):  # task accuracy, sampled_*, episodes' turns and tool calls
+            summary.update({f"{key}_before": before[key], f"{key}_after": after[key]})
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
+
+
+def eval_line(evaluation: Evaluation) -> dict[str, float]:
+    """An evaluation's metrics line: eval/reward, eval/task_accuracy, eval/sampled_reward, ..."""
+    return {f"eval/{name}": value for name, value in evaluation.metrics().items()}
