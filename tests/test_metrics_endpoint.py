@@ -58,6 +58,18 @@ def start_prometheus(session_dir: str, folder: Path) -> tuple[subprocess.Popen, 
     return proc, port
 
 
+def scraped_once(port: int, timeout_s: float = 120.0) -> bool:
+    """Wait until Prometheus has scraped a target of Ray's discovery file successfully (a loaded machine starts it
+    slowly: a job that ends before the first scrape leaves no series). False if it has not within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = get(f"http://127.0.0.1:{port}/api/v1/targets")
+        if text and any(t.get("health") == "up" for t in json.loads(text)["data"]["activeTargets"]):
+            return True
+        time.sleep(1)
+    return False
+
+
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory, sft_model, rm_model):
     """A 12-iteration PPO job (critic, reward model, held-out evaluations) with its metrics endpoint scraped by hand
@@ -87,6 +99,7 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
             if shutil.which("prometheus"):
                 prometheus = start_prometheus(ray._private.worker._global_node.get_session_dir_path(),
                                               tmp / "prometheus")
+                seen["scraped_before_job"] = scraped_once(prometheus[1])
             results: list = []
             once = MetricsLogger(tmp / "once", LoggingSpec(tensorboard=False), run_name=ONCE)
             once.log(0, {"eval/once": 1.0})  # like an evaluation's numbers: set, then nothing for a while
@@ -165,6 +178,7 @@ def test_every_dashboard_panel_gets_the_runs_series_from_a_real_prometheus(scrap
         pytest.skip("Debian's prometheus package is not installed (scripts/test.sh installs it in CI: "
                     "apt-get install prometheus)")
     assert scraped_run["prometheus"] is not None, "Prometheus did not start before the job ended"
+    assert scraped_run["scraped_before_job"], "Prometheus had not scraped Ray's metrics agent within 120 s"
     base = f"http://127.0.0.1:{scraped_run['prometheus']}/api/v1/"
     targets = json.loads(get(base + "targets"))["data"]["activeTargets"]
     assert targets, "Prometheus found no targets in Ray's service-discovery file"  # (down now: the job's Ray ended)
