@@ -147,3 +147,65 @@ def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_num
     calm_steps = step_logs(Path(calm.output_dir))
     for got, want in zip(steps, calm_steps):
         assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]
+
+
+def test_an_elastic_pool_takes_an_engine_on_a_node_that_joins_and_drops_it_when_the_node_leaves(
+        tmp_path, three_plus_nodes, sft_model, rm_model):
+    """generation.placement: 1 engine, up to 2. Every node is taken, so the second engine's placement group waits;
+    a node joins after the first update and the engine starts there, loaded with the current weights; after it has
+    served, its node goes and the pool drops it (its share answered by the other, no restart spent). The learners
+    never restart and every update trains on experience of the current policy version."""
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    iterations = 8
+    job = ppo_job(tmp_path / "elastic", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"ppo.iterations={iterations}",
+                  "generation.placement.max_replicas=2", f"cluster.address={three_plus_nodes.address}")
+    out, ns = Path(job.output_dir), job.cluster.namespace
+    seen, errors, finished = {}, [], threading.Event()
+
+    def checkpoints() -> int:
+        return len(Checkpoints(out, keep_last=1).complete())
+
+    def wait_for(condition, what: str, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {timeout:g} s for {what}")
+            time.sleep(0.1)
+
+    def add_a_node_then_remove_it():
+        from rlhf_ray import cluster as rcluster
+
+        try:
+            wait_for(lambda: checkpoints() >= 1, "the first checkpoint")
+            with rcluster._loopback_mode():
+                node = three_plus_nodes.add_node(num_cpus=1)
+            seen["joined_node"] = node.node_id
+            seen["engine_node"] = node_of("generation-1", ns)  # the engine the pool started on it
+            joined_at = checkpoints()
+            wait_for(lambda: checkpoints() >= joined_at + 2, "two updates with the engine")
+            three_plus_nodes.remove_node(node, allow_graceful=False)
+            seen["removed_after"] = checkpoints()
+            finished.wait(timeout=900)
+        except BaseException as e:  # reported by the test, not lost in the thread
+            errors.append(e)
+            traceback.print_exc()
+            _thread.interrupt_main()
+
+    scaler = threading.Thread(target=add_a_node_then_remove_it, daemon=True)
+    scaler.start()
+    try:
+        summary = run_ppo(job)
+    finally:
+        finished.set()
+        scaler.join(timeout=60)
+    assert not errors, errors
+    assert seen["engine_node"] == seen["joined_node"]  # the engine went to the node that joined
+    steps = step_logs(out)
+    assert summary["iterations"] == iterations and [m["step"] for m in steps] == list(range(1, iterations + 1))
+    engines = [m["generate/engines"] for m in steps]
+    assert engines[0] == 1 and 2 in engines and engines[-1] == 1, engines  # grew, then shrank back
+    assert engines.index(2) >= 1  # it joined after the first update
+    assert all(m["actors/learner_restarts"] == 0 and m["actors/restarts"] == 0 for m in steps)
+    assert [m["policy_version"] for m in steps] == list(range(1, iterations + 1))
+    assert all(m["experience/staleness"] == 0 for m in steps)
