@@ -23,9 +23,11 @@ on every node (out of memory, say) must not be started again each iteration."""
 
 
 class ExtraEngines:
-    def __init__(self, wanted: int, bundle: dict[str, float], role: str = "generation"):
-        """`wanted`: engines beyond the minimum (max_replicas - replicas); `bundle`: one engine's resources."""
-        self.wanted, self.bundle, self.role = wanted, bundle, role
+    def __init__(self, wanted: int, bundle: dict[str, float], slices: int, role: str = "generation"):
+        """`wanted`: engines beyond the minimum (max_replicas - replicas); `bundle`: one engine's resources;
+        `slices`: max_replicas, the parts every batch of prompts is cut into (each with its seed) whatever the
+        engines present, so the samples do not depend on them."""
+        self.wanted, self.bundle, self.slices, self.role = wanted, bundle, slices, role
         self.asked: list = []
         """Placement groups asked for and not granted yet, oldest first."""
         self.held: dict[str, object] = {}

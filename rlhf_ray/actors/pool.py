@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import ray
@@ -134,7 +135,7 @@ class GenerationPool:
         extra = None
         if placement.elastic:
             bundle = {"CPU": placement.num_cpus} | ({"GPU": placement.num_gpus} if placement.num_gpus else {})
-            extra = ExtraEngines(placement.max_replicas - placement.replicas, bundle)
+            extra = ExtraEngines(placement.max_replicas - placement.replicas, bundle, placement.max_replicas)
             extra.ask()
         if wait:
             group.wait_ready(job.cluster.startup_timeout_s)
@@ -168,7 +169,10 @@ class GenerationPool:
         return joined
 
     def _shards(self, prompts: list[list[int]], seed: int, greedy: bool) -> tuple[list[int], list[tuple]]:
-        k = len(self.group)
+        """The prompts cut into contiguous, balanced slices, each with its seed: one per engine; in an elastic pool
+        always max_replicas, dealt to the engines present (`_assign`), so that which engines answer changes nothing
+        in the samples."""
+        k = len(self.group) if self.extra is None else self.extra.slices
         bounds = [round(i * len(prompts) / k) for i in range(k + 1)]
         return bounds, [(prompts[bounds[i]: bounds[i + 1]], stable_seed(seed, "engine", i), greedy) for i in range(k)]
 
@@ -187,26 +191,42 @@ class GenerationPool:
         elastic pool an extra engine whose node left is dropped instead: its share goes to the engine with the
         fewest shares so far when `redo` (prompts), or is left out of the results (weights). `refs` and `names`:
         calls made earlier (a submitted rollout) and the engines they were made on."""
-        if refs is None:
-            refs = [self.group.bound(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
         if self.extra is None:
+            if refs is None:
+                refs = [self.group.bound(a, method).remote(*args) for a, args in zip(self.group.actors, per_rank_args)]
             return resilient_gather(self.group, method, per_rank_args, refs, self.budget,
                                     lambda rank: self.on_replaced(rank))
-        return self._elastic_call(method, per_rank_args, refs, names or self.group.names[:len(refs)], redo)
+        if refs is None:
+            names, refs = self._start(method, per_rank_args)
+        return self._elastic_call(method, per_rank_args, refs, names, redo)
 
-    def _elastic_call(self, method: str, per_rank_args: list[tuple], refs: list, names: list[str], redo: bool) -> list:
+    def _start(self, method: str, per_share_args: list[tuple]) -> tuple[list[str], list]:
+        """An elastic pool's calls: share i to engine i mod the engines present. Returns (engines, call refs)."""
+        names = [self.group.names[i % len(self.group)] for i in range(len(per_share_args))]
+        actors = dict(zip(self.group.names, self.group.actors))
+        return names, [self.group.bound(actors[name], method).remote(*args) for name, args in zip(names, per_share_args)]
+
+    def _elastic_call(self, method: str, per_share_args: list[tuple], refs: list, names: list[str], redo: bool) -> list:
+        """Each share's result, in share order. A share whose engine died is asked again: of a replacement (the
+        restart budget's), of another engine where an extra engine's node left (dropped: no restart spent), or
+        not at all for weights (`redo` false). Shares on an engine that was replaced meanwhile go to its
+        replacement."""
         lost: set[str] = set()
         results: dict[int, object] = {}
-        shares = dict.fromkeys(self.group.names, 0) | dict.fromkeys(names, 1)  # calls each engine was given
-        pending = list(zip(range(len(refs)), names, refs))  # (share, the engine answering it, its call)
+        given = Counter(names)  # shares each engine was given
+        actors = dict(zip(self.group.names, self.group.actors))
+        pending = [(share, name, actors.get(name), ref) for share, (name, ref) in enumerate(zip(names, refs))]
         while pending:
-            share, runner, ref = pending.pop(0)
+            share, runner, actor, ref = pending.pop(0)
             try:
                 results[share] = gather([ref], [runner], self.group.call_timeout_s, method)[0]
                 continue
             except (ActorDiedError, ActorCallTimeout) as err:
-                if runner not in self.group.names:  # dropped since the call was made
+                current = dict(zip(self.group.names, self.group.actors))
+                if runner not in current:  # dropped since the call was made
                     lost.add(runner)
+                elif current[runner] is not actor:  # replaced since: its replacement answers
+                    pass
                 elif isinstance(err, ActorDiedError) and self.extra.holds(runner) and (
                         node_lost(err) or self.extra.node_left(runner)):
                     lost.add(runner)
@@ -220,10 +240,10 @@ class GenerationPool:
             if runner in lost:
                 if not redo:
                     continue
-                runner = min((n for n in self.group.names), key=lambda n: (shares.get(n, 0), n))
-                shares[runner] = shares.get(runner, 0) + 1
+                runner = min(self.group.names, key=lambda n: (given[n], self.group.names.index(n)))
+                given[runner] += 1
             actor = self.group.actors[self.group.names.index(runner)]
-            pending.insert(0, (share, runner, self.group.bound(actor, method).remote(*per_rank_args[share])))
+            pending.insert(0, (share, runner, actor, self.group.bound(actor, method).remote(*per_share_args[share])))
         return [results[share] for share in sorted(results)]
 
     def _drop(self, name: str) -> None:
@@ -253,6 +273,9 @@ class GenerationPool:
         bounds, args = self._shards(prompts, seed, False)
         args = [(*a[:2], None if columns is None else columns[bounds[i]: bounds[i + 1]],
                  None if keys is None else keys[bounds[i]: bounds[i + 1]]) for i, a in enumerate(args)]
+        if self.extra is not None:
+            names, refs = self._start("rollout", args)
+            return PendingRollout(args, refs, names)
         return PendingRollout(args, [self.group.bound(actor, "rollout").remote(*a)
                                      for actor, a in zip(self.group.actors, args)], list(self.group.names))
 
