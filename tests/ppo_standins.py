@@ -44,6 +44,7 @@ class FakeRollout:
     prompt_keys: list = field(default_factory=list)
     streamed_groups: int = 0
     restarted_answers: int = 0
+    engines: int = 1
 
 
 class Prompts:
@@ -77,6 +78,9 @@ class Pool:
 
     def sleep(self) -> None:
         pass
+
+    def grow(self) -> list[str]:
+        return []  # a fixed pool
 
 
 class Workers:

@@ -230,6 +230,10 @@ def test_dapo_options_load_and_an_overlong_buffer_as_long_as_the_answers_is_refu
 def test_ppo_batch_checks(write_yaml):
     (problem,) = problems_of(write_yaml(PPO), ["generation.placement.replicas=16"])
     assert "ppo.rollout_batch_size" in problem and "cannot keep 16 engines busy" in problem
+    (problem,) = problems_of(write_yaml(PPO), ["generation.placement.max_replicas=12"])  # as many as it may grow to
+    assert "cannot keep 12 engines busy" in problem and "generation.placement.max_replicas <= 8" in problem
+    (problem,) = problems_of(write_yaml(PPO), ["generation.placement.replicas=2", "generation.placement.max_replicas=1"])
+    assert "generation.placement.max_replicas" in problem and "fewer than replicas (2)" in problem
     (problem,) = problems_of(write_yaml(PPO), ["ppo.train_batch_size=3"])
     assert "ppo.train_batch_size" in problem and "= 8 samples" in problem
     (problem,) = problems_of(write_yaml(PPO), ["policy.placement.replicas=4"])

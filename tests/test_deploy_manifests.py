@@ -376,3 +376,34 @@ def test_the_head_tells_the_dashboard_where_prometheus_and_grafana_are(manifest:
     env = {e["name"]: e.get("value") for e in head.get("env", [])}
     for name in ("RAY_PROMETHEUS_HOST", "RAY_GRAFANA_HOST", "RAY_GRAFANA_IFRAME_HOST"):
         assert re.fullmatch(r"https?://[^/\s]+(:\d+)?", env.get(name) or ""), f"{name}: {env.get(name)!r}"
+
+
+def generation_group(manifest: Manifest) -> Manifest | None:
+    """The autoscaling worker group for an elastic pool's extra engines, if the cluster has one."""
+    return next((g for g in cluster_spec(manifest).get("workerGroupSpecs", []) if g["groupName"] == "generation"),
+                None)
+
+
+@pytest.mark.parametrize("manifest", [p for p in ray_manifests() if generation_group(p.values[0])])
+def test_an_autoscaling_generation_group_has_the_autoscaler_and_starts_empty(manifest: Manifest) -> None:
+    group = generation_group(manifest)
+    assert cluster_spec(manifest)["enableInTreeAutoscaling"] is True  # else nothing grows the group
+    assert group["minReplicas"] == group.get("replicas", 0) == 0 < group["maxReplicas"]
+
+
+def test_the_elastic_ppo_job_fits_an_extra_engine_per_generation_pod_and_its_extras_in_the_group() -> None:
+    """The RayJob asks for engines beyond the recipe's: each takes one pod of the generation group (an engine's
+    bundle fits a pod, two do not, so one pod per engine), and the group may grow to as many pods as it asks for."""
+    from rlhf_ray.config import ConfigSource, validate_job
+
+    job = load("rayjob-ppo.yaml")
+    args = entrypoint_args(job)
+    config = validate_job(ConfigSource.from_file(ROOT / args.config).override(args.overrides), expect="ppo")
+    placement = config.generation.placement
+    assert placement.elastic
+    group = generation_group(job)
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    pod = {"CPU": quantity(limits["cpu"]), "GPU": quantity(limits["nvidia.com/gpu"])}
+    engine = {"CPU": placement.num_cpus, "GPU": placement.num_gpus}
+    assert all(engine[k] <= pod[k] < 2 * engine[k] or engine[k] == 0 for k in engine), (engine, pod)
+    assert placement.max_replicas - placement.replicas <= group["maxReplicas"]

@@ -128,3 +128,25 @@ def test_tensor_parallel_engines_take_one_gpu_per_worker_or_share_cpus():
         spec(engine="vllm", vllm={"tensor_parallel_size": 2}, placement={"num_gpus": 1})
     with pytest.raises(ValueError, match="the hf engine has no tensor parallelism"):
         spec(engine="hf", vllm={"tensor_parallel_size": 2})
+
+
+def test_an_elastic_pool_never_reads_policy_memory_and_refuses_what_would_strand_a_joining_engine():
+    """An engine that joins an elastic pool (generation.placement.max_replicas) may land on any node, so auto does
+    not choose ipc even where the first engines sit with policy rank 0; the settings a joining or leaving engine
+    cannot honour are refused at their field."""
+    from rlhf_ray.jobs.ppo.weight_sync import choose_transport, why_transport
+
+    cpu = {"policy-0": ("node-a", []), "generation-0": ("node-a", [])}
+    assert choose_transport("auto", cpu) == "ipc" and choose_transport("auto", cpu, elastic=True) == "object_store"
+    assert "elastic" in why_transport("object_store", "auto", cpu, elastic=True)
+    own_gpus = {"policy-0": ("node-a", [0]), "generation-0": ("node-b", [0])}
+    assert choose_transport("auto", own_gpus, elastic=True) == "collective"
+    assert spec(placement={"replicas": 1, "max_replicas": 3}).placement.elastic
+    assert not spec(placement={"replicas": 2, "max_replicas": 2}).placement.elastic
+    with pytest.raises(ValueError, match=r"max_replicas\b.*1 is fewer than replicas \(2\)"):
+        spec(placement={"replicas": 2, "max_replicas": 1})
+    for refused, match in [({"weight_sync": {"transport": "ipc"}}, "cannot read the weights in policy rank 0's"),
+                           ({"partial_rollouts": True}, "answers stay in flight on an engine"),
+                           ({"placement": {"max_replicas": 3, "colocate_with": "policy"}}, "placement groups of their own")]:
+        with pytest.raises(ValueError, match=match):
+            spec(**({"placement": {"max_replicas": 3}} | refused))

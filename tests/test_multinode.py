@@ -147,3 +147,57 @@ def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_num
     calm_steps = step_logs(Path(calm.output_dir))
     for got, want in zip(steps, calm_steps):
         assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]
+
+
+def test_an_elastic_pool_takes_an_engine_on_a_node_that_joins_and_drops_it_when_the_node_leaves(
+        tmp_path, three_plus_nodes, sft_model, rm_model, monkeypatch):
+    """generation.placement: 1 engine, up to 2. Every node is taken, so the second engine's placement group waits.
+    After update 2 a node joins and the engine starts there, loaded with the current weights, before update 3's
+    rollout; after update 4 its node goes, and update 5's rollout finds the engine gone: the pool drops it and the
+    other engine answers its share (no restart spent). The learners never restart, every update trains on
+    experience of the current policy version, and the run ends with the numbers of one where no node came or went
+    (the prompts are cut into max_replicas slices with their own seeds, whatever the engines present). The node is
+    added and removed between updates (the pool's `grow`, on the driver's thread), so the test does not race the
+    job's pace."""
+    from rlhf_ray import cluster as rcluster
+    from rlhf_ray.actors.pool import GenerationPool
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    iterations = 8
+    elastic = [*ONE_ROLE_PER_NODE, *RUN, f"ppo.iterations={iterations}", "generation.placement.max_replicas=2",
+               f"cluster.address={three_plus_nodes.address}"]
+    calm_job, job = (ppo_job(tmp_path / name, sft_model, rm_model, *elastic) for name in ("calm", "elastic"))
+    calm_summary = run_ppo(calm_job)
+
+    grow, seen = GenerationPool.grow, {"updates": 0}
+
+    def node_joins_after_update_2_and_leaves_after_update_4(pool):
+        seen["updates"] += 1
+        if seen["updates"] == 2:
+            with rcluster._loopback_mode():  # the new raylet on 127.0.0.1 too, where the others listen
+                seen["node"] = three_plus_nodes.add_node(num_cpus=1)
+            assert pool.extra.asked[0].wait(120), "the engine's placement group was not granted on the new node"
+        joined = grow(pool)
+        if seen["updates"] == 2:
+            assert joined == ["generation-1"], joined
+            seen["engine_node"] = pool.extra.nodes["generation-1"]
+        if seen["updates"] == 4:
+            three_plus_nodes.remove_node(seen["node"], allow_graceful=False)
+        return joined
+
+    monkeypatch.setattr(GenerationPool, "grow", node_joins_after_update_2_and_leaves_after_update_4)
+    summary = run_ppo(job)
+
+    assert seen["engine_node"] == seen["node"].node_id  # the engine went to the node that joined
+    steps = step_logs(Path(job.output_dir))
+    assert summary["iterations"] == iterations and [m["step"] for m in steps] == list(range(1, iterations + 1))
+    assert [m["generate/engines"] for m in steps] == [1, 1, 2, 2, 1, 1, 1, 1]
+    assert all(m["actors/learner_restarts"] == 0 and m["actors/restarts"] == 0 for m in steps)
+    assert [m["policy_version"] for m in steps] == list(range(1, iterations + 1))
+    assert all(m["experience/staleness"] == 0 for m in steps)
+    calm = step_logs(Path(calm_job.output_dir))
+    assert [m["generate/engines"] for m in calm] == [1] * iterations
+    for key in ("reward_after", "task_accuracy_after", "sampled_reward_after"):
+        assert summary[key] == pytest.approx(calm_summary[key], abs=1e-4), key
+    for got, want in zip(steps, calm):
+        assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]

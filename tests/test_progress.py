@@ -77,3 +77,14 @@ def test_an_evaluation_kept_in_a_checkpoint_reads_back_as_it_was():
     assert Evaluation.of(flat) == evaluation
     assert Evaluation.of(Evaluation(Answered(0.5, 0.01)).metrics()) == Evaluation(Answered(0.5, 0.01))
     assert not Evaluation.of({}) and Evaluation().metrics() == {}
+
+
+def test_a_change_in_the_engines_serving_shows_on_the_line_it_happened():
+    """An elastic generation pool: the line says when engines joined or left, not every iteration."""
+    out = io.StringIO()
+    progress = Progress(total=10, start=0, samples_per_iteration=32, stream=out)
+    for step, engines in enumerate([2, 2, 3, 3, 2], start=1):
+        progress.update(step, METRICS | {"generate/engines": float(engines)})
+    lines = out.getvalue().splitlines()
+    assert ["engines" in line for line in lines] == [False, False, True, False, True]
+    assert "engines 2 -> 3" in lines[2] and "engines 3 -> 2" in lines[4]

@@ -209,6 +209,14 @@ class ActorGroup:
         self.log_files = [log_file(name) for name in self.names]
         """Where each actor's output goes (actors/actor_logs.py); None: Ray's worker logs."""
         self.slots, self._args, self._kwargs = slots, args, kwargs or {}
+        self.places: list[tuple[Any, int | None]] = [
+            (slots.placement_group, None if slots.bundle_indices is None else slots.bundle_indices[rank])
+            for rank in range(replicas)]
+        """Each rank's placement group and bundle (None, None: anywhere Ray finds room); ranks `add`ed later have
+        groups of their own."""
+        self.spawned = replicas
+        """Actors ever named in this group: the next `add` is `{role}-{spawned}` (a dropped rank's name is not
+        given again)."""
         self.actors: list = []
         try:
             for rank in range(replicas):
@@ -234,14 +242,42 @@ class ActorGroup:
         slots = self.slots
         opts: dict[str, Any] = {"name": self.ray_names[rank], "num_cpus": slots.num_cpus, "num_gpus": slots.num_gpus,
                                 **(slots.ray_options or {})}
-        if slots.placement_group is not None:
+        placement_group, bundle = self.places[rank]
+        if placement_group is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                slots.placement_group, placement_group_bundle_index=slots.bundle_indices[rank],
-                placement_group_capture_child_tasks=True)
+                placement_group, placement_group_bundle_index=bundle, placement_group_capture_child_tasks=True)
         if slots.env_vars:
             opts["runtime_env"] = {"env_vars": dict(slots.env_vars)}
-        return self._remote_cls.options(**opts).remote(*self._args, rank=rank, world_size=len(self.names),
+        index = int(self.names[rank].rsplit("-", 1)[1])  # the actor's own number: its name's
+        return self._remote_cls.options(**opts).remote(*self._args, rank=index, world_size=len(self.names),
                                                        log_file=self.log_files[rank], **self._kwargs)
+
+    def add(self, placement_group: Any, bundle: int = 0, timeout: float | None = None) -> int:
+        """One more actor, `{role}-{n}`, on `bundle` of a placement group of its own (an elastic pool's engine);
+        returns its rank once its __init__ has finished. One that fails to start is killed and not kept."""
+        name = f"{self.role}-{self.spawned}"
+        self.spawned += 1
+        self.names.append(name)
+        self.ray_names.append(ray_name(name))
+        self.log_files.append(log_file(name))
+        self.places.append((placement_group, bundle))
+        rank = len(self.names) - 1
+        try:
+            self.actors.append(self._spawn_named(rank, self.start_timeout_s if timeout is None else timeout))
+            gather([self.actors[rank].__ray_ready__.remote()], [name],
+                   self.start_timeout_s if timeout is None else timeout, f"{self.actor_cls.__name__}.__init__")
+        except Exception:
+            self.drop(rank)
+            raise
+        return rank
+
+    def drop(self, rank: int) -> None:
+        """Kill rank `rank` and remove it: the ranks after it move down one (an elastic pool's engine that left)."""
+        if rank < len(self.actors):
+            self._kill(rank)
+            del self.actors[rank]
+        for kept in (self.names, self.ray_names, self.log_files, self.places):
+            del kept[rank]
 
     def replace(self, rank: int, timeout: float | None = None) -> None:
         """Start a fresh replica `rank` on the same bundle, under the same name (the old one is killed first if it

@@ -11,6 +11,31 @@ from rlhf_ray.config.base import FieldProblem, StrictModel
 from rlhf_ray.config.placement import PlacementSpec
 
 
+class EnginePlacementSpec(PlacementSpec):
+    """The generation pool's placement: the `replicas` engines it starts with and needs, and with `max_replicas`
+    more while nodes with room for them are there."""
+
+    max_replicas: int | None = Field(None, ge=1)
+    """An elastic pool of up to this many engines. The `replicas` the job starts with are placed with the other roles
+    (the job waits for them; a lost one is replaced, as in a fixed pool). Each engine beyond them asks for a placement
+    group of its own (one bundle of num_cpus and num_gpus), which Ray grants when a node has room: one joins, or
+    another job ends (a KubeRay autoscaler adds a node for it). Between iterations an engine whose group was granted
+    starts, loads the current policy weights, and then takes its share of the prompts. An extra engine lost with its
+    node is dropped: the others answer its prompts again, no restart is spent, and its group is asked for again.
+    None: a fixed pool of `replicas`."""
+
+    @model_validator(mode="after")
+    def _max_at_least_replicas(self) -> "EnginePlacementSpec":
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise FieldProblem("max_replicas", f"{self.max_replicas} is fewer than replicas ({self.replicas}), the "
+                                               f"engines the pool starts with; set max_replicas >= {self.replicas}")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_replicas is not None and self.max_replicas > self.replicas
+
+
 class SamplingSpec(StrictModel):
     """Sampling parameters. PPO needs real sampling: greedy decoding explores nothing."""
 
@@ -146,7 +171,7 @@ class GenerationSpec(StrictModel):
     """engine auto on CPU: models with fewer parameters use the hf engine, larger ones vLLM. Measured on 2 cores
     (docs/benchmarks.md): at 0.4M parameters the two generate within 15% of each other and hf starts 6 s sooner;
     at 30M vLLM generates 4x faster."""
-    placement: PlacementSpec = Field(default_factory=PlacementSpec)
+    placement: EnginePlacementSpec = Field(default_factory=EnginePlacementSpec)
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     vllm: VllmSpec = Field(default_factory=VllmSpec)
     hf: HfEngineSpec = Field(default_factory=HfEngineSpec)
@@ -167,6 +192,24 @@ class GenerationSpec(StrictModel):
     def max_answer_tokens(self) -> int:
         """Tokens after the prompt at most: one answer, or an episode's turns and observations."""
         return self.environment.max_episode_tokens if self.environment else self.sampling.max_new_tokens
+
+    @model_validator(mode="after")
+    def _elastic_pool(self) -> "GenerationSpec":
+        if not self.placement.elastic:
+            return self
+        if self.placement.colocate_with is not None:
+            raise FieldProblem("placement.max_replicas", "engines beyond replicas get placement groups of their own, "
+                               f"so the pool cannot share the bundles of {self.placement.colocate_with}; remove "
+                               "max_replicas or colocate_with")
+        if self.weight_sync.transport == "ipc":
+            raise FieldProblem("placement.max_replicas", "an engine that joins on another node cannot read the "
+                               "weights in policy rank 0's memory; use weight_sync.transport: auto (the object store "
+                               "or a collective) or remove max_replicas")
+        if self.partial_rollouts:
+            raise FieldProblem("placement.max_replicas", "with partial rollouts answers stay in flight on an engine "
+                               "between rollouts, and a dropped engine would take them along; remove max_replicas "
+                               "or partial_rollouts")
+        return self
 
     @model_validator(mode="after")
     def _tensor_parallel_matches_gpus(self) -> "GenerationSpec":

@@ -285,11 +285,13 @@ class PPOJob(JobBase):
                                f"{estimator_name} compares answers to the same prompt and needs at least 2 (got {n})")
 
     def _check_batches(self) -> None:
-        engines = self.generation.placement.replicas
+        placement = self.generation.placement
+        engines = placement.max_replicas or placement.replicas
         if self.ppo.rollout_batch_size < engines:
+            field = "max_replicas" if placement.max_replicas else "replicas"
             raise FieldProblem("ppo.rollout_batch_size",
                                f"{self.ppo.rollout_batch_size} prompts per iteration cannot keep {engines} engines busy; "
-                               f"set ppo.rollout_batch_size >= {engines} or generation.placement.replicas <= "
+                               f"set ppo.rollout_batch_size >= {engines} or generation.placement.{field} <= "
                                f"{self.ppo.rollout_batch_size}")
         samples, train_batch = self.samples_per_iteration, self.train_batch_size
         if samples % train_batch:

@@ -32,6 +32,8 @@ class Progress:
         self.in_place = enabled and getattr(self.stream, "isatty", lambda: False)()
         self.width = 0
         self.held_out = ""
+        self.engines: float | None = None
+        """Engines that served the last iteration shown (an elastic pool's change shows on the line)."""
 
     def evaluated(self, step: int, held_out: Evaluation) -> None:
         """The held-out evaluation after `step` iterations: its reward and, with a check (a rule or gold function),
@@ -56,6 +58,9 @@ class Progress:
         if wall:
             parts.append(f"{self.samples / wall:.1f} samples/s")
             parts.append(" ".join(f"{label} {metrics[key]:.1f}s" for label, key in SPLIT if key in metrics))
+        engines = metrics.get("generate/engines")
+        if engines is not None and self.engines is not None and engines != self.engines:
+            parts.append(f"engines {self.engines:g} -> {engines:g}")
         done = step - self.first
         if 0 < done and step < self.total:
             parts.append(f"eta {duration((time.monotonic() - self.began) / done * (self.total - step))}")
@@ -65,6 +70,7 @@ class Progress:
         if not self.enabled:
             return
         text = self.line(step, metrics)
+        self.engines = metrics.get("generate/engines", self.engines)
         if self.in_place:
             self.stream.write("\r" + text.ljust(self.width))
             self.width = len(text)

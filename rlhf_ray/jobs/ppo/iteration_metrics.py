@@ -26,7 +26,7 @@ def iteration_metrics(taken: Taken, trained: Trained, synced: SyncResult, elapse
             "time/engine_generate": rollout.engine_seconds, "time/engine_busy": rollout.engine_busy_seconds,
             "generate/tokens": rollout.tokens,
             "generate/streamed_groups": rollout.streamed_groups / max(1, len(rollout.prompt_keys)),
-            "generate/restarted_answers": rollout.restarted_answers,
+            "generate/restarted_answers": rollout.restarted_answers, "generate/engines": rollout.engines,
             "time/train": trained.wall, "time/sync": synced.seconds, "compute/train_seconds": trained.seconds,
             "compute/sync_seconds": synced.learner_gather_seconds + synced.engine_load_seconds,
             "sync/bytes": synced.bytes, "sync/gather_seconds": synced.gather_seconds,

@@ -95,6 +95,7 @@ class PPOTrainer:
             synced = self.weights.sync()  # 5. the new weights to the engines: policy version + 1
         else:
             synced = self.weights.unchanged(taken.minibatches, trained)
+        self.workers.pool.grow()  # an elastic pool: engines on nodes that made room, given these weights first
         return taken, iteration_metrics(taken, trained, synced, time.perf_counter() - began,
                                         len(self.workers.pool.group), len(self.workers.restarts.replaced),
                                         self.learner_restarts)

@@ -41,11 +41,12 @@ class SyncResult:
     """The slowest engine's own loading time."""
 
 
-def choose_transport(requested: str, members: dict[str, tuple[str, list]]) -> str:
+def choose_transport(requested: str, members: dict[str, tuple[str, list]], elastic: bool = False) -> str:
     """The transport, once the members' places are known. `members`: policy rank 0 first, then every engine: name
     -> (node id, the GPU ids Ray gave it). auto: ipc when every engine sits with rank 0 (the same node, on CPU; the
-    same GPU, where they have GPUs), else collective when every member has a GPU of its own (NCCL cannot put two
-    ranks on one device), else the object store. An explicit choice that cannot work here is refused, naming why."""
+    same GPU, where they have GPUs) and the pool is not `elastic` (an engine that joins may sit anywhere), else
+    collective when every member has a GPU of its own (NCCL cannot put two ranks on one device), else the object
+    store. An explicit choice that cannot work here is refused, naming why."""
     (learner, (node, gpus)), *engines = members.items()
     apart = [name for name, (n, g) in engines if n != node or sorted(map(str, g)) != sorted(map(str, gpus))]
     shared = gpus_shared(members)
@@ -60,20 +61,23 @@ def choose_transport(requested: str, members: dict[str, tuple[str, list]]) -> st
                          "transport: auto (ipc or the object store here) or whole GPUs (placement.num_gpus: 1)")
     if requested != "auto":
         return requested
-    if not apart:
+    if not apart and not elastic:
         return "ipc"
     if gpus and all(g for _, (_, g) in engines) and not shared:
         return "collective"
     return "object_store"
 
 
-def why_transport(transport: str, requested: str, members: dict[str, tuple[str, list]]) -> str:
+def why_transport(transport: str, requested: str, members: dict[str, tuple[str, list]], elastic: bool = False) -> str:
     """Why choose_transport chose `transport`, for the job's log."""
     (learner, (node, _)), *engines = members.items()
     if requested != "auto":
         return "set in generation.weight_sync.transport"
     if transport == "ipc":
         return f"every engine is on the node of {learner}"
+    together = all(n == node and sorted(map(str, g)) == sorted(map(str, members[learner][1])) for _, (n, g) in engines)
+    if elastic and together:
+        return "the pool is elastic (generation.placement.max_replicas): an engine that joins may sit on any node"
     elsewhere = [name for name, (n, _) in engines if n != node]
     where = (f"{', '.join(elsewhere)} on another node than {learner} (ipc shares memory within one node)"
              if elsewhere else f"the engines on other GPUs than {learner}'s")
@@ -93,13 +97,15 @@ class WeightSync:
         spec = job.generation.weight_sync
         self.bucket_bytes, self.adapters_only = int(spec.bucket_mb * 2**20), spec.lora == "adapter"
         places = self._places()
-        self.transport = choose_transport(spec.transport, places)
-        log.info("weight sync: %s (%s)", self.transport, why_transport(self.transport, spec.transport, places))
+        self.transport = choose_transport(spec.transport, places, job.generation.placement.elastic)
+        log.info("weight sync: %s (%s)", self.transport, why_transport(self.transport, spec.transport, places,
+                                                                       job.generation.placement.elastic))
         self.behind: set[int] | None = None  # ipc: engines replaced during a handoff, given the weights after it
         self.closing: list | None = None  # ipc: the call that frees the last part, not waited for
         if self.transport == "collective":
             self._form_broadcast()
             workers.pool.on_replaced = self._rejoin
+            workers.pool.on_dropped = self._form_broadcast  # without the engines that left
         elif self.transport == "ipc":
             workers.pool.on_replaced = self._hand_off_again
         else:
