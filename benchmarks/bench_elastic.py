@@ -73,6 +73,8 @@ def main() -> int:
         return drop(pool, name)
 
     GenerationPool.grow, GenerationPool._drop = paced_grow, timed_drop
+    import logging
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the pool's joins and drops
     with rcluster._loopback_mode():
         harness = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 0, "include_dashboard": False,

@@ -30,6 +30,9 @@ class ExtraEngines:
         self.wanted, self.bundle, self.slices, self.role = wanted, bundle, slices, role
         self.asked: list = []
         """Placement groups asked for and not granted yet, oldest first."""
+        self.ready: dict = {}
+        """Placement group id -> the ObjectRef that resolves once Ray grants it (asked once: a fresh `pg.wait(0)`
+        is a request that times out before the answer arrives, so it says False even for a granted group)."""
         self.held: dict[str, object] = {}
         """Engine name -> the granted placement group it runs on."""
         self.nodes: dict[str, str] = {}
@@ -46,13 +49,23 @@ class ExtraEngines:
         while len(self.asked) + len(self.held) < self.wanted:
             name = ray_name(f"{self.role}-extra-{self.made}")
             self.made += 1
-            self.asked.append(placement_group([dict(self.bundle)], strategy="STRICT_PACK", name=name))
+            pg = placement_group([dict(self.bundle)], strategy="STRICT_PACK", name=name)
+            self.asked.append(pg)
+            self.ready[pg.id] = pg.ready()
 
     def granted(self) -> list:
         """The groups Ray has granted since the last call (no longer in `asked`); does not wait."""
-        ready = [pg for pg in self.asked if pg.wait(0)]
-        self.asked = [pg for pg in self.asked if pg not in ready]
-        return ready
+        import ray
+
+        if not self.asked:
+            return []
+        done, _ = ray.wait([self.ready[pg.id] for pg in self.asked], num_returns=len(self.asked), timeout=0)
+        done = set(done)
+        granted = [pg for pg in self.asked if self.ready[pg.id] in done]
+        self.asked = [pg for pg in self.asked if pg not in granted]
+        for pg in granted:
+            del self.ready[pg.id]
+        return granted
 
     def hold(self, engine: str, pg, node_id: str) -> None:
         self.held[engine], self.nodes[engine] = pg, node_id
@@ -89,7 +102,7 @@ class ExtraEngines:
             self.wanted = len(self.held)
             for asked in self.asked:
                 _remove(asked)
-            self.asked = []
+            self.asked, self.ready = [], {}
             return
         self.ask()
 
@@ -101,7 +114,7 @@ class ExtraEngines:
         """Remove every group, asked or held."""
         for pg in [*self.asked, *self.held.values()]:
             _remove(pg)
-        self.asked, self.held = [], {}
+        self.asked, self.held, self.ready = [], {}, {}
 
 
 def _remove(pg) -> None:
