@@ -4,7 +4,9 @@ a 2-CPU node for the policy (with the reference and the reward function), and a 
 The second engine's placement group (1 CPU) has no room until, after update JOIN_AFTER, a 1-CPU node joins; after
 update LEAVE_AFTER it leaves again. Measured in one run:
 
-- samples per second with one engine (the updates before the join, the first left out) and with two;
+- samples per second with one engine and with two, of whole updates and of the generation phase (the rollout's
+  wait), medians of the updates that ran with one and with two engines throughout: the first update (warm-up) and
+  those whose time holds the join or the leave left out;
 - from the node joining to its engine serving (Ray granting the group, the engine starting and loading the current
   weights, the wait for the end of the update in progress);
 - from the node leaving to the pool settling (the next rollout finding the engine gone, Ray's verdict on the node,
@@ -32,11 +34,11 @@ from common import ROOT, machine, publish, recipe_args, today, versions  # noqa:
 
 SECTION = "## Elastic generation: a node joins, then leaves"
 RECIPE = ROOT / "configs/quickstart/grpo.yaml"
-JOIN_AFTER, LEAVE_AFTER = 3, 7
+JOIN_AFTER, LEAVE_AFTER = 3, 8
 
 
 def main() -> int:
-    args = recipe_args(__doc__, iterations=10)
+    args = recipe_args(__doc__, iterations=12)
     import json
 
     from ray.cluster_utils import Cluster
@@ -93,10 +95,16 @@ def main() -> int:
         harness.shutdown()
     rows = [m for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
             if "policy_version" in m]
-    rate = [job.samples_per_iteration / m["time/iteration"] for m in rows]
-    one = statistics.median(rate[1:JOIN_AFTER])  # before the join, the first update (warm-up) left out
-    two = statistics.median([r for r, m in zip(rate, rows) if m["generate/engines"] == 2])
-    settled = next(m["time"] for m in rows if m["time"] > marks["left"])
+    events = {1, JOIN_AFTER, LEAVE_AFTER, LEAVE_AFTER + 1}  # warm-up; the join and the leave (in `grow`); the drop
+    served = {n: [m for m in rows if m["generate/engines"] == n and m["step"] not in events] for n in (1, 2)}
+
+    def median_rate(n: int, key: str) -> float:
+        return statistics.median(job.samples_per_iteration / m[key] for m in served[n])
+
+    whole = {n: median_rate(n, "time/iteration") for n in (1, 2)}
+    generation = {n: median_rate(n, "time/generate_wait") for n in (1, 2)}
+    steps = {n: ", ".join(str(m["step"]) for m in served[n]) for n in (1, 2)}
+    settled = next(m["time"] for m in rows if m["step"] == LEAVE_AFTER + 1)
     engines = ", ".join(f"{m['step']}: {m['generate/engines']:g}" for m in rows)
     text = f"""{SECTION}
 
@@ -107,17 +115,21 @@ The quickstart GRPO job (SmolLM2-135M-Instruct, vLLM on CPU, 32 samples per upda
 `generation.placement: {{replicas: 1, max_replicas: 2, num_cpus: 1}}` on Ray's multi-node harness: a 2-CPU node
 for the policy, reference and reward function, a 1-CPU node for the first engine; after update {JOIN_AFTER} a
 1-CPU node joins, after update {LEAVE_AFTER} it leaves. The nodes share this machine's 2 cores (see the script's
-docstring for what the ratio does and does not say).
+docstring for what the ratio does and does not say). In sync mode the learners wait while the engines generate, so
+the second engine shortens only the generation phase; the update's scoring, training and weight sync (now to two
+engines) stay.
 
-| | value |
-|---|---|
-| samples/s, one engine (median of updates 2-{JOIN_AFTER}) | {one:.2f} |
-| samples/s, two engines (median of the updates they served) | {two:.2f} |
-| ratio, two engines / one | {two / one:.2f} |
+| | one engine (updates {steps[1]}) | two engines (updates {steps[2]}) | two / one |
+|---|---:|---:|---:|
+| samples/s, whole update | {whole[1]:.2f} | {whole[2]:.2f} | {whole[2] / whole[1]:.2f} |
+| samples/s, generation phase (the rollout's wait) | {generation[1]:.1f} | {generation[2]:.1f} | {generation[2] / generation[1]:.2f} |
+
+| event | time |
+|---|---:|
 | node joined -> its placement group granted | {marks['granted'] - marks['joined']:.1f} s |
 | granted -> the engine started and loaded with the current weights | {marks['serving'] - marks['granted']:.1f} s |
 | node left -> the pool dropped its engine (next rollout, Ray's verdict) | {marks['dropped'] - marks['left']:.1f} s |
-| node left -> the update with one engine done (settled) | {settled - marks['left']:.1f} s |
+| node left -> the next update, its rollout answered by one engine, done (settled) | {settled - marks['left']:.1f} s |
 
 Engines per update (`generate/engines`): {engines}.
 """
