@@ -26,6 +26,7 @@ pytestmark = pytest.mark.system
 
 BIN = Path(sys.executable).parent
 PORT = 6379
+ELASTIC_ITERATIONS = 15
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +168,64 @@ def test_the_reward_server_on_another_host_wants_its_token_over_https(hosts, wor
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+def metric_rows(out: Path) -> list[dict]:
+    """The iterations logged so far (none before the file exists)."""
+    path = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [m for m in rows if "policy_version" in m]
+
+
+def test_an_elastic_pool_takes_an_engine_on_a_host_that_joins_and_drops_it_when_the_host_dies(hosts, workdir):
+    """The quickstart PPO with `generation.placement: {replicas: 1, max_replicas: 2, num_cpus: 2}`: every role but
+    the engine shares one bundle (1.5 CPUs), the engine takes a whole host, and the second engine's placement group
+    waits: no host has 2 CPUs free. Once the job is running a third host joins; the second engine starts there,
+    loaded with the current weights. Then that host dies (every process killed, its link down): the pool drops the
+    engine, the other one answers its share, and the job ends as usual: no restart spent, every update trained on
+    experience of the current policy version."""
+    h1 = hosts.hosts["h1"]
+    out = workdir / "runs/elastic"
+    log = hosts.root / "elastic.log"
+    job = hosts.popen(h1, ["rlhf-ray", "ppo", "--config", "ppo.yaml", "--set", "policy.model.path=models/sft",
+                           "--set", "reward.model.path=models/rm", "--set", "output_dir=runs/elastic",
+                           "--set", "critic.placement.colocate_with=policy",
+                           "--set", "reward.placement.colocate_with=policy", "--set", "generation.engine=hf",
+                           "--set", "generation.placement.num_cpus=2", "--set", "generation.placement.max_replicas=2",
+                           "--set", f"ppo.iterations={ELASTIC_ITERATIONS}",
+                           "--set", "ppo.eval_prompts=0", "--set", "checkpoint.every_steps=1000"],
+                      cwd=workdir, env=driver_env(hosts), log=log)
+
+    def until(what: str, seen, timeout: float = 300) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while not seen(rows := metric_rows(out)):
+            assert job.poll() is None, f"the job ended before {what}\n" + log.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"not within {timeout} s: {what}\n" + log.read_text()[-4000:]
+            time.sleep(0.2)
+        return rows
+
+    try:
+        until("its first update", lambda rows: len(rows) >= 1)
+        joining = hosts.add("e3")
+        hosts.start_ray(joining, h1, cpus=2, port=PORT)
+        until("an update served by two engines", lambda rows: any(m["generate/engines"] == 2 for m in rows))
+        hosts.lose(joining)
+        code = job.wait(timeout=600)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "generation-1 joined the generation pool (2 engines now)" in text
+    assert "generation-1 left with its node; dropping it from the generation pool" in text
+    steps = metric_rows(out)
+    engines = [int(m["generate/engines"]) for m in steps]
+    assert [m["step"] for m in steps] == list(range(1, ELASTIC_ITERATIONS + 1))
+    changes = [engines[0]] + [b for a, b in zip(engines, engines[1:]) if a != b]
+    assert changes == [1, 2, 1], engines  # one engine, two while the host lived, one after it died
+    assert all(m["actors/restarts"] == 0 and m["actors/learner_restarts"] == 0 for m in steps)
+    assert [m["policy_version"] for m in steps] == list(range(1, ELASTIC_ITERATIONS + 1))
+    assert all(m["experience/staleness"] == 0 for m in steps)
 
 
 def test_ppo_across_hosts_syncs_weights_between_them_and_survives_losing_a_host(hosts, workdir):
