@@ -73,3 +73,24 @@ def test_the_pool_stops_asking_after_engines_keep_failing_to_start(shared_ray):
     finally:
         extra.close()
     assert set(states(seen)) == {"REMOVED"}
+
+
+def test_a_vacant_bundle_is_taken_again_once_ray_has_placed_it(shared_ray):
+    """A bundle of the job's placement group whose engine left with its node waits in `vacant`; `placed_again`
+    hands it out once the group is placed on live nodes, and not before (a removed group never)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rlhf_ray.actors.elastic import ExtraEngines
+
+    extra = ExtraEngines(0, BUNDLE, 2, role="vacant", minimum=2)
+    placed, gone = placement_group([BUNDLE, BUNDLE]), placement_group([BUNDLE])
+    try:
+        ray.get([placed.ready(), gone.ready()], timeout=60)
+        remove_placement_group(gone)
+        extra.vacant = [(placed, 1), (gone, 0)]
+        assert extra.placed_again() == [(placed, 1)]
+        assert extra.vacant == [(gone, 0)]
+        assert extra.placed_again() == []
+    finally:
+        remove_placement_group(placed)

@@ -2,7 +2,9 @@
 placement group of its own, one bundle of an engine's resources, which Ray grants when a node has room (one joins,
 another job ends; a pending group is also what makes a KubeRay autoscaler add a node). The pool starts an engine
 on each group granted (GenerationPool.grow) and gives its group back when the engine's node leaves, asking for a
-new one at once."""
+new one at once. The engines
+of the minimum run on the job's own placement group: one whose node leaves while the pool is above its minimum
+leaves its bundle vacant (no restart spent) until Ray places the bundle again (`vacant`, `placed_again`)."""
 
 from __future__ import annotations
 
@@ -23,11 +25,15 @@ on every node (out of memory, say) must not be started again each iteration."""
 
 
 class ExtraEngines:
-    def __init__(self, wanted: int, bundle: dict[str, float], slices: int, role: str = "generation"):
+    def __init__(self, wanted: int, bundle: dict[str, float], slices: int, role: str = "generation",
+                 minimum: int = 1):
         """`wanted`: engines beyond the minimum (max_replicas - replicas); `bundle`: one engine's resources;
         `slices`: max_replicas, the parts every batch of prompts is cut into (each with its seed) whatever the
-        engines present, so the samples do not depend on them."""
-        self.wanted, self.bundle, self.slices, self.role = wanted, bundle, slices, role
+        engines present, so the samples do not depend on them; `minimum`: replicas, the engines the job needs."""
+        self.wanted, self.bundle, self.slices, self.role, self.minimum = wanted, bundle, slices, role, minimum
+        self.vacant: list[tuple[object, int]] = []
+        """(placement group, bundle) of the minimum's engines that left with their node while the pool was above
+        its minimum; an engine starts there again once Ray has placed the bundle on a live node."""
         self.asked: list = []
         """Placement groups asked for and not granted yet, oldest first."""
         self.ready: dict = {}
@@ -73,20 +79,25 @@ class ExtraEngines:
     def node_left(self, engine: str, wait_s: float = NODE_VERDICT_S) -> bool:
         """Whether the engine's node is gone, once Ray says so: right after a node dies its actors' calls fail as
         "temporarily unavailable" while Ray still lists it alive. False: the node lives (the engine itself died)."""
-        import ray
+        return node_gone(self.nodes[engine], wait_s)
 
-        node = self.nodes[engine]
-        deadline = time.monotonic() + wait_s
-        while True:
-            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-            if node not in alive:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.5)
+    def placed_again(self) -> list[tuple[object, int]]:
+        """The vacant bundles Ray has placed on a live node again (taken out of `vacant`); does not wait."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        ready = []
+        for pg, bundle in self.vacant:
+            table = placement_group_table(pg)
+            if table.get("state") == "CREATED" and table.get("bundles_to_node_id", {}).get(bundle) in alive:
+                ready.append((pg, bundle))
+        self.vacant = [place for place in self.vacant if place not in ready]
+        return ready
 
     def holds(self, engine: str) -> bool:
         return engine in self.held
+
 
     def give_back(self, pg, failed_start: bool = False) -> None:
         """Remove a group (its engine left or failed to start) and ask for another in its place, unless
@@ -115,6 +126,20 @@ class ExtraEngines:
         for pg in [*self.asked, *self.held.values()]:
             _remove(pg)
         self.asked, self.held, self.ready = [], {}, {}
+
+
+def node_gone(node: str, wait_s: float = NODE_VERDICT_S) -> bool:
+    """Whether Ray says the node is dead, asked until `wait_s` has passed (see ExtraEngines.node_left)."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if node not in alive:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
 
 
 def _remove(pg) -> None:

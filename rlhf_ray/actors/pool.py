@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from rlhf_ray.actors.elastic import ExtraEngines
+from rlhf_ray.actors.elastic import ExtraEngines, node_gone
 from rlhf_ray.actors.engine import RolloutSample, engine_env
 from rlhf_ray.models.support import resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker, Loaded, RolloutPart
@@ -113,6 +113,9 @@ class GenerationPool:
         their own."""
         self.on_dropped = lambda: None
         """After engines left an elastic pool; the collective transport forms its group again without them."""
+        self.base_nodes: dict[str, str] = {}
+        """An elastic pool's engines on the job's own placement group -> their node's id (recorded by `grow`): one
+        whose node leaves while the pool is above its minimum is dropped rather than replaced."""
 
     @classmethod
     def start(cls, job, placement_group, bundle_indices: list[int], tokens: TokenConventions,
@@ -135,19 +138,38 @@ class GenerationPool:
         extra = None
         if placement.elastic:
             bundle = {"CPU": placement.num_cpus} | ({"GPU": placement.num_gpus} if placement.num_gpus else {})
-            extra = ExtraEngines(placement.max_replicas - placement.replicas, bundle, placement.max_replicas)
+            extra = ExtraEngines(placement.max_replicas - placement.replicas, bundle, placement.max_replicas,
+                                 minimum=placement.replicas)
             extra.ask()
         if wait:
             group.wait_ready(job.cluster.startup_timeout_s)
         return cls(group, engine, budget or RestartBudget(job.cluster.max_actor_restarts), extra)
 
     def grow(self) -> list[str]:
-        """An elastic pool: an engine on each placement group Ray granted since the last call, loaded with the
-        current weights before it takes a request. Returns the engines that joined (none without `max_replicas`).
-        One that fails to start gives its group back and asks again."""
+        """An elastic pool: an engine on each placement group Ray granted since the last call, and on each vacant
+        bundle of the job's own group Ray has placed again, loaded with the current weights before it takes a
+        request. Returns the engines that joined (none without `max_replicas`). One that fails to start on a
+        granted group gives it back and asks again; on a bundle of the job's group it counts as a restart, as in
+        a fixed pool, and the bundle is tried again next time."""
         if self.extra is None:
             return []
         joined = []
+        for pg, bundle in self.extra.placed_again():
+            rank = None
+            try:
+                rank = self.group.add(pg, bundle)  # a failed start is not kept
+                self.on_replaced(rank)
+            except (ActorDiedError, ActorCallTimeout, RemoteCallError) as err:
+                log.warning("an engine did not start on its bundle, placed again: %s", str(err).splitlines()[0])
+                if rank is not None:
+                    self.group.drop(rank)
+                self.extra.vacant.append((pg, bundle))
+                self.budget.spend(err)
+                continue
+            joined.append(self.group.names[rank])
+            log.info("%s joined the generation pool on the job's bundle %d (%d engines now)",
+                     self.group.names[rank], bundle, len(self.group))
+        self._note_base_nodes()
         for pg in self.extra.granted():
             rank = None
             try:
@@ -167,6 +189,17 @@ class GenerationPool:
             joined.append(name)
             log.info("%s joined the generation pool (%d engines now)", name, len(self.group))
         return joined
+
+    def _note_base_nodes(self) -> None:
+        """Record the node of each engine on the job's own placement group not recorded yet."""
+        for rank, name in enumerate(self.group.names):
+            if self.extra.holds(name) or name in self.base_nodes:
+                continue
+            try:
+                (self.base_nodes[name],) = gather([self.group.actors[rank].__ray_call__.remote(_node_id)], [name],
+                                                  self.group.call_timeout_s, "node id")
+            except (ActorDiedError, ActorCallTimeout, RemoteCallError):
+                pass  # not recorded: the next call to it meets the death (replaced, as in a fixed pool)
 
     def _shards(self, prompts: list[list[int]], seed: int, greedy: bool) -> tuple[list[int], list[tuple]]:
         """The prompts cut into contiguous, balanced slices, each with its seed: one per engine; in an elastic pool
@@ -232,8 +265,18 @@ class GenerationPool:
                     lost.add(runner)
                     log.warning("%s left with its node; dropping it from the generation pool", runner)
                     self._drop(runner)
+                elif (isinstance(err, ActorDiedError) and runner in self.base_nodes
+                      and len(self.group) > self.extra.minimum
+                      and self.group.places[self.group.names.index(runner)][0] is not None
+                      and (node_lost(err) or node_gone(self.base_nodes[runner]))):
+                    lost.add(runner)
+                    log.warning("%s left with its node; the pool stays above its minimum (%d), so it is dropped; "
+                                "an engine starts on its bundle once Ray places it again", runner,
+                                self.extra.minimum)
+                    self._vacate(runner)
                 else:
                     self.budget.spend(err)
+                    self.base_nodes.pop(runner, None)  # its replacement may start elsewhere
                     rank = self.group.names.index(runner)
                     self.group.replace(rank)
                     self.on_replaced(rank)
@@ -245,6 +288,16 @@ class GenerationPool:
             actor = self.group.actors[self.group.names.index(runner)]
             pending.insert(0, (share, runner, actor, self.group.bound(actor, method).remote(*per_share_args[share])))
         return [results[share] for share in sorted(results)]
+
+    def _vacate(self, name: str) -> None:
+        """Remove an engine of the job's own placement group that left with its node; its bundle waits in
+        `extra.vacant` until Ray places it again (`grow`)."""
+        rank = self.group.names.index(name)
+        self.extra.vacant.append(self.group.places[rank])
+        del self.base_nodes[name]
+        self.group.drop(rank)
+        log.info("generation pool: %d engines now", len(self.group))
+        self.on_dropped()
 
     def _drop(self, name: str) -> None:
         """Remove an engine that left with its node; its group is given back and asked for again."""

@@ -17,9 +17,10 @@ class EnginePlacementSpec(PlacementSpec):
 
     max_replicas: int | None = Field(None, ge=1)
     """An elastic pool of up to this many engines. The `replicas` the job starts with are placed with the other roles
-    (the job waits for them; a lost one is replaced, as in a fixed pool). Each engine beyond them asks for a placement
-    group of its own (one bundle of num_cpus and num_gpus), which Ray grants when a node has room: one joins, or
-    another job ends (a KubeRay autoscaler adds a node for it). Between iterations an engine whose group was granted
+    (the job waits for them). One lost with its node while the pool is above them is dropped, and an engine starts
+    on its bundle again once Ray places it; at the minimum a lost one is replaced, as in a fixed pool. Each engine
+    beyond them asks for a placement group of its own (one bundle of num_cpus and num_gpus), which Ray grants when a
+    node has room: one joins, or another job ends (a KubeRay autoscaler adds a node for it). Between iterations an engine whose group was granted
     starts, loads the current policy weights, and then takes its share of the prompts. An extra engine lost with its
     node is dropped: the others answer its prompts again, no restart is spent, and its group is asked for again.
     None: a fixed pool of `replicas`."""
