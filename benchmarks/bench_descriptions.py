@@ -164,10 +164,58 @@ def curve(r: dict) -> list[tuple[int, float, float, float, float, float]]:
     return points
 
 
+def setting(r: dict) -> tuple:
+    """A part-3 run's PPO settings, pairs and seed aside: runs that share them differ only in their reward model."""
+    return tuple(r.get(k) for k in ("iterations", "kl", "lr", "tokens"))
+
+
+def mean_se(values: list[float]) -> str:
+    """Mean ± one standard error over seeds (the mean alone for one)."""
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return f"{m:.3f}"
+    se = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1) / len(values))
+    return f"{m:.3f} ± {se:.3f}"
+
+
+def by_size(runs: list[dict]) -> list[str]:
+    """Part 3 over seeds, one row per reward-model size: the sampled gold score's peak along the run, where it
+    peaked, how far it fell from there by the end, and what the proxy did meanwhile (from the gold's peak to the
+    end); a row per size with the seeds it has."""
+    sizes = sorted({r["pairs"] or 10**9 for r in runs})
+    peaks: list[tuple[str, float]] = []
+    lines = ["| training pairs | seeds | RM held-out accuracy | gold sampled at the start | gold sampled peak | "
+             "sqrt(KL) at the peak | gold sampled at the end | fall from the peak | proxy sampled, from the gold's peak "
+             "to the end |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        group = sorted((r for r in runs if (r["pairs"] or 10**9) == size), key=lambda r: r["seed"])
+        rows = []
+        for r in group:
+            points = curve(r)
+            peak = max(points, key=lambda q: q[5])
+            rows.append((r["summary"]["rm"]["eval_accuracy"], points[0][5], peak[5], peak[1], points[-1][5],
+                         peak[5] - points[-1][5], points[-1][4] - peak[4]))
+        label = "all" if size == 10**9 else str(size)
+        cols = list(zip(*rows))
+        lines.append(f"| {label} | {', '.join(str(r['seed']) for r in group)} | " +
+                     " | ".join(mean_se(list(c)) for c in cols[:-1]) + f" | {sum(cols[-1]) / len(cols[-1]):+.3f} |")
+        peaks.append((label, sum(cols[2]) / len(cols[2])))
+    rising = all(a[1] < b[1] for a, b in zip(peaks, peaks[1:]))
+    lines += ["", f"- The gold score's peak {'rises' if rising else 'does not rise'} with the reward model's pairs: "
+              + ", ".join(f"{label} pairs {peak:.3f}" for label, peak in peaks) + " (means over the seeds)."]
+    return lines
+
+
 def report(results: list[dict], doc: Path | None) -> str:
-    first, dates = results[0], sorted({r["date"] for r in results})
+    dates = sorted({r["date"] for r in results})
+    machines = {}
+    for r in results:
+        machines.setdefault(r["machine"], []).append(Run.of(r).name)
+    where = "; ".join(f"{m} ({', '.join(names)})" for m, names in machines.items()) if len(machines) > 1 \
+        else next(iter(machines))
     lines = [HEADING, "",
-             f"Measured {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} on {first['machine']} by `benchmarks/bench_descriptions.py` (results kept in "
+             f"Measured {' to '.join(dict.fromkeys([dates[0], dates[-1]]))} on {where} by `benchmarks/bench_descriptions.py` (results kept in "
              "benchmarks/results/descriptions/). The gold score (`rlhf_ray.data.descriptions:gold`, docs/jobs.md "
              "\"Preference pairs with a hidden truth\") is evaluated on 100 held-out prompts about topics no stage "
              "trained on; `before` is the SFT model. ± is one standard error over the prompts.", ""]
@@ -218,17 +266,30 @@ def report(results: list[dict], doc: Path | None) -> str:
                          f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {end[1]:.2f} | "
                          f"{peak[5]:.3f} ({peak[1]:.2f}) -> {end[5]:.3f} | {peak[4]:.2f} -> {end[4]:.2f} |")
         lines.append("")
+    main = max({setting(r) for r in gao}, key=lambda k: sum(setting(r) == k for r in gao)) if gao else None
+    part3 = [r for r in gao if setting(r) == main]
+    if part3:
+        iterations, kl, lr, tokens = main
+        lines += [f"Part 3 over seeds: PPO for {iterations} iterations at KL coefficient {kl:g}, policy learning rate "
+                  f"{lr:g}, answers of up to {tokens} tokens, against reward models on the first N labelled pairs "
+                  "of each seed (mean ± one standard error over the seeds; the fall is the peak minus the end):", "",
+                  *by_size(part3), ""]
     curves = [(r, curve(r)) for r in (recipe + gao)]
-    plotted = [(r, points) for r, points in curves if r in gao or gao and r["seed"] in {g["seed"] for g in gao}]
-    if plotted and doc is not None:  # part 3: its runs and the recipe's run of their seed
+    plotted = [(r, points) for r, points in curves if r in part3]
+    if plotted and doc is not None:  # part 3's main setting: a colour per reward-model size, a marker per seed
         plt = pyplot()
         fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharex=True)
+        sizes = sorted({r["pairs"] or 10**9 for r, _ in plotted})
+        colours = dict(zip(sizes, ("tab:red", "tab:orange", "tab:green", "tab:blue", "tab:purple")))
+        markers = dict(zip(sorted({r["seed"] for r, _ in plotted}), "osD^v"))
         for r, points in plotted:
-            label = f"{r['pairs'] or r['summary']['rm'].get('pairs', {}).get('train')} pairs: {Run.of(r).name}"
+            size = r["pairs"] or 10**9
+            label = f"{'all' if size == 10**9 else size} pairs, seed {r['seed']}"
             xs = [p[1] for p in points]
+            style = {"color": colours.get(size), "marker": markers[r["seed"]], "label": label}
             for row, (proxy, gold) in enumerate(((2, 3), (4, 5))):
-                axes[row][0].plot(xs, [p[proxy] - points[0][proxy] for p in points], marker="o", label=label)
-                axes[row][1].plot(xs, [p[gold] for p in points], marker="o", label=label)
+                axes[row][0].plot(xs, [p[proxy] - points[0][proxy] for p in points], **style)
+                axes[row][1].plot(xs, [p[gold] for p in points], **style)
         for row, how in enumerate(("greedy", "sampled at T = 1")):
             axes[row][0].set(title=f"proxy: reward-model score - its start ({how}, held-out)")
             axes[row][1].set(title=f"gold score ({how}, held-out)")
