@@ -6,6 +6,7 @@ hand. One set of hosts serves every test here (~4 min); it is skipped where name
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -64,6 +65,22 @@ def workdir(hosts, tiny_model, sft_model, rm_model) -> Path:
 
 def driver_env(hosts) -> dict[str, str]:
     return {"RAY_ADDRESS": f"{hosts.hosts['h1'].address}:{PORT}"}
+
+
+@contextlib.contextmanager
+def ended(job):
+    """Whatever happens inside, the job does not outlive the test (killed if it still runs)."""
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
+def quickstart_ppo(output_dir: str, *settings: str) -> list[str]:
+    """The quickstart PPO on the session's SFT and reward models, writing to `output_dir`, with `settings` set."""
+    return ["rlhf-ray", "ppo", "--config", "ppo.yaml", *(arg for item in ("policy.model.path=models/sft",
+            "reward.model.path=models/rm", f"output_dir={output_dir}", *settings) for arg in ("--set", item))]
 
 
 def losses(out: Path) -> list[float]:
@@ -187,13 +204,11 @@ def test_an_elastic_pool_takes_an_engine_on_a_host_that_joins_and_drops_it_when_
     h1 = hosts.hosts["h1"]
     out = workdir / "runs/elastic"
     log = hosts.root / "elastic.log"
-    job = hosts.popen(h1, ["rlhf-ray", "ppo", "--config", "ppo.yaml", "--set", "policy.model.path=models/sft",
-                           "--set", "reward.model.path=models/rm", "--set", "output_dir=runs/elastic",
-                           "--set", "critic.placement.colocate_with=policy",
-                           "--set", "reward.placement.colocate_with=policy", "--set", "generation.engine=hf",
-                           "--set", "generation.placement.num_cpus=2", "--set", "generation.placement.max_replicas=2",
-                           "--set", f"ppo.iterations={ELASTIC_ITERATIONS}",
-                           "--set", "ppo.eval_prompts=0", "--set", "checkpoint.every_steps=1000"],
+    job = hosts.popen(h1, quickstart_ppo("runs/elastic", "critic.placement.colocate_with=policy",
+                                         "reward.placement.colocate_with=policy", "generation.engine=hf",
+                                         "generation.placement.num_cpus=2", "generation.placement.max_replicas=2",
+                                         f"ppo.iterations={ELASTIC_ITERATIONS}", "ppo.eval_prompts=0",
+                                         "checkpoint.every_steps=1000"),
                       cwd=workdir, env=driver_env(hosts), log=log)
 
     def until(what: str, seen, timeout: float = 300) -> list[dict]:
@@ -204,18 +219,14 @@ def test_an_elastic_pool_takes_an_engine_on_a_host_that_joins_and_drops_it_when_
             time.sleep(0.2)
         return rows
 
-    try:
+    with ended(job):
         until("its first update", lambda rows: len(rows) >= 1)
         joining = hosts.add("e3")
         hosts.start_ray(joining, h1, cpus=2, port=PORT)
         until("an update served by two engines", lambda rows: any(m["generate/engines"] == 2 for m in rows))
         hosts.lose(joining)
-        code = job.wait(timeout=600)
-    finally:
-        if job.poll() is None:
-            job.kill()
+        assert job.wait(timeout=600) == 0, log.read_text()[-4000:]
     text = log.read_text()
-    assert code == 0, text[-4000:]
     assert "generation-1 joined the generation pool (2 engines now)" in text
     assert "generation-1 left with its node; dropping it from the generation pool" in text
     steps = metric_rows(out)
@@ -237,17 +248,16 @@ def test_ppo_across_hosts_syncs_weights_between_them_and_survives_losing_a_host(
     h1 = hosts.hosts["h1"]
     out = workdir / "runs/ppo"
     log = hosts.root / "ppo.log"
-    job = hosts.popen(h1, ["rlhf-ray", "ppo", "--config", "ppo.yaml", "--set", "policy.model.path=models/sft",
-                           "--set", "reward.model.path=models/rm", "--set", "output_dir=runs/ppo",
-                           "--set", "policy.placement.replicas=2", "--set", "policy.placement.strategy=STRICT_SPREAD",
-                           "--set", "generation.placement.colocate_with=policy",
-                           "--set", "generation.placement.replicas=2", "--set", "generation.engine=hf",
-                           "--set", "ppo.iterations=4", "--set", "ppo.rollout_batch_size=16",
-                           "--set", "ppo.eval_prompts=8", "--set", "policy.micro_batch_size=8",
-                           "--set", "critic.micro_batch_size=16", "--set", "checkpoint.every_steps=1",
-                           "--set", "cluster.learner_restarts=1", "--set", "cluster.startup_timeout_s=300"],
+    job = hosts.popen(h1, quickstart_ppo("runs/ppo", "policy.placement.replicas=2",
+                                         "policy.placement.strategy=STRICT_SPREAD",
+                                         "generation.placement.colocate_with=policy",
+                                         "generation.placement.replicas=2", "generation.engine=hf",
+                                         "ppo.iterations=4", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8",
+                                         "policy.micro_batch_size=8", "critic.micro_batch_size=16",
+                                         "checkpoint.every_steps=1", "cluster.learner_restarts=1",
+                                         "cluster.startup_timeout_s=300"),
                       cwd=workdir, env=driver_env(hosts), log=log)
-    try:
+    with ended(job):
         deadline = time.monotonic() + 600
         while not Checkpoints(out, keep_last=1).complete() and job.poll() is None:
             assert time.monotonic() < deadline, "no checkpoint within 600 s\n" + log.read_text()[-3000:]
@@ -256,12 +266,8 @@ def test_ppo_across_hosts_syncs_weights_between_them_and_survives_losing_a_host(
         hosts.lose(hosts.hosts["h2"])
         h3 = hosts.add("h3")
         hosts.start_ray(h3, h1, cpus=2, port=PORT)
-        code = job.wait(timeout=600)
-    finally:
-        if job.poll() is None:
-            job.kill()
+        assert job.wait(timeout=600) == 0, log.read_text()[-4000:]
     text = log.read_text()
-    assert code == 0, text[-4000:]
     assert ("weight sync: object_store (generation-1 on another node than policy-0 (ipc shares memory within one "
             "node)") in text, text[-4000:]
     assert "weight sync: ipc" not in text
