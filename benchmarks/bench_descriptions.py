@@ -298,12 +298,19 @@ def report(results: list[dict], doc: Path | None) -> str:
         for ax in axes.flat:
             ax.legend(fontsize=7)
         lines += [save_figure(fig, doc, "descriptions_overoptimisation.png"), ""]
-    if gao or curves:
-        lines += ["Per evaluation (iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled):", ""]
+    if curves:
+        per_evaluation = ["# Every held-out evaluation of every kept run", "",
+                          "Written by `benchmarks/bench_descriptions.py` beside its section in docs/benchmarks.md. Per "
+                          "evaluation: iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled.", ""]
         for r, points in curves:
-            lines.append(f"- {Run.of(r).name}: " + "; ".join(
+            per_evaluation.append(f"- {Run.of(r).name}: " + "; ".join(
                 f"{p[0]}: {p[1]:.2f}, {p[2]:.2f}, {p[3]:.3f}, {p[4]:.2f}, {p[5]:.3f}" for p in points))
-        lines.append("")
+        if doc is not None:
+            (RESULTS / "curves.md").write_text("\n".join(per_evaluation) + "\n")
+            lines += ["Every evaluation's numbers: [benchmarks/results/descriptions/curves.md]"
+                      "(../benchmarks/results/descriptions/curves.md).", ""]
+        else:
+            lines += [*per_evaluation[3:], ""]
     return "\n".join(lines)
 
 
