@@ -87,12 +87,7 @@ def render(result: dict, base: dict, args) -> str:
             k = f"{prefix}{key}"
             lines.append(f"| {key.replace('_', ' ')} ({how}) | {fmt(base.get(f'{k}_before'))} | "
                          f"{fmt(s.get(f'{k}_before'))} | {fmt(s.get(f'{k}_after'))} |")
-    lines += ["", "GRPO training rollouts (episode reward = share of episodes answered right):", "",
-              "| iteration | episode reward | tool calls / episode | tool-call validity | turns / episode |",
-              "|---|---|---|---|---|"]
-    for r in curves:
-        lines.append(f"| {r['step']} | {fmt(r['env/episode_reward'])} | {fmt(r['env/tool_calls_per_episode'])} | "
-                     f"{fmt(r['env/tool_call_validity'])} | {fmt(r['env/turns_per_episode'])} |")
+    lines += ["", rollouts_line(result)]
     plt = pyplot()
     if plt is not None and curves:
         fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -104,6 +99,23 @@ def render(result: dict, base: dict, args) -> str:
         ax.legend()
         lines += ["", save_figure(fig, ROOT / "docs/benchmarks.md", "calculator_grpo.png")]
     return "\n".join(lines) + "\n"
+
+
+def rollouts_line(result: dict) -> str:
+    """The training rollouts' trend in one sentence; every iteration's numbers stay in the results file and the plot."""
+    curves = result["curves"]
+
+    def mean(key: str, part: list[dict]) -> str:
+        values = [r[key] for r in part if r.get(key) is not None]
+        return fmt(sum(values) / len(values) if values else None)
+
+    head, tail = curves[:3], curves[-3:]
+    return (f"GRPO training rollouts, the first three iterations against the last three (means): episode reward (the "
+            f"share of episodes answered right) {mean('env/episode_reward', head)} -> "
+            f"{mean('env/episode_reward', tail)}, tool-call validity {mean('env/tool_call_validity', head)} -> "
+            f"{mean('env/tool_call_validity', tail)}, tool calls per episode "
+            f"{mean('env/tool_calls_per_episode', head)} -> {mean('env/tool_calls_per_episode', tail)}. Every "
+            f"iteration: `benchmarks/results/calculator_seed{result['seed']}.json` and the plot.")
 
 
 def seeds_table() -> str:

@@ -246,8 +246,9 @@ def report(results: list[dict], doc: Path | None) -> str:
             verdicts.append(f"- {len(recipe)} of 3 seeds run.")
         lines += ["", *verdicts, ""]
     gao = sorted((r for r in results if r not in recipe), key=lambda r: (r["seed"], r["pairs"] or 0, r.get("kl") or 0))
+    per_run = []
     if gao:
-        lines += ["Reward models on fewer pairs (part 3), each against its own PPO run from the same SFT model; the "
+        per_run += ["Reward models on fewer pairs (part 3), each against its own PPO run from the same SFT model; the "
                   "sampled gold score's peak over the evaluations, and how far it fell from there by the end while "
                   "the sampled proxy moved as the last column says:", "",
                   "| run | training pairs | RM held-out accuracy (ceiling) | gold greedy before -> after | "
@@ -259,13 +260,13 @@ def report(results: list[dict], doc: Path | None) -> str:
             points = curve(r)
             peak = max(points, key=lambda q: q[5])
             end = points[-1]
-            lines.append(f"| {Run.of(r).name} | "
+            per_run.append(f"| {Run.of(r).name} | "
                          f"{r['pairs'] or p.get('train')} | "
                          f"{s['rm']['eval_accuracy']:.3f} ({p.get('gold_eval_accuracy', float('nan')):.3f}) | "
                          f"{ppo['task_accuracy_before']:.3f} -> {ppo['task_accuracy_after']:.3f} | "
                          f"{ppo['reward_before']:.2f} -> {ppo['reward_after']:.2f} | {end[1]:.2f} | "
                          f"{peak[5]:.3f} ({peak[1]:.2f}) -> {end[5]:.3f} | {peak[4]:.2f} -> {end[4]:.2f} |")
-        lines.append("")
+        per_run.append("")
     main = max({setting(r) for r in gao}, key=lambda k: sum(setting(r) == k for r in gao)) if gao else None
     part3 = [r for r in gao if setting(r) == main]
     if part3:
@@ -299,18 +300,20 @@ def report(results: list[dict], doc: Path | None) -> str:
             ax.legend(fontsize=7)
         lines += [save_figure(fig, doc, "descriptions_overoptimisation.png"), ""]
     if curves:
-        per_evaluation = ["# Every held-out evaluation of every kept run", "",
-                          "Written by `benchmarks/bench_descriptions.py` beside its section in docs/benchmarks.md. Per "
-                          "evaluation: iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled.", ""]
+        per_evaluation = ["# Every kept run and its held-out evaluations", "",
+                          "Written by `benchmarks/bench_descriptions.py` beside its section in docs/benchmarks.md.", "",
+                          *per_run, "Per evaluation: iteration: sqrt(KL), proxy greedy, gold greedy, proxy sampled, "
+                          "gold sampled.", ""]
         for r, points in curves:
             per_evaluation.append(f"- {Run.of(r).name}: " + "; ".join(
                 f"{p[0]}: {p[1]:.2f}, {p[2]:.2f}, {p[3]:.3f}, {p[4]:.2f}, {p[5]:.3f}" for p in points))
         if doc is not None:
             (RESULTS / "curves.md").write_text("\n".join(per_evaluation) + "\n")
-            lines += ["Every evaluation's numbers: [benchmarks/results/descriptions/curves.md]"
+            lines += ["Every run's own row (reward model, gold and proxy before and after, the gold's peak) and every "
+                      "evaluation's numbers: [benchmarks/results/descriptions/curves.md]"
                       "(../benchmarks/results/descriptions/curves.md).", ""]
         else:
-            lines += [*per_evaluation[3:], ""]
+            lines += [*per_evaluation[4:], ""]
     return "\n".join(lines)
 
 

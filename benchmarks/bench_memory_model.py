@@ -140,7 +140,7 @@ def run_case(model_dir: Path, stage: int, ranks: int, micro_batch: int, seq_len:
             "dtype": dtype, "measured": max(m["peak"] for m in measured),
             "setup_peak": max(m["setup_peak"] for m in measured),
             "baseline": max(m["baseline"] for m in measured), "seconds": round(time.time() - started, 1),
-            "machine": where()}
+            "machine": where(), "date": today()}
 
 
 def where() -> str:
@@ -159,31 +159,66 @@ def predict(r: dict) -> int:
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
-def report(results: dict[str, dict], command: str, heading: str = HEADING, notes: list[str] | None = None) -> str:
-    lines = [heading, "",
-             f"{today()}; {next(iter(results.values()), {}).get('machine') or where()}.",
-             f"Command: `{command}` (one SFT learner group per row, a few steps of synthetic rows; fp32 on CPU, bf16",
-             "on a GPU).",
-             "Measured: the rank's peak during the training steps (on CPU resident memory, on a GPU the CUDA",
-             "allocator's), above what the process held before it built the model (the runtime: Python, torch,",
-             "DeepSpeed; the baseline column). Loading peak: the same while the model loaded and DeepSpeed set up",
-             "(not what the model predicts). Predicted:",
-             "what `rlhf-ray validate` computes for that rank. Error ="
-             f"(predicted - measured) / measured; goal: within {GOAL:.0%}.", "",
+def report(results: dict[str, dict], command: str, gpu: bool = False, notes: list[str] | None = None) -> tuple[str, str]:
+    """(the section for docs/benchmarks.md: each case's error by model x ZeRO stage x ranks; every case's numbers
+    for the results page it links)."""
+    rows = []
+    for key, r in results.items():
+        r = {**r, "name": key.split("/")[0], "predicted": predict(r)}
+        rows.append(r | {"error": (r["predicted"] - r["measured"]) / r["measured"]})
+    device = "gpu" if gpu else "cpu"
+    page = ROOT / f"benchmarks/results/memory_model_{device}.md"
+    first = rows[0] if rows else {}
+    rank_counts = sorted({r["ranks"] for r in rows})
+    stages = sorted({r["stage"] for r in rows})
+    within = sum(abs(r["error"]) <= GOAL for r in rows)
+    heading = GPU_HEADING if gpu else HEADING
+    what = ("Measured and predicted as in the section above, on one GPU: the CUDA allocator's peak, bf16."
+            if gpu else "Measured: the rank's peak during the training steps (resident memory on CPU, the CUDA "
+            "allocator's on a GPU)\nabove what the process held before it built the model (Python, torch, DeepSpeed). "
+            "Predicted: what `rlhf-ray validate`\ncomputes for that rank. Error = (predicted - measured) / measured; "
+            f"goal: within {GOAL:.0%}.")
+    lines = [heading, "", f"{first.get('date') or today()}; {first.get('machine') or where()}.",
+             f"Command: `{command}`: one SFT learner group per case, a few steps of",
+             f"synthetic rows, {first.get('micro_batch', '?')} x {first.get('seq_len', '?')} tokens per micro-batch; "
+             "fp32 on CPU, bf16 on a GPU.", *what.split("\n"), "",
+             f"Error with {' / '.join(f'{n} rank' + ('s' if n > 1 else '') for n in rank_counts)}:", "",
+             "| model | params | " + " | ".join(f"ZeRO-{z}" for z in stages) + " |",
+             "|---|---:|" + "---|" * len(stages)]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        cells = []
+        for z in stages:
+            by_ranks = {r["ranks"]: r for r in rows if r["name"] == name and r["stage"] == z}
+            cells.append(" / ".join(f"{by_ranks[n]['error']:+.0%}" if n in by_ranks else "-" for n in rank_counts))
+        params = next(r["params"] for r in rows if r["name"] == name)
+        lines.append(f"| {name} | {params / 1e6:.1f}M | " + " | ".join(cells) + " |")
+    lines += ["", f"Within {GOAL:.0%}: {within} of {len(rows)} cases. Every case's predicted and measured MiB, "
+              f"loading peak and runtime\nbaseline: [{page.relative_to(ROOT)}](../{page.relative_to(ROOT)}).", "",
+              *(NOTES if notes is None else notes)]
+    table = [f"# Memory model against measured peaks ({device})", "",
+             f"Written by `{command}`, {first.get('date') or today()}; {first.get('machine') or where()}. Summary and reading: "
+             f"docs/benchmarks.md, \"{heading[3:]}\". Loading peak: the rank's peak while the model loaded and "
+             "DeepSpeed set up (not what the model predicts); baseline: what the process held before the model.", "",
              "| model | device, dtype | params | ZeRO | ranks | micro-batch x tokens | predicted MiB | measured MiB | "
              "error | loading peak MiB | baseline MiB |",
              "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
-    within = 0
-    for key, r in results.items():
-        r = {**r, "predicted": predict(r)}
-        err = (r["predicted"] - r["measured"]) / r["measured"]
-        within += abs(err) <= GOAL
-        lines.append(f"| {key.split('/')[0]} | {r['device']}, {r['dtype']} | {r['params'] / 1e6:.1f}M | "
-                     f"{r['stage']} | {r['ranks']} | "
-                     f"{r['micro_batch']} x {r['seq_len']} | {r['predicted'] / MiB:.0f} | {r['measured'] / MiB:.0f} | "
-                     f"{err:+.0%} | {r['setup_peak'] / MiB:.0f} | {r['baseline'] / MiB:.0f} |")
-    lines += ["", f"Within {GOAL:.0%}: {within} of {len(results)} rows.", "", *(NOTES if notes is None else notes)]
-    return "\n".join(lines) + "\n"
+    table += [f"| {r['name']} | {r['device']}, {r['dtype']} | {r['params'] / 1e6:.1f}M | {r['stage']} | {r['ranks']} | "
+              f"{r['micro_batch']} x {r['seq_len']} | {r['predicted'] / MiB:.0f} | {r['measured'] / MiB:.0f} | "
+              f"{r['error']:+.0%} | {r['setup_peak'] / MiB:.0f} | {r['baseline'] / MiB:.0f} |" for r in rows]
+    return "\n".join(lines) + "\n", "\n".join(table) + "\n"
+
+
+def publish(results: dict[str, dict], command: str, gpu: bool, notes: list[str] | None, write: str | None) -> None:
+    """Print the section; with `write`, keep the results and the full table in benchmarks/results/ and replace the
+    section in `write`."""
+    text, table = report(results, command, gpu, notes)
+    print(text)
+    if write:
+        device = "gpu" if gpu else "cpu"
+        (ROOT / f"benchmarks/results/memory_model_{device}.json").write_text(json.dumps(results, indent=1) + "\n")
+        (ROOT / f"benchmarks/results/memory_model_{device}.md").write_text(table)
+        write_section(ROOT / write if not Path(write).is_absolute() else Path(write), GPU_HEADING if gpu else HEADING,
+                      text)
 
 
 NOTES = [
@@ -249,10 +284,8 @@ def main() -> None:
                     print(f"   predicted {r['predicted'] / MiB:.0f} MiB, measured {r['measured'] / MiB:.0f} MiB "
                           f"({(r['predicted'] - r['measured']) / r['measured']:+.0%}), {r['seconds']} s", flush=True)
                     kept.write_text(json.dumps(results, indent=1))
-    text = report(results, "python benchmarks/bench_memory_model.py --write docs/benchmarks.md")
-    print(text)
-    if args.write:
-        write_section(ROOT / args.write if not Path(args.write).is_absolute() else Path(args.write), HEADING, text)
+    publish(results, "python benchmarks/bench_memory_model.py --write docs/benchmarks.md", gpu,
+            GPU_NOTES if gpu else None, args.write)
 
 
 GPU_NOTES = [
@@ -279,12 +312,7 @@ def write_report(results: dict[str, dict], workdir: Path, write: str | None) -> 
     gpu = all(r["device"] == "gpu" for r in results.values())
     command = "python benchmarks/bench_memory_model.py --device gpu --models tiny,small,llama-400m --ranks 1" if gpu \
         else "python benchmarks/bench_memory_model.py --write docs/benchmarks.md"
-    text = report(results, command, GPU_HEADING if gpu else HEADING, GPU_NOTES if gpu else NOTES)
-    print(text)
-    if write:
-        write_section(ROOT / write if not Path(write).is_absolute() else Path(write), GPU_HEADING if gpu else HEADING,
-                      text)
-
+    publish(results, command, gpu, GPU_NOTES if gpu else NOTES, write)
 
 if __name__ == "__main__":
     main()
