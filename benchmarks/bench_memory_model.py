@@ -159,7 +159,8 @@ def predict(r: dict) -> int:
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
-def report(results: dict[str, dict], command: str, gpu: bool = False, notes: list[str] | None = None) -> tuple[str, str]:
+def report(results: dict[str, dict], command: str, gpu: bool = False,
+           notes: list[str] | None = None) -> tuple[str, str]:
     """(the section for docs/benchmarks.md: each case's error by model x ZeRO stage x ranks; every case's numbers
     for the results page it links)."""
     rows = []
@@ -196,7 +197,8 @@ def report(results: dict[str, dict], command: str, gpu: bool = False, notes: lis
               f"loading peak and runtime\nbaseline: [{page.relative_to(ROOT)}](../{page.relative_to(ROOT)}).", "",
               *(NOTES if notes is None else notes)]
     table = [f"# Memory model against measured peaks ({device})", "",
-             f"Written by `{command}`, {first.get('date') or today()}; {first.get('machine') or where()}. Summary and reading: "
+             f"Written by `{command}`, {first.get('date') or today()}; {first.get('machine') or where()}. "
+             "Summary and reading: "
              f"docs/benchmarks.md, \"{heading[3:]}\". Loading peak: the rank's peak while the model loaded and "
              "DeepSpeed set up (not what the model predicts); baseline: what the process held before the model.", "",
              "| model | device, dtype | params | ZeRO | ranks | micro-batch x tokens | predicted MiB | measured MiB | "
