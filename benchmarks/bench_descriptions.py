@@ -147,7 +147,8 @@ def ppo_minutes(r: dict) -> float:
 
 
 def curve(r: dict) -> list[tuple[int, float, float, float, float, float]]:
-    """Per held-out evaluation: (iteration, sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled).
+    """Per held-out evaluation: (iteration, sqrt(KL), proxy greedy, gold greedy, proxy sampled, gold sampled, its
+    standard error over the prompts).
     KL: the iteration's rollouts' mean per-token KL to the SFT policy times their mean answer length (a sequence's
     KL in nats; 0 before training)."""
     by_step = {row["step"]: row for row in r["metrics"] if "kl/mean" in row}
@@ -159,8 +160,8 @@ def curve(r: dict) -> list[tuple[int, float, float, float, float, float]]:
         train = by_step.get(step)
         kl = 0.0 if train is None else max(0.0, train["kl/mean"] * train["answer/length"])
         points.append((step, math.sqrt(kl), row["eval/reward"], row["eval/task_accuracy"],
-                       row.get("eval/sampled_reward", float("nan")), row.get("eval/sampled_task_accuracy",
-                                                                             float("nan"))))
+                       row.get("eval/sampled_reward", float("nan")), row.get("eval/sampled_task_accuracy", float("nan")),
+                       row.get("eval/sampled_task_accuracy_se", float("nan"))))
     return points
 
 
@@ -186,20 +187,23 @@ def by_size(runs: list[dict]) -> list[str]:
     peaks: list[tuple[str, float]] = []
     lines = ["| training pairs | seeds | RM held-out accuracy | gold sampled at the start | gold sampled peak | "
              "sqrt(KL) at the peak | gold sampled at the end | fall from the peak | proxy sampled, from the gold's peak "
-             "to the end |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "to the end | runs whose gold fell by over a standard error while the proxy rose |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for size in sizes:
         group = sorted((r for r in runs if (r["pairs"] or 10**9) == size), key=lambda r: r["seed"])
-        rows = []
+        rows, bars = [], []
         for r in group:
             points = curve(r)
             peak = max(points, key=lambda q: q[5])
             rows.append((r["summary"]["rm"]["eval_accuracy"], points[0][5], peak[5], peak[1], points[-1][5],
                          peak[5] - points[-1][5], points[-1][4] - peak[4]))
+            bars.append(math.hypot(peak[6], points[-1][6]))
         label = "all" if size == 10**9 else str(size)
         cols = list(zip(*rows))
+        fell = sum(fall > bar and rise > 0 for fall, rise, bar in zip(cols[-2], cols[-1], bars))
         lines.append(f"| {label} | {', '.join(str(r['seed']) for r in group)} | " +
-                     " | ".join(mean_se(list(c)) for c in cols[:-1]) + f" | {sum(cols[-1]) / len(cols[-1]):+.3f} |")
+                     " | ".join(mean_se(list(c)) for c in cols[:-1]) + f" | {sum(cols[-1]) / len(cols[-1]):+.3f} | "
+                     f"{fell} of {len(group)} |")
         peaks.append((label, sum(cols[2]) / len(cols[2])))
     rising = all(a[1] < b[1] for a, b in zip(peaks, peaks[1:]))
     lines += ["", f"- The gold score's peak {'rises' if rising else 'does not rise'} with the reward model's pairs: "
@@ -273,7 +277,9 @@ def report(results: list[dict], doc: Path | None) -> str:
         iterations, kl, lr, tokens = main
         lines += [f"Part 3 over seeds: PPO for {iterations} iterations at KL coefficient {kl:g}, policy learning rate "
                   f"{lr:g}, answers of up to {tokens} tokens, against reward models on the first N labelled pairs "
-                  "of each seed (mean ± one standard error over the seeds; the fall is the peak minus the end):", "",
+                  "of each seed (mean ± one standard error over the seeds; the fall is the peak minus the end; a run's fall "
+                  "counts in the last column where it exceeds the standard error of the difference, the two "
+                  "evaluations' standard errors over the prompts taken as independent: a rough bar):", "",
                   *by_size(part3), ""]
     curves = [(r, curve(r)) for r in (recipe + gao)]
     plotted = [(r, points) for r, points in curves if r in part3]
