@@ -1,11 +1,8 @@
 """The PPO stage of configs/recipes/smollm2-sft-grpo.yaml as a job of its own, for the timing benchmarks that run
-it side by side (bench_minibatch_groups.py, bench_phase_threads.py, bench_old_logprobs.py)."""
+it side by side (bench_learner_precision.py; before 2026-12-05 also three retired one-off experiments)."""
 
 from __future__ import annotations
 
-import argparse
-import tempfile
-import time
 from pathlib import Path
 
 import yaml
@@ -24,15 +21,6 @@ def stage_config(folder: Path, name: str) -> Path:
     return path
 
 
-def timing_args(doc: str) -> argparse.Namespace:
-    """--sft SFT_MODEL, --iterations N, --write FILE: the arguments of a timing run of the recipe's PPO stage."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--sft", type=Path, help="the recipe's SFT model (default: train it first)")
-    parser.add_argument("--iterations", type=int, default=4)
-    parser.add_argument("--write", type=Path, help="markdown file whose section is replaced")
-    return parser.parse_args()
-
-
 def ppo_stage(folder: Path, sft: Path | None, iterations: int) -> tuple[Path, list[str]]:
     """The recipe's PPO stage as a job config in `folder`, and the overrides of a timing run from its SFT model
     (trained into `folder` first when `sft` is None): `iterations` iterations, no evaluation, no checkpoints, and
@@ -47,16 +35,3 @@ def ppo_stage(folder: Path, sft: Path | None, iterations: int) -> tuple[Path, li
                                          "ppo.dynamic_sampling.enabled=false", "ppo.train_batch_size=64",
                                          "ppo.old_logprobs=policy"]
 
-
-def timed_variants(sft: Path | None, iterations: int, variants: dict[str, list[str]]) -> dict[str, list[dict]]:
-    """Each variant (label: overrides after the timing run's) of the recipe's PPO stage, one after the other, each
-    in a fresh process: label -> its iterations' metric lines."""
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        config, overrides = ppo_stage(Path(tmp), sft, iterations)
-        for i, (label, extra) in enumerate(variants.items()):
-            began = time.perf_counter()
-            _, metrics = run_job("ppo", config, [f"output_dir={Path(tmp) / f'run{i}'}", *overrides, *extra])
-            print(f"{label}: {time.perf_counter() - began:.0f} s", flush=True)
-            runs[label] = [m for m in metrics if "time/iteration" in m]
-    return runs
