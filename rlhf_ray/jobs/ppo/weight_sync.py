@@ -130,7 +130,7 @@ class WeightSync:
             return SyncResult(self.version, float(sent.bytes), seconds, seconds, sent.seconds, seconds, 0.0)
         published = policy.call("publish_weights", self.bucket_bytes, self.adapters_only)[0]
         gathered = time.perf_counter()
-        with self._published_weights_lost():
+        with self._published_weights_lost("during `publish_weights`"):
             loaded = pool.broadcast(published.refs, self.version)
         return SyncResult(self.version, float(published.bytes), time.perf_counter() - start, gathered - start,
                           published.seconds, loaded.seconds, loaded.engine_seconds)
@@ -189,22 +189,22 @@ class WeightSync:
                           seconds - learner_seconds, engine_seconds)
 
     @contextlib.contextmanager
-    def _published_weights_lost(self):
+    def _published_weights_lost(self, when: str):
         """Engines that cannot read the buckets policy rank 0 published: they went with their owner, whose node died
         meanwhile. That is policy rank 0's death (the job restarts every role from its checkpoint), not the engine's
-        failure."""
+        failure. `when`: what the message says of the time it died."""
         try:
             yield
         except Exception as err:
             if results_lost(err):
                 policy = self.workers.policy.names[0]
-                raise ActorDiedError(f"{policy} died during `publish_weights`: the engines could not read the weights "
-                                     f"it had published ({err.cause})", policy, "publish_weights") from err
+                raise ActorDiedError(f"{policy} died {when}: the engines could not read the weights it had "
+                                     f"published ({err.cause})", policy, "publish_weights") from err
             raise
 
     def _resync_published(self, rank: int) -> None:
         """object_store: a replacement engine loads the last published weights, if their owner still lives."""
-        with self._published_weights_lost():
+        with self._published_weights_lost("after `publish_weights` (a replacement engine found its weights gone)"):
             self.workers.pool.resync(rank)
 
     def _hand_off_again(self, rank: int) -> None:
