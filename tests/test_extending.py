@@ -1,19 +1,25 @@
 """docs/extending.md's worked examples, run: an advantage estimator of one's own (an Estimator in a module of one's
 own, named by `ppo.advantage_estimator: module:name`), validated like the built-in ones and run by a real
-GRPO-style job; and a generation engine of one's own (`generation.engine: module:Class`) serving a real generation
-worker."""
+GRPO-style job, which is scored by a reward function of one's own (`reward.function: module:function`); a
+generation engine of one's own (`generation.engine: module:Class`) serving a real generation worker; and a job
+kind of one's own, added to JOB_KINDS, run as the CLI command the table makes of it."""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal
 
 import pytest
 import torch
+from pydantic import Field
 
 from rlhf_ray.actors.hf_engine import HFEngine
 from rlhf_ray.algorithms.advantages import AdvantageInputs, broadcast_to_tokens
 from rlhf_ray.config.estimators import Estimator
+from rlhf_ray.config.jobs import JobBase
+from rlhf_ray.config.paths import PathField
 
 
 def sign_in_group(x: AdvantageInputs):
@@ -63,22 +69,37 @@ def test_an_estimator_is_checked_like_the_built_in_ones(write_yaml):
     assert "ppo.advantage_estimator" in problem and "is a function, not an" in problem
 
 
+def short_and_right(prompts, answers, answer):      # `answer`: the dataset's column
+    return [float(a.strip().endswith(str(t))) - 0.01 * len(a.split()) for a, t in zip(answers, answer)]
+
+
 @pytest.mark.system
 @pytest.mark.usefixtures("shared_ray")
-def test_a_job_trains_with_the_toy_estimator(tmp_path, sft_model, rm_model):
-    """Its function runs in the job's experience actor: every iteration's advantages are signs."""
+def test_a_job_trains_with_the_toy_estimator_on_the_toy_reward(tmp_path, sft_model, rm_model):
+    """The estimator's function runs in the job's experience actor: every iteration's advantages are signs. The
+    reward function of docs/extending.md scores every answer, given the dataset's `answer` column."""
+    from transformers import AutoTokenizer
+
     from rlhf_ray.jobs.ppo import run_ppo
     from tests.test_ppo_job import RULE_GRPO, ppo_job
 
-    job = ppo_job(tmp_path, sft_model, rm_model, *[o for o in RULE_GRPO if "advantage_estimator" not in o],
+    rule = [o for o in RULE_GRPO if "advantage_estimator" not in o and "reward.function" not in o]
+    job = ppo_job(tmp_path, sft_model, rm_model, *rule, "reward.function=tests.test_extending:short_and_right",
                   f"ppo.advantage_estimator={NAME}", "ppo.iterations=2", "ppo.eval_prompts=0", "reference=null",
-                  "ppo.kl_coef=0")
+                  "ppo.kl_coef=0", "logging.samples_per_iteration=8")
     assert job.critic is None
     assert run_ppo(job)["iterations"] == 2
     lines = [json.loads(x) for x in (tmp_path / "ppo" / "metrics.jsonl").read_text().splitlines()]
     seen = [(r["advantage/min"], r["advantage/max"]) for r in lines if "advantage/max" in r]
     assert len(seen) == 2 and all(lo in (-1, 0) and hi in (0, 1) for lo, hi in seen), seen
     assert any(hi == 1 for _, hi in seen), "no group had answers that scored differently: nothing was tested"
+    eos = AutoTokenizer.from_pretrained(sft_model).eos_token
+    samples = [json.loads(x) for x in (tmp_path / "ppo" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 16
+    for s in samples:  # the logged answer keeps its end-of-text; the function was given the text without it
+        want = short_and_right([s["prompt"]], [s["answer"].replace(eos, "")], [s["columns"]["answer"]])[0]
+        assert s["reward"] == pytest.approx(want), s
+    assert any(s["reward"] > 0.5 for s in samples) and all(s["reward"] not in (0.0, 1.0) for s in samples)
 
 
 class TimedHF(HFEngine):
@@ -122,3 +143,53 @@ def test_an_engine_named_by_its_module_serves_a_generation_worker(sft_model, tmp
         assert all(len(s["logprobs"]) == len(s["answer_ids"]) for s in samples)
     finally:
         group.kill()
+
+
+class WordsJob(JobBase):
+    """A job kind of one's own: the words of a text file, counted on the cluster by a Ray task per chunk of lines."""
+
+    summary: ClassVar[str] = "count the words of a text file on the cluster"
+    runner: ClassVar[str] = "tests.test_extending:count_words"
+
+    kind: Literal["words"] = "words"
+    text: Annotated[str, PathField()]
+    """The text file (relative paths: to the folder the command runs in)."""
+    lines_per_task: int = Field(100, ge=1)
+
+    def placement_roles(self):
+        return {}  # Ray tasks only: no actor groups to place
+
+
+def count_words(job: WordsJob) -> dict:
+    import ray
+
+    from rlhf_ray import cluster
+
+    lines = Path(job.text).read_text().splitlines()
+    chunks = [lines[i:i + job.lines_per_task] for i in range(0, len(lines), job.lines_per_task)]
+    with cluster.connect(job.cluster):
+        count = ray.remote(lambda part: sum(len(line.split()) for line in part))
+        words = sum(ray.get([count.remote(chunk) for chunk in chunks], timeout=job.cluster.call_timeout_s))
+    summary = {"words": words, "tasks": len(chunks)}
+    Path(job.output_dir).mkdir(parents=True, exist_ok=True)
+    Path(job.output_dir, "summary.json").write_text(json.dumps(summary))
+    return summary
+
+
+@pytest.mark.system
+@pytest.mark.usefixtures("shared_ray")
+def test_a_job_kind_added_to_the_table_is_validated_and_run_by_its_own_command(tmp_path, monkeypatch, capsys):
+    from rlhf_ray import cli
+    from rlhf_ray.config.kinds import JOB_KINDS
+
+    monkeypatch.setitem(JOB_KINDS, "words", WordsJob)
+    monkeypatch.chdir(tmp_path)
+    Path("text.txt").write_text("one two\nthree\n" * 150)
+    Path("words.yaml").write_text("kind: words\ntext: text.txt\noutput_dir: out\n"
+                                  "cluster: {num_cpus: 2, dashboard: false}\n")  # the shared Ray's shape
+    assert cli.main(["validate", "words.yaml"]) == cli.EXIT_OK
+    assert cli.main(["words", "--config", "words.yaml"]) == cli.EXIT_OK
+    assert json.loads(Path("out/summary.json").read_text()) == {"words": 450, "tasks": 3}
+    capsys.readouterr()
+    assert cli.main(["words", "--config", "words.yaml", "--set", "lines_per_task=0"]) == cli.EXIT_BAD_CONFIG
+    assert "lines_per_task" in capsys.readouterr().err

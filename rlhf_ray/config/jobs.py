@@ -48,7 +48,8 @@ class JobBase(StrictModel):
     A job kind is registered once, here: its class in JOB_KINDS, and on the class what the rest of the project
     finds from there: `summary` (its CLI command's help), `runner` (the function that runs it, by import path: the
     jobs live above the configs), `steps_resume` (its CLI command takes --stop-after) and `memory` (the function
-    that sizes its roles for `validate`)."""
+    that sizes its roles for `validate`; None: a kind that places no actors, or a pipeline, whose stages are
+    sized)."""
 
     summary: ClassVar[str]
     runner: ClassVar[str]

@@ -98,7 +98,9 @@ def role_memory(job, gpu_bytes: int | None = None, derived: dict[str, ModelShape
     """Per-replica bytes of every role of one job, by the function its kind names (JobBase.memory). `derived`: shapes
     of model folders an earlier pipeline stage writes (the SFT output has the SFT input's shape)."""
     if type(job).memory is None:
-        raise ValueError(f"a {job.kind} job has no roles of its own to size (size its stages)")
+        if job.stages() != [job]:
+            raise ValueError(f"a {job.kind} job has no roles of its own to size (size its stages)")
+        return {}  # a kind that places no actors (Ray tasks only, or nothing on the cluster)
     return load_function(type(job).memory)(job, gpu_bytes, derived or {})
 
 
