@@ -11,7 +11,8 @@ The first runs the recipe as written, seed by seed (part 2: gold +0.15 over the 
 at most 30 minutes of PPO). The second (part 3, Gao et al. 2022 at our scale) trains reward models on the first N
 of one seed's labelled training pairs (one epoch each) and runs PPO against each (the recipe's iterations, or
 --iterations), evaluating every 3 iterations: the proxy (reward-model) score and the gold score of held-out answers against sqrt(KL to the SFT
-policy). All runs of a seed share its SFT stage and its labelled pairs (copied in; the pipeline reuses them).
+policy). All runs of a seed share its SFT stage and its labelled pairs (copied in; the pipeline reuses them), so
+a size below `all` needs the seed's all-pair run in the same --work (earlier in the list, or from before).
 
 Each run's result is kept in benchmarks/results/descriptions/<name>.json with the hash of the settings it ran, so
 a later invocation reports it while the recipe still holds those settings; --report-only runs nothing.
@@ -94,6 +95,9 @@ def share_stages(run: Run, work: Path, out: Path) -> None:
     donors = [d for d in donors if d != out and not d.name.startswith("pairs") and (d / "sft" / "summary.json").is_file()
               and (d / "rm" / "pairs" / "eval.jsonl").is_file()]
     if not donors:
+        if run.pairs is not None:  # alone, the pipeline would label the first N prompts' pairs: fewer, other pairs
+            raise SystemExit(f"{run.name}: no finished run of seed {run.seed} on all the pairs in {work} to take "
+                             "the first pairs from; run `--overoptimisation all,...` for the seed in this --work")
         return
     donor = donors[0]
     if not (out / "sft").exists():
