@@ -170,7 +170,8 @@ def test_dapo_options_and_diagnostics_run_end_to_end(tmp_path, stage_models):
     assert not any("compute/policy_seconds" in r or "generate/mismatch_kl" in r for r in steps)  # the engine's
     evals = [r for r in lines if "eval/reward" in r]
     assert [r["step"] for r in evals] == [0, 1, 2]  # before, every iteration, after
-    assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals[1:])
+    assert all("eval/task_accuracy" in r and "eval/reward_hacking_signs" in r for r in evals)  # from the first:
+    # a dashboard's panel has the series from the job's start (the metrics endpoint test missed a short job's later)
     assert all(-1.0 <= r["reward/length_correlation"] <= 1.0 for r in steps)
     # dynamic sampling without fill: 16 prompts sampled, only the groups whose scores differ (at most 8; one equal
     # group when none does) trained on; the mini-batch plan indexes the kept rows only (planning the 64 sampled ones
