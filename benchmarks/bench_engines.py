@@ -185,7 +185,7 @@ def render(single: dict[str, list[dict]], pools: list[dict], args, sizes: dict[s
             ratio = f"{rate / (default['tokens'] / default['seconds']):.1f}x" if default else "-"
             lines.append(f"| {label} | {r['config']} | {r['dtype']} | {r['threads']} | {r['startup_s']:.1f} | "
                          f"{r['seconds']:.2f} | {r['tokens']:,} | {rate:,.0f} | {ratio} |")
-    lines += ["", "Engine settings:", *[f"- {k}: {v}" for k, v in CONFIGS.items()], ""]
+    lines += ["", "Engine settings: " + "; ".join(f"**{k}**: {v}" for k, v in CONFIGS.items()) + ".", ""]
     goal = []
     for size, rows in single.items():
         ok = {r["config"]: r for r in rows if "error" not in r}

@@ -225,20 +225,13 @@ def publish(results: dict[str, dict], command: str, gpu: bool, notes: list[str] 
 
 NOTES = [
     "What the rows say (2026-11-25, CPU, fp32):",
-    "- ZeRO-0 and ZeRO-2 from 26M parameters up are within 20% once the model counts what DeepSpeed really",
-    "  allocates: from ZeRO-1 on an fp32 master clone of the rank's partition and a flattened gradient partition",
-    "  even in fp32 training, the gradient staging bucket (on a CPU only the pages the gradients fill; a GPU",
-    "  reserves all `reduce_bucket_size` elements), and ZeRO-0's all-reduce flattening over several ranks (one",
-    "  rank now skips that pass). Before those terms, ZeRO-2 was predicted 28-45% low.",
-    "- ZeRO-3 is predicted 18-39% low: every measured rank holds about 8-10 bytes per parameter more than the",
-    "  sharded states, activations and bucket, the same with 1 or 2 ranks, so it is not sharded. Not yet",
-    "  explained; the likeliest candidate is the gathered parameters and their full gradients, freed module by",
-    "  module but kept resident by the CPU allocator (a GPU's caching allocator would reuse them). The GPU run",
-    "  (next section, 2026-11-26) confirms it: the same ZeRO-3 cases are within 2% of the CUDA allocator's peak.",
-    "- The tiny model (0.5M) is off by 60-80%: its states are a few MB and the rank's fixed costs above the",
-    "  runtime baseline (DeepSpeed's and the allocator's own 40-100 MB) dominate. The model has no fixed term.",
-    "- llama-400m with ZeRO-3 over 2 ranks did not fit this 23.5 GiB machine (Ray's memory monitor killed a",
-    "  rank at 96%): not measured.",
+    "- ZeRO-0 and ZeRO-2 from 26M parameters up: within 20%, counting what DeepSpeed allocates beyond the states",
+    "  (from ZeRO-1 an fp32 master partition and a flat gradient partition; the gradient bucket; ZeRO-0's all-reduce",
+    "  flattening over several ranks). The terms' history: benchmarks/HISTORY.md.",
+    "- ZeRO-3: 18-39% low, 8-10 bytes per parameter more on every rank whatever the rank count: the CPU allocator",
+    "  keeps freed gathered parameters and gradients resident; on a GPU the same cases are within 2% (next section).",
+    "- tiny (0.5M): 60-80% off: a rank's fixed 40-100 MB (DeepSpeed, the allocator) dominate; the model has no fixed term.",
+    "- llama-400m, ZeRO-3 over 2 ranks: did not fit 23.5 GiB (Ray's memory monitor killed a rank at 96%).",
 ]
 
 
@@ -291,13 +284,10 @@ def main() -> None:
 
 
 GPU_NOTES = [
-    "What the rows say (one H200, bf16, one rank per case; the vLLM checks of tests/gpu could not run there: the",
-    "vLLM CUDA wheel is larger than what a lent machine can be sent):",
-    "- From 26M parameters up every row is within 13%: the ZeRO-3 rows that CPU runs measured 18-39% above the",
-    "  prediction are at -2% on the GPU, so that CPU gap was the CPU allocator keeping freed gathered parameters",
-    "  and gradients resident, not a term the model misses.",
-    "- The tiny model's ZeRO-2/3 rows are the reduce bucket the model counts (a GPU reserves all of it); its ZeRO-0",
-    "  row, a few MB of states, is dominated by fixed costs (CUDA workspaces), as on CPU.",
+    "What the rows say (one H200, bf16, one rank per case):",
+    "- From 26M parameters up every row is within 13%; the ZeRO-3 cases that CPU runs put 18-39% low are at -2%.",
+    "- tiny: its ZeRO-2/3 rows are the reduce bucket the model counts (a GPU reserves all of it); its ZeRO-0 row,",
+    "  a few MB of states, is fixed costs (CUDA workspaces), as on CPU.",
 ]
 
 

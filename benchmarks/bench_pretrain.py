@@ -193,16 +193,12 @@ def render(speed: list[dict], quality: list[dict], memory: list[dict], steps: in
         lines.append(f"| {r['model']} | {r['eval_perplexity_first']:.2f} -> {r['eval_perplexity']:.2f} | "
                      + " | ".join(f"{r[f'eval_perplexity_first/{c}']:.2f} -> {r[f'eval_perplexity/{c}']:.2f}"
                                   for c in ("arithmetic", "problems")) + " |")
-    lines += ["", "**Peak memory per rank by ZeRO stage**: the small model, 2 ranks (1 thread each), 4 steps, process peak "
-              "resident memory (VmHWM: weights, gradients, optimizer state, activations and the libraries, on CPU):",
-              "", "| ZeRO stage | peak GiB per rank |", "|---|---|"]
-    for r in memory:
-        lines.append(f"| {r['stage']} | {r['peak_gib']:.2f} |")
-    lines += ["", "On CPU the process peak hardly moves with the stage: the model states of a 26M-parameter fp32 model with "
-              "Adam are 26M x 16 bytes = 0.42 GB for both ranks together, so partitioning them over 2 ranks saves at most "
-              "~0.2 GB per rank, while DeepSpeed's flat fp32 buffers (ZeRO-1/2) and gather buffers and hooks (ZeRO-3) "
-              "add to it and the libraries (torch, DeepSpeed, Ray) take ~1.2 GB of every process. What the stages "
-              "save per GPU is what `rlhf-ray validate`'s memory table predicts (see \"Memory model\" above); GPU peaks need a GPU run."]
+    peaks = ", ".join(f"ZeRO-{r['stage']} {r['peak_gib']:.2f}" for r in memory)
+    lines += ["", f"**Peak memory per rank by ZeRO stage** (the small model, 2 ranks of 1 thread, 4 steps, process peak "
+              f"resident memory): {peaks} GiB. On CPU it hardly moves with the stage: the states of a 26M-parameter "
+              "fp32 model with Adam are 0.42 GB for both ranks together, so 2 ranks save at most ~0.2 GB each, while "
+              "DeepSpeed's flat buffers (ZeRO-1/2) and gather buffers (ZeRO-3) add to it and the libraries take "
+              "~1.2 GB of every process. What the stages save per GPU: the memory model's sections below."]
     return "\n".join(lines) + "\n"
 
 
