@@ -75,8 +75,9 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
     """A 12-iteration PPO job (critic, reward model, held-out evaluations) with its metrics endpoint scraped by hand
     during the run, and, where Debian's prometheus is installed, a Prometheus scraping it too. The test holds the
     job's Ray (`cluster.shared`, whose head writes the discovery file) from before the job until Prometheus has
-    scraped twice after it: the tiny job's 12 iterations take seconds, so a gauge set at its end would otherwise go
-    with its Ray before a 5-second scrape. Yields what was seen."""
+    scraped twice after it, and the job's logger open (its gauges kept) until then: the tiny job's 12 iterations take
+    ~2 s, so its gauges would otherwise go before a 5-second scrape about half of the time (every panel empty in
+    two fresh CI runs). Yields what was seen."""
     from rlhf_ray import cluster
     from rlhf_ray.config.run import LoggingSpec
     from rlhf_ray.jobs.metrics import MetricsLogger
@@ -86,6 +87,12 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
     tmp = tmp_path_factory.mktemp("metrics")
     mp = pytest.MonkeyPatch()
     mp.setenv("RAY_metrics_report_interval_ms", "1000")
+    # The job's 12 tiny iterations take ~2 s, less than a scrape interval, and its gauges leave the endpoint a report
+    # interval after its logger closes; a real job's gauges live for minutes. Its logger is closed by the test once
+    # Prometheus has every panel's series (or the wait is over), so a scrape falls inside the job's life.
+    kept: list[MetricsLogger] = []
+    close = MetricsLogger.close
+    mp.setattr(MetricsLogger, "close", lambda self: kept.append(self) if self.run_name == RUN else close(self))
     port = free_port()
     job = ppo_job(tmp, sft_model, rm_model, "ppo.iterations=12", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8",
                   "ppo.eval_every=4", "policy.micro_batch_size=16", "critic.micro_batch_size=16",
@@ -121,8 +128,13 @@ def scraped_run(tmp_path_factory, sft_model, rm_model):
                 deadline = time.monotonic() + 90  # scrapes every 5 s; the job's last gauges are reported each 1 s
                 while empty_panels(seen) and time.monotonic() < deadline:
                     time.sleep(2)
+            for logger in kept:
+                close(logger)
         yield seen
     finally:
+        for logger in kept:
+            if not logger.closed.is_set():
+                close(logger)
         mp.undo()
         if prometheus is not None:
             prometheus[0].terminate()
