@@ -77,8 +77,8 @@ def test_the_job_warns_once_for_each_sign_naming_where_reward_and_check_parted(c
     assert warnings[1].startswith("iteration 6: possible reward over-optimisation (reward hacking): the reward keeps "
                                   "rising while the held-out check (my.module:gold) falls; they parted after "
                                   "iteration 2: greedy answers: at iterations 2, 4, 6")
-    assert watch.opening() == {"eval/reward_hacking_signs": 0.0}  # the series starts with the job
+    assert Diagnostics.opening(held_out(1.0, 0.5)) == {"eval/reward_hacking_signs": 0.0}  # the series starts with the job
     unchecked = Diagnostics(held_out(1.0), 0.1)
-    assert unchecked.opening() == {}
+    assert Diagnostics.opening(held_out(1.0)) == {}
     assert unchecked.evaluation(2, held_out(3.0)) == {}  # no check: no metric
     assert unchecked.evaluation(4, held_out(9.0)) == {} and unchecked.series() == {}  # and nothing to watch

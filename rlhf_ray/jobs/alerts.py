@@ -22,12 +22,12 @@ class Diagnostics:
         self.first_entropy: float | None = None
         self.warned: set[str] = set()
 
-    def opening(self) -> dict[str, float]:
+    @staticmethod
+    def opening(before: Evaluation) -> dict[str, float]:
         """Metrics for the line of the evaluation before training: eval/reward_hacking_signs 0 where there is a
-        check, so the series exists from the job's start (a Prometheus that scrapes every 15 s would otherwise miss
-        a short job's later evaluations, whose gauges go when the job ends)."""
-        before = self.history[0][1] if self.history else None
-        return {"eval/reward_hacking_signs": 0.0} if before is not None and before.has_check else {}
+        check, so the series exists from the job's start (a short job's later evaluations can fall between two
+        Prometheus scrapes)."""
+        return {"eval/reward_hacking_signs": 0.0} if before.has_check else {}
 
     def iteration(self, step: int, result: dict[str, float]) -> None:
         entropy = result.get("policy/entropy")

@@ -109,7 +109,7 @@ class PPOTrainer:
             self.metrics.rewind(-1)  # a fresh start: lines a previous run left in this output_dir are not this run's
             self.best.start_fresh()  # and so is a best model
             self.before = self.evaluator.evaluate()
-            self.metrics.log(0, eval_line(self.before) | self.diagnostics().opening())
+            self.metrics.log(0, eval_line(self.before) | Diagnostics.opening(self.before))
             self.best.consider(0, self.before.metrics())
             first = 0
         else:
