@@ -44,11 +44,13 @@ def test_one_zero0_rank_skips_the_all_reduce_and_keeps_the_plain_gradients(tiny_
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
-def test_deepspeed_starts_on_cpu_without_compiling_its_shared_memory_kernel(tiny_model, tmp_path):
+def test_deepspeed_starts_on_cpu_without_compiling_its_shared_memory_kernel_or_muon(tiny_model, tmp_path):
     """A learner rank and a sharded (ZeRO-3) scorer start on a machine with no C++ compiler and nothing built yet:
     DeepSpeed's CPU communication backend JIT-compiled its shared-memory all-reduce kernel at every process's first
     start (~1 minute on 2 cores; on a machine without a compiler every CPU job failed there), a kernel nothing here
-    uses."""
+    uses. Nor does building the engine load torch's compiler for DeepSpeed's Muon optimizer (imported by the engine's
+    optimizer checks, it handed its kernels to torch.compile as it loaded: 1.5 of the 1.8 CPU-seconds a tiny model's
+    engine took to build, in every learner process)."""
     extensions = tmp_path / "torch_extensions"
     extensions.mkdir()
     script = textwrap.dedent(f"""
@@ -72,6 +74,9 @@ def test_deepspeed_starts_on_cpu_without_compiling_its_shared_memory_kernel(tiny
         scorer, zero_init = build_zero3_inference(lambda: load_causal_lm(spec), spec, 2, 1)
         with torch.no_grad():
             assert torch.isfinite(scorer(input_ids=ids).logits).all()
+        import sys
+        assert "deepspeed.runtime.zero.muon.original_muon" in sys.modules  # the engine did ask about Muon
+        assert "torch._inductor.compile_fx" not in sys.modules, "torch's compiler was loaded"
         print("ok")
     """)
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions), "CXX": str(tmp_path / "no-such-c++")}
@@ -189,3 +194,23 @@ def test_an_arch_specific_cuda_arch_list_is_made_plain_for_deepspeeds_fused_adam
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0 10.0+PTX"
     builder.compute_capability_args()  # parses now
 
+
+
+def test_a_function_compiled_on_first_call_is_compiled_once_when_first_called(monkeypatch):
+    """What DeepSpeed's Muon kernels get instead of torch.compile at import: the same function, compiled when (and
+    if) it is first called, once."""
+    import torch
+
+    from rlhf_ray.learners.deepspeed_setup import compiled_on_first_call
+
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn: compiled.append(fn) or (lambda *a, **k: ("compiled", fn(*a, **k))))
+
+    def double(x, *, times=2):
+        """Doubles."""
+        return x * times
+
+    lazy = compiled_on_first_call(double)
+    assert compiled == [] and lazy.__name__ == "double" and lazy.__doc__ == "Doubles."
+    assert lazy(3) == ("compiled", 6) and lazy(4, times=3) == ("compiled", 12)
+    assert compiled == [double]

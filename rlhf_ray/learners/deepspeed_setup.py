@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import re
+import sys
 
 import torch
 
@@ -93,11 +96,57 @@ def skip_flagged_steps(optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = guarded
 
 
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def compiled_on_first_call(fn):
+    """`torch.compile(fn)`, built when the function is first called instead of when it is defined."""
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(fn)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
+def import_muon_uncompiled() -> None:
+    """Import DeepSpeed's Muon optimizer with its kernels compiled on their first call, not on import.
+
+    Building any engine imports that module (the ZeRO sanity check and the ZeRO optimizers ask whether the optimizer
+    is a Muon one), and the module hands three functions to `torch.compile` as it loads, which imports torch's whole
+    compiler stack: 1.5 of the 1.8 CPU-seconds a tiny model's engine took to build, in every learner process of every
+    job, for an optimizer no role here uses. Imported first from here, while DeepSpeed's `compiler.compile()` hands
+    out `compiled_on_first_call`, every later import finds the module loaded: the same functions, compiled if ever
+    called."""
+    if MUON_MODULE in sys.modules:
+        return
+    from deepspeed.runtime import compiler
+
+    with contextlib.suppress(ImportError), _swapped(compiler, "compile", lambda: compiled_on_first_call):
+        __import__(MUON_MODULE)
+
+
+@contextlib.contextmanager
+def _swapped(owner, name: str, value):
+    kept = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, kept)
+
+
 def build_deepspeed(model: torch.nn.Module, spec: ModelSpec, optim: OptimizerSpec, ds: DeepSpeedSpec,
                  micro_batch_size: int, world_size: int, total_steps: int):
     """DeepSpeed engine with our optimizer and LR schedule; returns (engine, scheduler)."""
     import deepspeed
     from transformers import get_scheduler
+
+    import_muon_uncompiled()
 
     if spec.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
