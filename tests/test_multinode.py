@@ -1,9 +1,10 @@
-"""Node faults on a multi-node Ray: Ray's own test harness (`ray.cluster_utils.Cluster`) runs a head and four
-worker raylets on this machine, on 127.0.0.1, and the roles of a PPO job land on different nodes. Removing the node
-of the engine, then of the reference, is survived by replacing the actor on its rescheduled bundle; removing the
-policy's node makes the job restart every role from its last checkpoint by itself. The disturbed run ends with the
-numbers of an undisturbed run on the same cluster. ~1.5 min (the two runs; the SFT and reward models are the
-session's)."""
+"""Nodes that join and leave a multi-node Ray: Ray's own test harness (`ray.cluster_utils.Cluster`) runs a head and
+four worker raylets on this machine, on 127.0.0.1 (one cluster for both tests), and the roles of a PPO job land on
+different nodes. An elastic generation pool takes engines on nodes that join and drops those whose nodes leave.
+Removing the node of the engine, then of the reference, is survived by replacing the actor on its rescheduled
+bundle; removing the policy's node makes the job restart every role from its last checkpoint by itself. Each
+disturbed run ends with the numbers of an undisturbed run on the same cluster. ~2.5 min (four runs and a restart;
+the SFT and reward models are the session's)."""
 
 from __future__ import annotations
 
@@ -34,36 +35,40 @@ RUN = ["ppo.iterations=5", "ppo.rollout_batch_size=16", "ppo.eval_prompts=8", "p
 WORKERS = 4
 
 
-@pytest.fixture
-def three_plus_nodes(monkeypatch):
-    """A head (the driver's node, no CPU for actors) and WORKERS 1-CPU nodes, all on loopback."""
+@pytest.fixture(scope="module")
+def three_plus_nodes():
+    """A head (the driver's node, no CPU for actors) and WORKERS 1-CPU nodes, all on loopback, shared by the module's
+    two tests (one cluster start less). Each test leaves WORKERS nodes alive: the elastic test adds two nodes and
+    removes two; the lost-node test, which runs last, replaces each node it removes with one started from its own
+    thread (such a node lives as long as that thread)."""
     import ray._private.utils as ray_utils
     from ray.cluster_utils import Cluster
 
     from rlhf_ray import cluster as rcluster
 
-    monkeypatch.setenv(rcluster.LOOPBACK_ENV, "0")
-    # The harness's add_node installs a SIGTERM handler, which Python allows only on the main thread; the test adds
-    # nodes from the thread that removes them while the job runs on the main one (this made every replacement wait
-    # for a node that never came, until cluster.startup_timeout_s).
-    set_handler = ray_utils.set_sigterm_handler
-    monkeypatch.setattr(ray_utils, "set_sigterm_handler",
-                        lambda handler: set_handler(handler) if threading.current_thread() is threading.main_thread()
-                        else None)
-    with rcluster._loopback_mode():
-        # a lost node is marked dead after 3 missed 1-s health checks (Ray's default: 5 of 3 s), so each removal
-        # costs the job seconds of waiting, not 15
-        fast_death = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
-                      "health_check_failure_threshold": 3}
-        harness = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
-                                                                "_system_config": fast_death})
-        for _ in range(WORKERS):
-            harness.add_node(num_cpus=1)
-        harness.wait_for_nodes()
-    try:
-        yield harness
-    finally:
-        harness.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(rcluster.LOOPBACK_ENV, "0")
+        # The harness's add_node installs a SIGTERM handler, which Python allows only on the main thread; the test
+        # adds nodes from the thread that removes them while the job runs on the main one (this made every
+        # replacement wait for a node that never came, until cluster.startup_timeout_s).
+        set_handler = ray_utils.set_sigterm_handler
+        patch.setattr(ray_utils, "set_sigterm_handler",
+                      lambda handler: set_handler(handler) if threading.current_thread() is threading.main_thread()
+                      else None)
+        with rcluster._loopback_mode():
+            # a lost node is marked dead after 3 missed 1-s health checks (Ray's default: 5 of 3 s), so each removal
+            # costs the job seconds of waiting, not 15
+            fast_death = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000,
+                          "health_check_failure_threshold": 3}
+            harness = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False,
+                                                                    "_system_config": fast_death})
+            for _ in range(WORKERS):
+                harness.add_node(num_cpus=1)
+            harness.wait_for_nodes()
+        try:
+            yield harness
+        finally:
+            harness.shutdown()
 
 
 def node_of(name: str, namespace: str, timeout: float = 300) -> str:
@@ -97,56 +102,6 @@ def remove_node_of(harness, name: str, namespace: str) -> str:
 def step_logs(out: Path) -> list[dict]:
     return [m for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
             if "policy_version" in m]
-
-
-def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_numbers(tmp_path, three_plus_nodes,
-                                                                                      sft_model, rm_model):
-    from rlhf_ray.jobs.ppo import run_ppo
-
-    address = three_plus_nodes.address
-    calm = ppo_job(tmp_path / "calm", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
-    calm_summary = run_ppo(calm)
-
-    job = ppo_job(tmp_path / "faults", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
-    out, ns = Path(job.output_dir), job.cluster.namespace
-    removed, errors, finished = [], [], threading.Event()
-
-    def remove_nodes_as_checkpoints_appear():
-        try:
-            for step, role in ((1, "generation-0"), (2, "reference-0"), (3, "policy-0")):
-                deadline = time.monotonic() + 600
-                while len(Checkpoints(out, keep_last=1).complete()) < step and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                nodes = {r: node_of(r, ns) for r in ("policy-0", "critic-0", "reference-0", "generation-0")}
-                assert len(set(nodes.values())) == 4, f"roles share a node: {nodes}"
-                removed.append((role, remove_node_of(three_plus_nodes, role, ns)))
-            # Ray ties the processes of a node to the thread that started it (Linux's parent-death signal follows
-            # the creating thread): the nodes this thread added must outlive the job, so the thread waits too.
-            finished.wait(timeout=900)
-        except BaseException as e:  # reported by the test, not lost in the thread
-            errors.append(e)
-            traceback.print_exc()
-            _thread.interrupt_main()  # the job would otherwise wait for a node that never comes
-
-    remover = threading.Thread(target=remove_nodes_as_checkpoints_appear, daemon=True)
-    remover.start()
-    try:
-        summary = run_ppo(job)
-    finally:
-        finished.set()
-        remover.join(timeout=60)
-    assert not errors, errors
-    assert [role for role, _ in removed] == ["generation-0", "reference-0", "policy-0"]
-
-    steps = step_logs(out)
-    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]  # redone steps logged once
-    assert steps[-1]["actors/learner_restarts"] == 1  # the policy's node: every role restarted once, by itself
-    assert summary["iterations"] == 5
-    for key in ("reward_after", "task_accuracy_after", "sampled_reward_after"):
-        assert summary[key] == pytest.approx(calm_summary[key], abs=1e-4), key
-    calm_steps = step_logs(Path(calm.output_dir))
-    for got, want in zip(steps, calm_steps):
-        assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]
 
 
 def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_leave(
@@ -219,4 +174,54 @@ def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_lea
     for key in ("reward_after", "task_accuracy_after", "sampled_reward_after"):
         assert summary[key] == pytest.approx(calm_summary[key], abs=1e-4), key
     for got, want in zip(steps, calm):
+        assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]
+
+
+def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_numbers(tmp_path, three_plus_nodes,
+                                                                                      sft_model, rm_model):
+    from rlhf_ray.jobs.ppo import run_ppo
+
+    address = three_plus_nodes.address
+    calm = ppo_job(tmp_path / "calm", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
+    calm_summary = run_ppo(calm)
+
+    job = ppo_job(tmp_path / "faults", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
+    out, ns = Path(job.output_dir), job.cluster.namespace
+    removed, errors, finished = [], [], threading.Event()
+
+    def remove_nodes_as_checkpoints_appear():
+        try:
+            for step, role in ((1, "generation-0"), (2, "reference-0"), (3, "policy-0")):
+                deadline = time.monotonic() + 600
+                while len(Checkpoints(out, keep_last=1).complete()) < step and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                nodes = {r: node_of(r, ns) for r in ("policy-0", "critic-0", "reference-0", "generation-0")}
+                assert len(set(nodes.values())) == 4, f"roles share a node: {nodes}"
+                removed.append((role, remove_node_of(three_plus_nodes, role, ns)))
+            # Ray ties the processes of a node to the thread that started it (Linux's parent-death signal follows
+            # the creating thread): the nodes this thread added must outlive the job, so the thread waits too.
+            finished.wait(timeout=900)
+        except BaseException as e:  # reported by the test, not lost in the thread
+            errors.append(e)
+            traceback.print_exc()
+            _thread.interrupt_main()  # the job would otherwise wait for a node that never comes
+
+    remover = threading.Thread(target=remove_nodes_as_checkpoints_appear, daemon=True)
+    remover.start()
+    try:
+        summary = run_ppo(job)
+    finally:
+        finished.set()
+        remover.join(timeout=60)
+    assert not errors, errors
+    assert [role for role, _ in removed] == ["generation-0", "reference-0", "policy-0"]
+
+    steps = step_logs(out)
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]  # redone steps logged once
+    assert steps[-1]["actors/learner_restarts"] == 1  # the policy's node: every role restarted once, by itself
+    assert summary["iterations"] == 5
+    for key in ("reward_after", "task_accuracy_after", "sampled_reward_after"):
+        assert summary[key] == pytest.approx(calm_summary[key], abs=1e-4), key
+    calm_steps = step_logs(Path(calm.output_dir))
+    for got, want in zip(steps, calm_steps):
         assert got["policy/loss"] == pytest.approx(want["policy/loss"], abs=1e-4), got["step"]
