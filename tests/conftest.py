@@ -68,6 +68,7 @@ def _quick_stage(kind: str, root: Path, tiny_model: Path) -> Path:
 
     overrides = [f"model.path={tiny_model}", f"output_dir={root / kind}", "cluster.dashboard=false",
                  "logging.progress=false"]
+    _SESSION_RAY.open()  # the session's Ray, which the test asking for the model may share (or close)
     run_supervised(load_job(ROOT / f"configs/quickstart/{kind}.yaml", overrides))
     return root / kind / "model"
 
