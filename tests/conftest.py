@@ -31,7 +31,7 @@ def shared_gguf_imports(tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2(shared_gguf_imports) -> Path:
     """SmolLM2-135M-Instruct as `rlhf-ray init-model --from smollm2` writes it, imported once per session, into the
-    folder where jobs naming `package:smollm2` import it (so they reuse it: a dequantisation costs ~25 s)."""
+    folder where jobs naming `package:smollm2` import it (so they reuse it: an import costs ~8 s)."""
     from rlhf_ray.cli import main
     from rlhf_ray.models.packaged import packaged_gguf
     from rlhf_ray.models.sources import imported_folder

@@ -6,6 +6,7 @@ SentencePiece one (Gemma 3), through our TokenConventions and through plain tran
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -38,6 +39,25 @@ def test_the_add_bos_flag_reaches_transformers_and_the_token_conventions(tmp_pat
     assert json.loads((out / "tokenizer_config.json").read_text())["add_bos_token"] is add_bos
     assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == {"llama": "LlamaForCausalLM",
                                                                          "gemma3": "Gemma3ForCausalLM"}[arch]
+
+
+def test_an_import_parses_the_file_once(tmp_path, monkeypatch):
+    """transformers parses a GGUF file anew for the tokenizer, the config and the model; an import parses it once
+    (SmolLM2's import, the session fixture behind test_decoding.py and test_smollm2.py: 22-27 s -> 8 s, the
+    same folder written)."""
+    import gguf
+
+    parsed, make = [], gguf.GGUFReader
+
+    def counted(path, mode="r"):
+        parsed.append(Path(path).name)
+        return make(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    out, _, _ = imported(tmp_path, GGUFSpec(arch="llama"))
+    assert parsed == ["llama.gguf"]
+    assert type(AutoModelForCausalLM.from_pretrained(out)).__name__ == "LlamaForCausalLM"
+    assert gguf.GGUFReader is counted  # put back as it was
 
 
 def test_add_eos_puts_eos_after_the_text_but_never_in_a_prompt(tmp_path):

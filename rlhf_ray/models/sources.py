@@ -83,6 +83,29 @@ def _gguf_bar_as_transformers_bars():
         gguf_utils.tqdm = bar
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file anew for the tokenizer, the config and the model (and for the model's config
+    once more), and read_gguf_tokens a fifth time: each parse turns every metadata value into numpy views (SmolLM2's
+    ~100k vocabulary and merge strings), and it maps tensor names per submodule, building gguf's name table for
+    each: together over half of an import (tests/test_gguf_import.py). Inside this block a file is parsed once and
+    a name table built once per architecture; both only read (the reader is a read-only memory map)."""
+    import gguf
+
+    make_reader, make_names = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    @functools.lru_cache(maxsize=None)
+    def reader(path: str, mode: str = "r"):
+        return make_reader(path, mode)
+
+    gguf.GGUFReader = lambda path, mode="r": reader(str(Path(path).resolve()), mode)
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(make_names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, make_names
+
+
 def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = False) -> Path:
     """Dequantise a GGUF model into a plain HF folder (fp32 safetensors, tokenizer, generation config). The GGUF's
     special-token metadata is kept (add BOS / EOS, every stop id, named chat templates: models/gguf_tokens.py), so
@@ -99,11 +122,13 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     folder, name = str(file.parent), file.name
     log.info("importing %s (%s, %d tensors, %.0f MB)", file, info["architecture"], info["tensors"],
              info["bytes"] / 1e6)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    with _gguf_bar_as_transformers_bars():
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # a GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation record
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with _gguf_bar_as_transformers_bars():
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # a GGUF-loaded model refuses save_pretrained: rebuild it from its config without the quantisation record
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        special = read_gguf_tokens(file)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = torch.float32
@@ -112,7 +137,6 @@ def import_gguf(gguf_file: str | Path, out_dir: str | Path, overwrite: bool = Fa
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     # transformers drops the GGUF's add-BOS / add-EOS flags, end-of-turn ids and named templates: carry them over
-    special = read_gguf_tokens(file)
     apply_to_tokenizer(tokenizer, special)
     if problems := disagreements(tokenizer, special):
         raise ModelSourceError(f"{file}: the converted tokenizer does not behave as the GGUF's metadata says: "
