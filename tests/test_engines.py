@@ -15,12 +15,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlhf_ray import cluster
 from rlhf_ray.actors.actor_logs import actor_logs
 from rlhf_ray.actors.engine import engine_env
+from rlhf_ray.actors.experience_worker import ExperienceWorker
 from rlhf_ray.actors.generator import GenerationWorker
-from rlhf_ray.actors.group import ActorGroup, Slots, Timeouts
+from rlhf_ray.actors.group import ActorGroup, RestartBudget, Slots, Timeouts
+from rlhf_ray.actors.pool import GenerationPool
 from rlhf_ray.algorithms.logprobs import answer_logprobs
 from rlhf_ray.config.generation import GenerationSpec
 from rlhf_ray.config.model import ModelSpec
 from rlhf_ray.config.placement import ClusterSpec
+from rlhf_ray.config.ppo import PPOSpec
 from rlhf_ray.data.tokens import TokenConventions
 from rlhf_ray.models.weight_buckets import pack
 
@@ -165,3 +168,31 @@ def test_weights_arrive_in_buckets_and_greedy_decoding_equals_the_learner(engine
         if tokenizer.eos_token_id in want:
             want = want[: want.index(tokenizer.eos_token_id) + 1]
         assert s["answer_ids"] == want
+
+
+def test_a_collected_rollout_outlives_the_engine_that_made_it(sft_model):
+    """An engine's samples are its call's own result, owned by the caller (actors/payload.py): once the rollout is
+    collected, the experience worker reads it after the engine died. When the engine `ray.put` them, its process
+    owned them and took them along (OwnerDiedError); with its host's link down a reader learned that only after a
+    connection timed out, about two minutes (tests/test_hosts.py)."""
+    spec = GenerationSpec.model_validate({"engine": "hf", "sampling": {"max_new_tokens": MAX_NEW,
+                                                                       "n_samples_per_prompt": N}})
+    tokenizer = AutoTokenizer.from_pretrained(sft_model)
+    tokens = TokenConventions.from_tokenizer(tokenizer, sft_model)
+    group = ActorGroup(GenerationWorker, "generation", 1, Slots(1, env_vars=engine_env("hf", spec, 1)),
+                       kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
+                                   generation=spec.model_dump(), engine="hf", tokens=tokens),
+                       timeouts=Timeouts(call_s=300)).wait_ready(300)
+    pool = GenerationPool(group, "hf", RestartBudget(0))
+    prompts = [tokenizer(t)["input_ids"] for t in (" Human: Sort 3 1 2 Assistant:", " Human: Sort 8 Assistant:")]
+    rollout = pool.collect(pool.submit(prompts, seed=4))
+    group.kill()
+    with pytest.raises(ray.exceptions.RayActorError):  # the engine's process is gone
+        ray.get(group.actors[0].get_version.remote(), timeout=60)
+    assembler = ray.remote(num_cpus=0)(ExperienceWorker).remote(ppo=PPOSpec().model_dump(), group_size=N,
+                                                                pad_token_id=tokens.pad_id)
+    try:
+        batch = ray.get(assembler.batch.remote(rollout.refs), timeout=120)
+    finally:
+        ray.kill(assembler)
+    assert len(batch) == rollout.samples == len(prompts) * N

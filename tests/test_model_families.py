@@ -315,8 +315,8 @@ def test_a_bridged_reward_model_scores_its_own_tokenisation(family_models):
     direct = RewardWorker(rank=0, world_size=1, model=spec, micro_batch_size=4, tokens=rm_tokens)
     # what a reward model with its own data would be given: its tokens, right-padded (no prompt columns)
     plain = RolloutBatch(sequences=seq, attention_mask=mask, action_mask=mask.float(), prompt_width=0)
-    torch.testing.assert_close(bridged.score.__wrapped__(bridged, batch, 0, 2),
-                               direct.score.__wrapped__(direct, plain, 0, 2))
+    torch.testing.assert_close(bridged.score.computes(bridged, batch, 0, 2),
+                               direct.score.computes(direct, plain, 0, 2))
 
 
 def test_vllm_max_model_len_defaults_to_the_jobs_limits():

@@ -40,15 +40,14 @@ def assembled(monkeypatch, source: str, learner_logp):
     from rlhf_ray.config.ppo import PPOSpec
 
     monkeypatch.setattr(ray, "get", lambda refs: refs)
-    monkeypatch.setattr(ray, "put", lambda value: value)
     spec = PPOSpec(advantage_estimator="grpo", kl_coef=0.0, old_logprobs=source)
     worker = ExperienceWorker(ppo=spec.model_dump(), group_size=2, pad_token_id=0)
     batch = pack_rollouts([[5, 6], [5, 6]], [[7, 8, 9], [7, 3]], 0)
     engine_logp = torch.tensor([[-0.5, -1.0, -2.0], [-0.25, -3.0, 0.0]])
     batch.ended, batch.engine_logp = torch.tensor([True, True]), engine_logp
     batch.version, batch.token_version = torch.zeros(2, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long)
-    out = worker.experience(batch, RoleOutputs(rewards=[torch.tensor([1.0, 0.0])], old_logp=learner_logp))
-    return out.ref, out.stats.metrics(), engine_logp
+    experience, out = worker.experience(batch, RoleOutputs(rewards=[torch.tensor([1.0, 0.0])], old_logp=learner_logp))
+    return experience, out.stats.metrics(), engine_logp
 
 
 def test_the_experience_carries_the_engine_log_probs_as_old_ones(monkeypatch):

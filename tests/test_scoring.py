@@ -32,7 +32,7 @@ def test_the_reference_asks_for_answer_logits_only_and_matches_a_full_forward(ti
         return out
 
     worker.model.forward = recording
-    unwrapped = ReferenceWorker.logprobs.__wrapped__  # without by_reference's ray.put
+    unwrapped = ReferenceWorker.logprobs.computes  # without by_reference's record
     kept = unwrapped(worker, batch, 0, 2)
     # answer width 3: its 3 tokens are predicted by the last 4 positions
     width = worker.model.config.hidden_size if chunked else worker.model.config.vocab_size
@@ -59,7 +59,7 @@ def test_each_micro_batch_runs_at_its_own_width_with_the_same_log_probs(tiny_mod
         return forward(*args, **kwargs)
 
     worker.model.forward = recording
-    trimmed = ReferenceWorker.logprobs.__wrapped__(worker, batch, 0, 2)
+    trimmed = ReferenceWorker.logprobs.computes(worker, batch, 0, 2)
     assert widths == [7, 6]  # row 0: 6 prompt + 1 answer token; row 1: 2 + 4 (the batch is 6 + 4 wide)
     with torch.no_grad():
         logits = forward(input_ids=batch.sequences, attention_mask=batch.attention_mask).logits
@@ -155,8 +155,8 @@ def test_a_token_budget_and_packing_score_the_rows_with_the_same_numbers_and_few
                 return forward(*args, **kwargs)
 
             worker.model.forward = recording
-        results[budget, packed] = (ReferenceWorker.logprobs.__wrapped__(reference, batch, 1, 6),
-                                   RewardWorker.score.__wrapped__(reward, batch, 1, 6))
+        results[budget, packed] = (ReferenceWorker.logprobs.computes(reference, batch, 1, 6),
+                                   RewardWorker.score.computes(reward, batch, 1, 6))
         cost[budget, packed] = sum(rows * width for rows, width in shapes)
         assert not packed or all(rows == 1 for rows, _ in shapes)
     for key in results:

@@ -57,9 +57,9 @@ def test_two_replicas_hold_half_the_weights_each_and_score_like_one_process(sft_
                      tokens=TokenConventions.from_tokenizer(tokenizer, str(rm)))
     single_ref = ReferenceWorker(rank=0, world_size=1, **ref_kwargs)
     with cluster.connect(ClusterSpec(num_cpus=2, dashboard=False)):
-        want_logp = ray.get(ReferenceWorker.logprobs(single_ref, batch, 0, 3).ref)
+        want_logp = ReferenceWorker.logprobs.computes(single_ref, batch, 0, 3)
         single_rm = RewardWorker(rank=0, world_size=1, **rm_kwargs)
-        want_scores = ray.get(RewardWorker.score(single_rm, batch, 0, 3).ref)
+        want_scores = RewardWorker.score.computes(single_rm, batch, 0, 3)
         for cls, kwargs, method, want in ((ReferenceWorker, ref_kwargs, "logprobs", want_logp),
                                           (RewardWorker, rm_kwargs, "score", want_scores)):
             group, info = _sharded_group(cls, **kwargs)

@@ -114,7 +114,7 @@ class Assembled:
     """ExperienceWorker.experience's answer: where the experience is and what the driver reports of it."""
 
     ref: object
-    """ObjectRef of the Experience batch (it never passes through the driver)."""
+    """ObjectRef of the Experience batch, set by `gather` (the driver passes it on without holding it)."""
     rows: int
     """Its rows."""
     stats: ExperienceStats
@@ -196,8 +196,9 @@ class ExperienceWorker:
         return RolloutStats(scores.float().mean().item(), scores.float().std().item(), lengths.float().mean().item(),
                             correlation(scores, lengths), batch.ended.float().mean().item(), penalty)
 
+    @ray.method(num_returns=2)
     def experience(self, batch: RolloutBatch, roles: RoleOutputs, scored_at: int = 0, keep_samples: int = 0,
-                   sampled: RolloutStats | None = None) -> Assembled:
+                   sampled: RolloutStats | None = None) -> tuple[Experience, Assembled]:
         """What the roles gave -> the experience. `scored_at`: the policy version whose old log-probs came with the batch; the engine/learner
         mismatch is also reported by how many versions older a token's sampler was (generate/mismatch_kl_age_*).
         `sampled`: the rollout statistics dynamic sampling took over every sampled answer (KeptGroups.sampled),
@@ -230,7 +231,7 @@ class ExperienceWorker:
             stats.mismatch_kl_by_age = mismatch_by_age(batch, learner_logp, scored_at)
         samples = sample_rows(batch, scores, keep_samples)
         versions = batch.token_version[batch.action_mask.bool()]
-        return Assembled(ray.put(assembled), len(assembled), stats, samples,
+        return assembled, Assembled(None, len(assembled), stats, samples,
                          {int(v): int(n) for v, n in zip(*versions.unique(return_counts=True))},
                          assembly_seconds=self.packing_seconds + time.perf_counter() - start)
 

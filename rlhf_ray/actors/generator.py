@@ -9,6 +9,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import ray
 import torch
 
 from rlhf_ray.actors.engine import GenerationEngine, RolloutSample
@@ -42,7 +43,7 @@ class RolloutPart:
     """One engine's answer to `GenerationWorker.rollout`: its samples stay in the object store."""
 
     ref: object
-    """ObjectRef of the samples (list[RolloutSample])."""
+    """ObjectRef of the samples (list[RolloutSample]); set by `gather`."""
     samples: int
     keys: list
     """The caller's key of each prompt answered, one per group in sample order."""
@@ -124,15 +125,14 @@ class GenerationWorker:
             self.gate.pause()
         return self.version
 
+    @ray.method(num_returns=2)
     def rollout(self, prompts: list[list[int]], seed: int, columns: list[dict] | None = None,
-                keys: list[int] | None = None) -> RolloutPart:
-        """`generate`, but the samples stay in the object store: the caller gets a reference and a summary, with
+                keys: list[int] | None = None) -> tuple[list[RolloutSample], RolloutPart]:
+        """`generate`, but the samples stay in the object store (payload.py): the caller gets a summary, with
         the `keys` of the prompts answered (the caller's, one per prompt; default their positions), one per group
         in sample order. Each sample carries its prompt's dataset `columns` (for reward functions), and an
         episode's statistics. With partial rollouts (no environment) the groups are the first to finish among those
         in flight, this call's prompts or other calls'."""
-        import ray
-
         start = time.perf_counter()
         keys, counts = list(range(len(prompts))) if keys is None else keys, {"streamed": 0, "restarted": 0}
         if self.partial is not None and self.episodes is None:
@@ -147,7 +147,7 @@ class GenerationWorker:
                                              **s.get("episode", {})}} for s in samples]
             seconds = time.perf_counter() - start
         episodes = [s["episode"] for s in samples if "episode" in s]
-        return RolloutPart(ray.put(samples), len(samples), keys,
+        return samples, RolloutPart(None, len(samples), keys,
                            version=min((s["version"] for s in samples), default=self.version),
                            tokens=sum(sum(s.get("answer_mask") or [1] * len(s["answer_ids"])) for s in samples),
                            seconds=seconds, streamed=counts["streamed"], restarted=counts["restarted"],
@@ -156,8 +156,6 @@ class GenerationWorker:
     def load_weights(self, bucket_refs: list, version: int) -> Loaded:
         """Fetch the buckets one by one from the object store and load them in place; then this engine serves
         policy `version`."""
-        import ray
-
         start = time.perf_counter()
 
         def stream():

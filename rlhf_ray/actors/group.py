@@ -22,6 +22,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf_ray.actors.actor_logs import log_file, logging_to_file
+from rlhf_ray.actors.payload import answer_of, with_value
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ def gather(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: st
     names every actor still silent; nothing is cancelled behind the caller's back."""
     if len(refs) != len(names):
         raise ValueError(f"gather got {len(refs)} refs but {len(names)} names")
+    calls, refs = refs, [answer_of(call) for call in refs]  # a call with a value: its record answers (payload.py)
     who = {ref: name for ref, name in zip(refs, names)}
     results: dict[Any, Any] = {}
     pending = list(refs)
@@ -126,7 +128,7 @@ def gather(refs: Sequence[Any], names: Sequence[str], timeout_s: float, what: st
             "behind it; kill the group (or ray.cancel the refs in .pending) to recover.",
             [(who[r], r) for r in pending],
         )
-    return [results[r] for r in refs]
+    return [with_value(results[r], call) for r, call in zip(refs, calls)]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from rlhf_ray.actors.elastic import ExtraEngines, node_gone
 from rlhf_ray.actors.engine import RolloutSample, engine_env
 from rlhf_ray.models.support import resolve_engine
 from rlhf_ray.actors.generator import GenerationWorker, Loaded, RolloutPart
+from rlhf_ray.actors.payload import answer_of
 from rlhf_ray.actors.group import (ActorCallTimeout, ActorDiedError, ActorGroup, RemoteCallError, RestartBudget, Slots,
                                    Thread, Timeouts, gather, node_lost, resilient_gather)
 from rlhf_ray.config.generation import GenerationSpec
@@ -99,7 +100,7 @@ class PendingRollout:
     args: list[tuple]
     """Each engine's call arguments (to ask a replacement engine again)."""
     refs: list
-    """Each engine's call: an ObjectRef of its RolloutPart."""
+    """Each engine's call: the ObjectRefs of its samples and of its RolloutPart."""
     names: list[str]
     """The engines called (an elastic pool's may have changed since)."""
 
@@ -334,7 +335,7 @@ class GenerationPool:
 
     def finished(self, pending: PendingRollout) -> bool:
         """Whether every engine has finished its part of a submitted rollout (`collect` would not wait)."""
-        done, _ = ray.wait(pending.refs, num_returns=len(pending.refs), timeout=0)
+        done, _ = ray.wait([answer_of(call) for call in pending.refs], num_returns=len(pending.refs), timeout=0)
         return len(done) == len(pending.refs)
 
     def collect(self, pending: PendingRollout) -> Rollout:
