@@ -179,7 +179,7 @@ def test_a_collected_rollout_outlives_the_engine_that_made_it(sft_model):
                                                                        "n_samples_per_prompt": N}})
     tokenizer = AutoTokenizer.from_pretrained(sft_model)
     tokens = TokenConventions.from_tokenizer(tokenizer, sft_model)
-    group = ActorGroup(GenerationWorker, "generation", 1, Slots(1, env_vars=engine_env("hf", spec, 1)),
+    group = ActorGroup(GenerationWorker, "doomed", 1, Slots(1, env_vars=engine_env("hf", spec, 1)),
                        kwargs=dict(model=ModelSpec(path=str(sft_model), dtype="fp32").model_dump(),
                                    generation=spec.model_dump(), engine="hf", tokens=tokens),
                        timeouts=Timeouts(call_s=300)).wait_ready(300)

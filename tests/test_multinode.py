@@ -99,6 +99,17 @@ def remove_node_of(harness, name: str, namespace: str) -> str:
     return node_id
 
 
+def answers(actor) -> bool:
+    """Whether `actor` still answers a call (False once Ray reports it dead)."""
+    try:
+        ray.get(actor.__ray_call__.remote(lambda self: None), timeout=10)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:
+        return True
+
+
 def step_logs(out: Path) -> list[dict]:
     return [m for m in (json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
             if "policy_version" in m]
@@ -132,9 +143,19 @@ def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_lea
         with rcluster._loopback_mode():  # the new raylet on 127.0.0.1 too, where the others listen
             return three_plus_nodes.add_node(num_cpus=1)
 
-    def remove_node(node_id: str) -> None:
+    def remove_node(pool, engine: str) -> str:
+        """The engine's node goes, and the next update starts once Ray knows it: the node dead, the engine's calls
+        failing. The harness kills the node's raylet; an engine process it leaves running for a moment could still
+        answer a call, and now that its samples travel in the reply (actors/payload.py) that would be an answer."""
+        node_id = pool.base_nodes.get(engine) or pool.extra.nodes[engine]
+        actor = pool.group.actors[pool.group.names.index(engine)]
         three_plus_nodes.remove_node(next(n for n in three_plus_nodes.worker_nodes if n.node_id == node_id),
                                      allow_graceful=False)
+        deadline = time.monotonic() + 120
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()) or answers(actor):
+            assert time.monotonic() < deadline, f"{engine} or its node still alive 120 s after the node's removal"
+            time.sleep(0.2)
+        return node_id
 
     def nodes_come_and_go(pool):
         seen["updates"] += 1
@@ -148,7 +169,7 @@ def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_lea
             assert joined == ["generation-1"], joined
             assert pool.extra.nodes["generation-1"] == seen["extra_node"]  # it went to the node that joined
         if seen["updates"] == 2:
-            remove_node(pool.base_nodes["generation-0"])
+            remove_node(pool, "generation-0")
         if seen["updates"] == 3:
             deadline = time.monotonic() + 120
             while not joined and time.monotonic() < deadline:  # Ray places the vacant bundle on the new node
@@ -157,7 +178,7 @@ def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_lea
             assert joined == ["generation-2"], joined
             assert pool.base_nodes["generation-2"] == seen["base_node"]
         if seen["updates"] == 4:
-            remove_node(seen["extra_node"])
+            assert remove_node(pool, "generation-1") == seen["extra_node"]
         return joined
 
     monkeypatch.setattr(GenerationPool, "grow", nodes_come_and_go)
