@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ import pytest
 from tests.clean_exit import pytest_sessionfinish, pytest_unconfigure  # noqa: F401 (hooks: the process ends there)
 
 ROOT = Path(__file__).resolve().parent.parent
+# pytest imports this file as `conftest` (tests/ has no __init__.py), test modules as `tests.conftest`: one module
+# under both names, so that its state (the session's Ray, _SESSION_RAY) is one object whichever name reaches it.
+sys.modules.setdefault("tests.conftest", sys.modules[__name__])
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
