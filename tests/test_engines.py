@@ -5,6 +5,7 @@ kernels differ, so bit equality is not promised)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -187,8 +188,11 @@ def test_a_collected_rollout_outlives_the_engine_that_made_it(sft_model):
     prompts = [tokenizer(t)["input_ids"] for t in (" Human: Sort 3 1 2 Assistant:", " Human: Sort 8 Assistant:")]
     rollout = pool.collect(pool.submit(prompts, seed=4))
     group.kill()
+    deadline = time.monotonic() + 60  # ray.kill returns at once: a call sent right after it may still be answered
     with pytest.raises(ray.exceptions.RayActorError):  # the engine's process is gone
-        ray.get(group.actors[0].get_version.remote(), timeout=60)
+        while time.monotonic() < deadline:
+            ray.get(group.actors[0].get_version.remote(), timeout=60)
+            time.sleep(0.1)
     assembler = ray.remote(num_cpus=0)(ExperienceWorker).remote(ppo=PPOSpec().model_dump(), group_size=N,
                                                                 pad_token_id=tokens.pad_id)
     try:
