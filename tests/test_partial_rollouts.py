@@ -186,6 +186,38 @@ def test_rollouts_stream_the_first_whole_groups_and_the_long_answer_goes_on_into
     assert len(engine.calls) >= 3  # the first call's round, the round after the second joined, the second call's
 
 
+def test_the_hold_hook_leaves_an_engines_first_rollout_alone_and_holds_the_next_until_an_update():
+    """The test hook (update_gate.HOLD_ENV) holds a rollout at its token until an update asks for the engine. The
+    engine's first rollout call is not held: a job's first update trains on it, so no update can come before it
+    ends (held, every partial-rollout job idled the hook's seconds at its start). Its second call holds, and an
+    update releases it: its answers carry both versions."""
+    from rlhf_ray.actors.partial_rollout import PartialRollouts
+    from rlhf_ray.config.generation import SamplingSpec
+
+    gate, version = UpdateGate(), {"now": 0}
+    stream = PartialRollouts(Scripted(step_s=0.01), SamplingSpec(max_new_tokens=64, n_samples_per_prompt=1), gate,
+                             lambda: version["now"], hold=(2, 120.0))
+    results = {}
+
+    def rollout(name):
+        results[name] = stream.rollout([[106]], seed=1, keys=[name])
+
+    first = threading.Thread(target=rollout, args=("first",), daemon=True)
+    first.start()
+    first.join(20)
+    assert not first.is_alive(), "the engine's first rollout call was held with no update to come"
+    second = threading.Thread(target=rollout, args=("second",), daemon=True)
+    second.start()
+    time.sleep(0.5)
+    assert second.is_alive() and not gate.requested  # held at token 2, no update asked yet
+    with gate.update():
+        version["now"] = 1
+    second.join(20)
+    assert not second.is_alive()
+    (group,), _, _ = results["second"]
+    assert group.answers[0].versions == [0, 0, 1, 1, 1, 1]
+
+
 def test_a_rollout_restarts_answers_older_than_max_staleness():
     """An answer in flight whose first token is over max_staleness versions older than the engine's weights is
     started again (the buffer would refuse the rollout holding it): its tokens all carry the new version."""

@@ -452,13 +452,14 @@ def test_async_generation_ahead_fills_evicts_and_refuses_stale_experience_with_e
     ids=["hf-stopped-and-resumed", "vllm"])
 def test_async_grpo_with_partial_rollouts_takes_updates_mid_answer(tmp_path, stage_models, monkeypatch, engine,
                                                                    iterations, stop_after):
-    """generation.partial_rollouts on each engine, with the test hook holding each rollout call's first round
-    after 3 tokens (5 s at most) until an update asks for the engine: the rollouts started while an update trains
-    are generating when its weights arrive, so their answers (8 tokens each) carry two policy versions, and the
-    update that trains on them finds some of their tokens one version old; the rollouts stream (the next rollout's
-    prompts join the running one), and no experience is older than max_staleness. On hf the run stops after 2
-    of its 6 updates and resumes: the checkpoint resumes at a rollout no later than the one after the last trained
-    on (earlier while answers of an older one were still generating), and the resumed run ends the job."""
+    """generation.partial_rollouts on each engine, with the test hook holding each rollout call's first round (the
+    engine's first call aside) after 3 tokens (5 s at most) until an update asks for the engine: the rollouts
+    started while an update trains are generating when its weights arrive, so their answers (8 tokens each) carry
+    two policy versions, and the update that trains on them finds some of their tokens one version old; the
+    rollouts stream (the next rollout's prompts join the running one), and no experience is older than
+    max_staleness. On hf the run stops after 2 of its 6 updates and resumes: the checkpoint resumes at a rollout no
+    later than the one after the last trained on (earlier while answers of an older one were still generating), and
+    the resumed run ends the job."""
     import json
 
     from rlhf_ray.actors.update_gate import HOLD_ENV

@@ -81,6 +81,8 @@ class PartialRollouts:
         """Calls waiting for their turn (the answers in flight go on between calls only while none does)."""
         self.between_seconds = 0.0
         """Seconds the engine generated between rollout calls since the last one returned (counted with it)."""
+        self.rollout_calls = 0
+        """Rollout calls so far (the test hook leaves the first one alone)."""
 
     def generate(self, prompts: list[list[int]], seed: int, greedy: bool = False) -> list[dict]:
         """Every answer of `prompts` to its end, through weight updates (evaluation; nothing carries over)."""
@@ -97,7 +99,9 @@ class PartialRollouts:
         generated for it: its own turn, plus the generation between calls since the last call returned."""
         with self._turn(self._groups(prompts, False, columns, keys)) as ticket:
             began = time.perf_counter()
-            done = self._drive(self._current, len(prompts), seed, False, streaming=True)
+            self.rollout_calls += 1
+            done = self._drive(self._current, len(prompts), seed, False, streaming=True,
+                               hold=self.rollout_calls > 1)
             with self.changed:
                 self.in_flight = [g for g in self.in_flight if not any(g is d for d in done)]
                 counts = {"streamed": sum(g.call != ticket for g in done), "restarted": self.restarted}
@@ -158,13 +162,13 @@ class PartialRollouts:
 
     # ---- driving the engine ----------------------------------------------------------------------------------
     def _drive(self, groups_now: Callable[[], list[Group]], quota: int | None, seed: int, greedy: bool,
-               streaming: bool) -> list[Group]:
+               streaming: bool, hold: bool = True) -> list[Group]:
         """Rounds of generation over the unfinished answers of `groups_now()` until `quota` groups are whole (the
         oldest of them returned). A round ends for a weight update (loaded between rounds), for prompts that
         joined (streaming), or when enough groups are whole. `quota` None: between calls, until every answer
-        ends or a call waits for the engine."""
+        ends or a call waits for the engine. `hold` False: the test hook does not hold this call."""
         between = quota is None
-        stop_hold = (lambda tokens: self.gate.requested) if between else self._holding()
+        stop_hold = (lambda tokens: self.gate.requested) if between else self._holding(hold)
         if not streaming:
             yield_now = lambda: False  # noqa: E731
         else:  # prompts joined; between calls, also a call that waits for the engine
@@ -212,10 +216,10 @@ class PartialRollouts:
             answer.versions += [now] * len(sample["answer_ids"])
             answer.finished = sample["finished"]
 
-    def _holding(self) -> Callable[[int], bool]:
-        """Whether an update waits (asked after each token). With the test hook (token, seconds), the first round's
-        answers go on to that token whatever waits, and hold there until an update does."""
-        held = False
+    def _holding(self, hold: bool) -> Callable[[int], bool]:
+        """Whether an update waits (asked after each token). With the test hook (token, seconds) and `hold`, the
+        first round's answers go on to that token whatever waits, and hold there until an update does."""
+        held = not hold
 
         def asked(tokens: int) -> bool:
             nonlocal held
