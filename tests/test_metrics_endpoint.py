@@ -50,8 +50,8 @@ def start_prometheus(session_dir: str, folder: Path) -> tuple[subprocess.Popen, 
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yml").read_text())
     (discovery,) = config["scrape_configs"][0]["file_sd_configs"]
     discovery["files"] = [str(Path(session_dir) / "prom_metrics_service_discovery.json")]
-    # Read the targets and scrape them each second instead of each 5 s: the test waits for a first scrape before its
-    # job and for every panel's series after it, ~8 s of an idle machine at the shipped intervals; the rest as shipped.
+    # Read the targets and scrape them each second instead of each 5 s: the test waits for a first scrape and, after
+    # its job, for every panel's series, seconds of an idle machine at the shipped intervals; the rest as shipped.
     config["global"]["scrape_interval"] = discovery["refresh_interval"] = "1s"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
