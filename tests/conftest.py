@@ -18,6 +18,10 @@ sys.modules.setdefault("tests.conftest", sys.modules[__name__])
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Every Ray the tests start: a killed process that cannot answer Ray's request to exit (the fault tests stop their
+# actors with SIGSTOP) is killed by its raylet after 1 s instead of 5, and its replacement waits that long for the
+# bundle; a process that answers exits at once either way.
+os.environ.setdefault("RAY_kill_worker_timeout_milliseconds", "1000")
 
 
 @pytest.fixture(scope="session", autouse=True)
