@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ MAX_NEW, HOLD = 16, 2
 @pytest.mark.system
 @pytest.mark.parametrize("engine", ["hf", "vllm"])
 def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(shared_ray, sft_model, tiny_model,
-                                                                             engine):
+                                                                             engine, tmp_path):
     """Each engine: rollout held after 2 tokens, the update (other weights: the tiny base model's) loads in the
     engine's weights thread, the answers go on: their first 2 tokens are those of the same rollout without an
     update (same seed) and carry version 0, the rest version 1; every token's sampling log-prob is the one of the
@@ -66,6 +67,7 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlhf_ray.actors.actor_logs import actor_logs
     from rlhf_ray.actors.engine import engine_env
     from rlhf_ray.actors.generator import GenerationWorker
     from rlhf_ray.actors.group import ActorGroup, Slots, Thread, Timeouts
@@ -89,7 +91,8 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
                                       tokens=TokenConventions.from_tokenizer(tokenizer, sft_model)),
                           timeouts=Timeouts(call_s=300), threads={"weights": Thread(WEIGHT_CALLS)})
 
-    plain, held = start("plain", {}), start("held", {HOLD_ENV: str(HOLD)})
+    with actor_logs(tmp_path):  # the held engine says in its log when it holds
+        plain, held = start("plain", {}), start("held", {HOLD_ENV: str(HOLD)})
     try:
         for group in (plain, held):
             group.wait_ready(300)
@@ -97,7 +100,10 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
         new = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
         buckets = [ray.put(b) for b in pack(list(new.state_dict().items()))]
         rollout = held.submit("generate", prompts, 3)
-        time.sleep(5)  # the rollout starts and holds at token HOLD (for 120 s at most) ...
+        deadline = time.monotonic() + 120  # the rollout starts and holds at token HOLD (for 120 s at most) ...
+        while "the rollout holds at token" not in Path(held.log_files[0]).read_text():
+            assert time.monotonic() < deadline, "the held engine's rollout did not reach its hold within 120 s"
+            time.sleep(0.1)
         loaded = held.submit("load_weights", buckets, 1)  # ... until this update asks, from the weights thread
         (result,) = held.gather(loaded, "load_weights")
         (samples,) = held.gather(rollout, "generate")

@@ -227,6 +227,8 @@ class PartialRollouts:
                 if tokens < self.hold[0]:
                     return False
                 held = True
+                log.warning("test hook: the rollout holds at token %d until an update asks (%.0f s at most)",
+                            tokens, self.hold[1])
                 self.gate.wait_for_request(self.hold[1])
             return self.gate.requested
 
