@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf_ray.actors.update_gate import HOLD_ENV, UpdateGate
+from rlhf_ray.actors.update_gate import HOLD_ENV, HOLDING, UpdateGate
 
 
 def test_an_update_in_two_parts_holds_the_generation_until_its_last_part():
@@ -101,7 +101,7 @@ def test_an_update_mid_generation_continues_the_answers_with_the_new_weights(sha
         buckets = [ray.put(b) for b in pack(list(new.state_dict().items()))]
         rollout = held.submit("generate", prompts, 3)
         deadline = time.monotonic() + 120  # the rollout starts and holds at token HOLD (for 120 s at most) ...
-        while "the rollout holds at token" not in Path(held.log_files[0]).read_text():
+        while HOLDING not in Path(held.log_files[0]).read_text():
             assert time.monotonic() < deadline, "the held engine's rollout did not reach its hold within 120 s"
             time.sleep(0.1)
         loaded = held.submit("load_weights", buckets, 1)  # ... until this update asks, from the weights thread

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rlhf_ray.actors.engine import GenerationEngine
-from rlhf_ray.actors.update_gate import UpdateGate
+from rlhf_ray.actors.update_gate import HOLDING, UpdateGate
 from rlhf_ray.config.generation import SamplingSpec
 from rlhf_ray.data.split import stable_seed
 
@@ -227,8 +227,7 @@ class PartialRollouts:
                 if tokens < self.hold[0]:
                     return False
                 held = True
-                log.warning("test hook: the rollout holds at token %d until an update asks (%.0f s at most)",
-                            tokens, self.hold[1])
+                log.warning("%s %d until an update asks (%.0f s at most)", HOLDING, tokens, self.hold[1])
                 self.gate.wait_for_request(self.hold[1])
             return self.gate.requested
 

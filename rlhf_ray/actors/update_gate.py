@@ -12,9 +12,10 @@ from collections.abc import Iterator
 HOLD_ENV = "RLHF_RAY_HOLD_ROLLOUT_AT_TOKEN"
 """Test hook, `TOKEN[:SECONDS]` in an engine's environment: a rollout's answers hold after TOKEN tokens until a
 weight update asks for the engine (SECONDS at most, default 120), so a test can land an update mid-generation; the
-engine logs a warning when it holds ("the rollout holds at token ...").
+engine logs a warning beginning with HOLDING when it holds.
 An engine's first rollout call is not held: the job's first update trains on it, so no update comes before it
 ends (holding it only idled the engine for SECONDS)."""
+HOLDING = "test hook: the rollout holds at token"
 
 
 def hold_point(value: str | None) -> tuple[int, float] | None:
