@@ -127,7 +127,7 @@ def sft_config(recipe: dict, student: str, samples: Path, steps: int, every: int
                      "split": "1,0,0", "max_seq_len": sft["data"]["max_seq_len"]},
             "train": {**sft["train"], "max_steps": steps},
             "optim": sft["optim"], "deepspeed": sft["deepspeed"], "placement": sft["placement"],
-            "checkpoint": {"every_steps": every, "keep_last": steps // every + 1, "save_optimizer": False},
+            "checkpoint": {"every_steps": every, "keep_last": steps // every + 1},
             "logging": {"progress": False, "tensorboard": False}}
 
 

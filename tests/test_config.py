@@ -63,6 +63,13 @@ def test_unknown_key_names_file_line_and_suggests_the_closest_key(write_yaml):
     assert "did you mean 'micro_batch_size'?" in problem
 
 
+def test_save_optimizer_which_never_took_effect_is_refused_at_its_line(write_yaml):
+    path = write_yaml(SFT + "checkpoint:\n  every_steps: 10\n  save_optimizer: false\n")
+    (problem,) = problems_of(path)
+    assert problem.startswith(f"{path}:15: checkpoint.save_optimizer: no longer a setting"), problem
+    assert "always holds the optimizer and scheduler state" in problem
+
+
 def test_unknown_top_level_section_lists_close_match(write_yaml):
     path = write_yaml(SFT + "deepspeeed:\n  zero_stage: 3\n")
     (problem,) = problems_of(path)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
 
-from rlhf_ray.config.base import StrictModel
+from pydantic import Field, model_validator
+
+from rlhf_ray.config.base import FieldProblem, StrictModel
 
 
 class LoggingSpec(StrictModel):
@@ -40,7 +42,9 @@ class LoggingSpec(StrictModel):
 
 
 class CheckpointSpec(StrictModel):
-    """Checkpoints are written aside and renamed into place, so a crash always leaves the last good one."""
+    """Checkpoints are written aside and renamed into place, so a crash always leaves the last good one.
+    Each holds every rank's weights, optimizer and scheduler state and random generators: a resumed run continues
+    exactly."""
 
     every_steps: int = Field(0, ge=0)
     """Save every N optimizer steps (PPO: iterations); 0 saves only at the end."""
@@ -48,5 +52,13 @@ class CheckpointSpec(StrictModel):
     """Older checkpoints beyond this many are deleted after a new one is complete."""
     resume: bool = True
     """Continue from the newest checkpoint in `<output_dir>/checkpoints` when one exists."""
-    save_optimizer: bool = True
-    """Include optimizer and scheduler state (needed for an exact resume)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _save_optimizer_is_gone(cls, data: Any) -> Any:
+        # a key of earlier versions that no job ever read: a config setting it to false saved the optimizer anyway
+        if isinstance(data, dict) and "save_optimizer" in data:
+            raise FieldProblem("save_optimizer", "no longer a setting (it never took effect): a checkpoint always "
+                                                 "holds the optimizer and scheduler state, for an exact resume; "
+                                                 "remove the key")
+        return data
