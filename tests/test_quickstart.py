@@ -21,7 +21,7 @@ def test_the_quickstart_validates_every_config_and_reports_grpo_accuracy(tmp_pat
     shutil.copytree(ROOT / "configs/quickstart", configs)
     grpo = yaml.safe_load((configs / "grpo.yaml").read_text())
     grpo["output_dir"] = str(tmp_path / "grpo")
-    grpo["ppo"] |= {"iterations": 1, "eval_prompts": 16, "eval_samples": 0}
+    grpo["ppo"] |= {"iterations": 1, "rollout_batch_size": 4, "eval_prompts": 16, "eval_samples": 0}
     grpo["logging"] = {"progress": False}
     grpo["cluster"] |= {"dashboard": False}
     (configs / "grpo.yaml").write_text(yaml.safe_dump(grpo))

@@ -138,9 +138,9 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 @pytest.mark.system
 @pytest.mark.usefixtures("shared_ray")
 def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reuses_finished_stages(tmp_path, caplog):
-    """CI's short run of configs/recipes/smollm2-sft-ppo.yaml as `rlhf-ray pipeline` runs it (2 SFT steps, 2 PPO
-    iterations of 4 problems, small evaluations: SFT's on 8 of its 90 held-out problems, train.eval_max_samples):
-    SFT on the packaged model, then PPO from its output with a critic
+    """CI's short run of configs/recipes/smollm2-sft-ppo.yaml as `rlhf-ray pipeline` runs it (2 SFT steps of 2 rows,
+    2 PPO iterations of 4 problems, small evaluations: SFT's on 8 of its 90 held-out problems,
+    train.eval_max_samples): SFT on the packaged model, then PPO from its output with a critic
     that starts from the SFT model (a new value head) and the last-number checker as reward. Every rollout sample
     logged to samples.jsonl carries the `answer` column of the problem in its prompt, its reward is the checker's
     verdict against that truth, and the iteration's mean reward is the mean of those verdicts: dropping the column
@@ -163,6 +163,7 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
     caplog.set_level(logging.INFO, logger="rlhf_ray.jobs.ppo.weight_sync")
     job = load_job(ROOT / "configs/recipes/smollm2-sft-ppo.yaml",
                    [f"output_dir={tmp_path}", "sft.train.max_steps=2", "sft.train.eval_max_samples=8",
+                    "sft.train.micro_batch_size=2", "sft.train.global_batch_size=2",
                     "ppo.ppo.iterations=2", "ppo.ppo.rollout_batch_size=4", "ppo.ppo.train_batch_size=4",
                     "ppo.policy.micro_batch_size=4", "ppo.critic.micro_batch_size=4", "ppo.ppo.eval_prompts=8",
                     "ppo.ppo.eval_samples=0", "ppo.generation.sampling.max_new_tokens=32",
