@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import os
 
 import torch
 
@@ -101,6 +102,18 @@ def _worker_pid(worker) -> int:
     return os.getpid()
 
 
+def _store_file(worker) -> str | None:
+    """Run inside the vLLM worker (collective_rpc): the file its process group met through (vLLM's
+    `file://.../vllm_dist_*` rendezvous), or None when the group met otherwise."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    store = distributed_c10d._get_default_store() if dist.is_initialized() else None
+    while store is not None and not hasattr(store, "path"):  # a PrefixStore around the FileStore
+        store = getattr(store, "underlying_store", None)
+    return getattr(store, "path", None)
+
+
 def _parameter_names(worker) -> list[str]:
     """Run inside the vLLM worker (collective_rpc): the names of its model's parameters."""
     return [name for name, _ in worker.model_runner.get_model().named_parameters(remove_duplicate=False)]
@@ -141,6 +154,13 @@ class VLLMEngine(GenerationEngine):
             self.llm = LLM(**self.kwargs)
         self.tokens = tokens
         self.head_alias = tied_head_alias(model, self.llm.collective_rpc(_parameter_names)[0])
+        self.store_files = set()
+        """A tensor-parallel engine's rendezvous file (vLLM's `vllm_dist_*` file store): its workers remove it when
+        the last of them lets it go, which a worker that exits without its group's teardown never does (one of
+        them did so in a test run), so `close` removes it once they are gone."""
+        if self.kwargs["tensor_parallel_size"] > 1:
+            self.store_files = {path for path in self.llm.collective_rpc(_store_file)
+                                if path and os.path.basename(path).startswith("vllm_dist_")}
         self.chunk_bytes = 0
         """Bytes per shared chunk; 0: one streamed call where the worker shares this process, RELOAD_CHUNK_BYTES
         otherwise (tests set it to exercise the chunked path of tensor-parallel engines on one CPU worker)."""
@@ -276,6 +296,9 @@ class VLLMEngine(GenerationEngine):
             self.llm.llm_engine.engine_core.shutdown()
         destroy_model_parallel()
         destroy_distributed_environment()
+        for path in self.store_files:  # the workers are gone
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
 
     def worker_pids(self) -> list[int]:
         """The processes that hold the model: this one, or the tensor-parallel workers."""
