@@ -139,7 +139,7 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_is_named(tmp_path):
 @pytest.mark.usefixtures("shared_ray")
 def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reuses_finished_stages(tmp_path, caplog):
     """CI's short run of configs/recipes/smollm2-sft-ppo.yaml as `rlhf-ray pipeline` runs it (2 SFT steps of 2 rows,
-    2 PPO iterations of 4 problems, small evaluations: SFT's on 8 of its 90 held-out problems,
+    2 PPO iterations of 2 problems, small evaluations: SFT's on 8 of its 90 held-out problems,
     train.eval_max_samples): SFT on the packaged model, then PPO from its output with a critic
     that starts from the SFT model (a new value head) and the last-number checker as reward. Every rollout sample
     logged to samples.jsonl carries the `answer` column of the problem in its prompt, its reward is the checker's
@@ -164,10 +164,10 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
     job = load_job(ROOT / "configs/recipes/smollm2-sft-ppo.yaml",
                    [f"output_dir={tmp_path}", "sft.train.max_steps=2", "sft.train.eval_max_samples=8",
                     "sft.train.micro_batch_size=2", "sft.train.global_batch_size=2",
-                    "ppo.ppo.iterations=2", "ppo.ppo.rollout_batch_size=4", "ppo.ppo.train_batch_size=4",
-                    "ppo.policy.micro_batch_size=4", "ppo.critic.micro_batch_size=4", "ppo.ppo.eval_prompts=8",
+                    "ppo.ppo.iterations=2", "ppo.ppo.rollout_batch_size=2", "ppo.ppo.train_batch_size=2",
+                    "ppo.policy.micro_batch_size=2", "ppo.critic.micro_batch_size=2", "ppo.ppo.eval_prompts=8",
                     "ppo.ppo.eval_samples=0", "ppo.generation.sampling.max_new_tokens=32",
-                    "logging.samples_per_iteration=4", "logging.progress=false", "cluster.dashboard=false",
+                    "logging.samples_per_iteration=2", "logging.progress=false", "cluster.dashboard=false",
                     "ppo.checkpoint.every_steps=0"])
     summary = run_pipeline(job)
     assert summary["sft"]["steps"] == 2 and summary["ppo"]["iterations"] == 2, summary
@@ -179,7 +179,7 @@ def test_the_sft_ppo_pipeline_scores_answers_against_their_ground_truth_and_reus
     truth_of = {s.prompt.removeprefix(" Human: ").removesuffix(" Assistant:"): s.columns["answer"]
                 for s in load_raw(DatasetSpec(name="demo/word-problems")).train}
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [s["iteration"] for s in samples] == [1] * 4 + [2] * 4
+    assert [s["iteration"] for s in samples] == [1] * 2 + [2] * 2
     for s in samples:
         (question,) = [q for q in truth_of if q in s["prompt"]]  # the chat-rendered prompt holds one problem
         assert s["columns"]["answer"] == truth_of[question]
