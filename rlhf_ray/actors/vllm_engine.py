@@ -97,8 +97,6 @@ def _no_chat_template_warmup():
 
 
 def _worker_pid(worker) -> int:
-    import os
-
     return os.getpid()
 
 
@@ -323,7 +321,6 @@ class AdapterSlot:
     pid and removed by the next engine on the node."""
 
     def __init__(self, model: ModelSpec):
-        import os
         import tempfile
 
         from rlhf_ray.models.lora_weights import adapter_config
