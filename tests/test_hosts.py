@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -195,6 +196,31 @@ def test_the_reward_server_on_another_host_wants_its_token_over_https(hosts, wor
         server.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def held(job):
+    """The job's driver stopped (SIGSTOP) inside, resumed after: what happens meanwhile (a host joins, one dies)
+    happens between two of its iterations, however quick they are. Ray's scheduling and failure detection go on;
+    the driver meets what changed at its next call, as it would between slower iterations."""
+    os.kill(job.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(job.pid, signal.SIGCONT)
+
+
+def wait_for_placement(hosts, what: str, timeout: float = 60) -> None:
+    """Until no placement group of the cluster waits for resources (Ray's state API, on the head's host)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = hosts.run(hosts.hosts["h1"], [str(BIN / "ray"), "list", "placement-groups", "--format", "json"],
+                           env=driver_env(hosts))
+        states = [pg["state"] for pg in json.loads(listed.stdout)]
+        if "PENDING" not in states:
+            return
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what} ({states})"
+        time.sleep(0.5)
+
+
 def metric_rows(out: Path) -> list[dict]:
     """The iterations logged so far (none before the file exists)."""
     path = out / "metrics.jsonl"
@@ -229,10 +255,13 @@ def test_an_elastic_pool_takes_an_engine_on_a_host_that_joins_and_drops_it_when_
 
     with ended(job):
         until("its first update", lambda rows: len(rows) >= 1)
-        joining = hosts.add("e3")
-        hosts.start_ray(joining, h1, cpus=2, port=PORT)
+        with held(job):  # the job's iterations take ~0.2 s: it would end before a host's Ray starts
+            joining = hosts.add("e3")
+            hosts.start_ray(joining, h1, cpus=2, port=PORT)
+            wait_for_placement(hosts, "the second engine's placement group on the new host")
         until("an update served by two engines", lambda rows: any(m["generate/engines"] == 2 for m in rows))
-        hosts.lose(joining)
+        with held(job):
+            hosts.lose(joining)
         assert job.wait(timeout=600) == 0, log.read_text()[-4000:]
     text = log.read_text()
     assert "generation-1 joined the generation pool (2 engines now)" in text
