@@ -8,7 +8,6 @@ the SFT and reward models are the session's)."""
 
 from __future__ import annotations
 
-import _thread
 import json
 import threading
 import time
@@ -199,7 +198,12 @@ def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_lea
 
 
 def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_numbers(tmp_path, three_plus_nodes,
-                                                                                      sft_model, rm_model):
+                                                                                      sft_model, rm_model,
+                                                                                      monkeypatch):
+    """After checkpoint 1 the engine's node goes, after 2 the reference's, after 3 the policy's. The job's driver
+    waits after each of those checkpoints until the node is gone and a fresh one has joined (its iterations take
+    about a second: a removal slower than that landed after the job's end, once), so each loss meets the job
+    with updates still to run."""
     from rlhf_ray.jobs.ppo import run_ppo
 
     address = three_plus_nodes.address
@@ -208,25 +212,40 @@ def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_num
 
     job = ppo_job(tmp_path / "faults", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
     out, ns = Path(job.output_dir), job.cluster.namespace
+    losses = {1: "generation-0", 2: "reference-0", 3: "policy-0"}
     removed, errors, finished = [], [], threading.Event()
+    gone = {step: threading.Event() for step in losses}  # set when that step's node was replaced (or on an error)
 
     def remove_nodes_as_checkpoints_appear():
         try:
-            for step, role in ((1, "generation-0"), (2, "reference-0"), (3, "policy-0")):
+            for step, role in losses.items():
                 deadline = time.monotonic() + 600
                 while len(Checkpoints(out, keep_last=1).complete()) < step and time.monotonic() < deadline:
                     time.sleep(0.1)
                 nodes = {r: node_of(r, ns) for r in ("policy-0", "critic-0", "reference-0", "generation-0")}
                 assert len(set(nodes.values())) == 4, f"roles share a node: {nodes}"
                 removed.append((role, remove_node_of(three_plus_nodes, role, ns)))
+                gone[step].set()
             # Ray ties the processes of a node to the thread that started it (Linux's parent-death signal follows
             # the creating thread): the nodes this thread added must outlive the job, so the thread waits too.
             finished.wait(timeout=900)
         except BaseException as e:  # reported by the test, not lost in the thread
             errors.append(e)
             traceback.print_exc()
-            _thread.interrupt_main()  # the job would otherwise wait for a node that never comes
+            for event in gone.values():
+                event.set()
 
+    commit = Checkpoints.commit
+
+    def commit_then_wait_for_the_loss(self, staging, step, state):
+        final = commit(self, staging, step, state)
+        if step in gone and not gone[step].is_set():
+            assert gone[step].wait(timeout=600), f"the node of {losses[step]} was not removed within 600 s"
+            if errors:
+                raise RuntimeError(f"removing the node of {losses[step]} failed: {errors[0]!r}")
+        return final
+
+    monkeypatch.setattr(Checkpoints, "commit", commit_then_wait_for_the_loss)
     remover = threading.Thread(target=remove_nodes_as_checkpoints_appear, daemon=True)
     remover.start()
     try:
