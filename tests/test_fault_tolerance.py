@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -114,15 +113,32 @@ def test_killed_or_hung_engine_and_reward_actor_are_replaced_and_their_work_reis
                     pass
 
 
-def kill_after_checkpoints(out: Path, name: str, namespace: str, count: int = 1, process: bool = False) -> None:
-    """Kill actor `name` once `count` checkpoints are complete: through Ray, or (`process`) its process by SIGKILL,
-    as the kernel's OOM killer does (Ray then prints its own "(raylet) A worker died ..." to the driver)."""
-    wait_for(lambda: len(complete_checkpoints(out)) >= count, f"{count} checkpoint(s) in {out}")
-    actor = job_actor(name, namespace)
-    if process:
-        os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60), signal.SIGKILL)
-    else:
-        ray.kill(actor, no_restart=True)
+def kill(name: str, namespace: str, process: bool = False):
+    """A kill of actor `name`: through Ray, or (`process`) its process by SIGKILL, as the kernel's OOM killer does
+    (Ray then prints its own "(raylet) A worker died ..." to the driver)."""
+    def now() -> None:
+        actor = job_actor(name, namespace)
+        if process:
+            os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60), signal.SIGKILL)
+        else:
+            ray.kill(actor, no_restart=True)
+    return now
+
+
+def kill_at_checkpoints(monkeypatch, *kills) -> None:
+    """kills[k] runs right after the (k+1)-th checkpoint the job commits (any attempt's), on the job's own thread:
+    the job meets the death at its next step, however quick its steps (a kill from a thread that watches the
+    checkpoints could land after the job's end)."""
+    commit, done = Checkpoints.commit, []
+
+    def commit_then_kill(self, staging, step, state):
+        final = commit(self, staging, step, state)
+        if len(done) < len(kills):
+            done.append(step)
+            kills[len(done) - 1]()
+        return final
+
+    monkeypatch.setattr(Checkpoints, "commit", commit_then_kill)
 
 
 def wait_for(condition, what: str, timeout_s: float = 300) -> None:
@@ -141,7 +157,7 @@ def first_restarted_step(out: Path) -> int | None:
 
 
 def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_rank_and_where_to_resume(
-        tmp_path, sft_model, rm_model, capfd, caplog):
+        tmp_path, sft_model, rm_model, capfd, caplog, monkeypatch):
     """cluster.learner_restarts=1: the critic's rank killed (its process, by SIGKILL) after the first checkpoint,
     the job restarts every role from its newest checkpoint by itself (no user action), saying so once, with Ray's
     own "(raylet) A worker died" message kept in logs/ray.log, off the terminal; the policy's rank killed after the
@@ -151,26 +167,14 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
     from rlhf_ray.jobs.ppo import run_ppo
     from rlhf_ray.jobs.restarts import LearnerRankDied
 
-    # steps take well under a second here: the first run may checkpoint a step or two more before the critic dies,
-    # so the job has iterations to spare after the restarted run's first checkpoint
     job = ppo_job(tmp_path, sft_model, rm_model, *SMALL, *NO_REFERENCE, "ppo.iterations=6",
                   "cluster.learner_restarts=1")
     out, namespace = Path(job.output_dir), job.cluster.namespace
-    restarted_step = []
-
-    def kill_critic_then_policy():
-        kill_after_checkpoints(out, "critic-0", namespace, process=True)
-        wait_for(lambda: first_restarted_step(out) is not None, "step of the restarted run")
-        restarted_step.append(first_restarted_step(out))
-        wait_for(lambda: any(int(Checkpoints.state(p)["step"]) >= restarted_step[0] for p in complete_checkpoints(out)),
-                 f"checkpoint of step {restarted_step[0]}")
-        ray.kill(job_actor("policy-0", namespace), no_restart=True)
-
-    killer = threading.Thread(target=kill_critic_then_policy, daemon=True)
-    killer.start()
+    # the critic after the first checkpoint; the policy after the restarted run's own first one
+    kill_at_checkpoints(monkeypatch, kill("critic-0", namespace, process=True), kill("policy-0", namespace))
     with pytest.raises(LearnerRankDied) as info:
         run_ppo(job)
-    killer.join()
+    restarted_step = [step] if (step := first_restarted_step(out)) is not None else []
     message = str(info.value)
     assert "policy-0 died" in message and "resume from" in message and "step-" in message
     assert "so the job stops after 1 automatic restart (cluster.learner_restarts)" in message

@@ -144,22 +144,17 @@ def test_resume_after_a_stop_matches_an_uninterrupted_run(tmp_path, tiny_model, 
 
 
 def test_killed_rank_restarts_the_job_by_itself_and_ends_as_an_undisturbed_run(tmp_path, tiny_model,
-                                                                                undisturbed_sft):
+                                                                                undisturbed_sft, monkeypatch):
     """cluster.learner_restarts for SFT: a rank killed after the first checkpoint ends the attempt; the job places
     its ranks again, resumes from the newest checkpoint, logs each step once, counts the restart, and exports the
     weights an undisturbed run exports."""
-    import threading
-
-    from tests.test_fault_tolerance import kill_after_checkpoints
+    from tests.test_fault_tolerance import kill, kill_at_checkpoints
 
     disturbed = job("sft", tmp_path / "b", tiny_model, *RESUMABLE, "checkpoint.every_steps=1",
                     "checkpoint.keep_last=20")
     out = tmp_path / "b" / "sft"
-    killer = threading.Thread(target=kill_after_checkpoints,
-                              args=(out, "sft-learner-1", disturbed.cluster.namespace), daemon=True)
-    killer.start()
+    kill_at_checkpoints(monkeypatch, kill("sft-learner-1", disturbed.cluster.namespace))
     summary = run_supervised(disturbed)
-    killer.join()
     assert summary["steps"] == 12
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in logged if "train/loss" in r]
