@@ -276,3 +276,21 @@ def job_actor(name: str, namespace: str):
     if not found:
         raise ValueError(f"no live actor named <job>/{name} in namespace {namespace}")
     return ray.get_actor(found[-1], namespace=namespace)
+
+
+def at_checkpoints(monkeypatch, *actions) -> None:
+    """actions[k] runs right after the (k+1)-th checkpoint a job commits (any attempt's), on the job's own thread:
+    the job meets what it did (an actor killed, a node gone) at its next step, however quick its steps. A thread
+    that watches the checkpoints instead can act after the job's last step."""
+    from rlhf_ray.jobs.checkpoints import Checkpoints
+
+    commit, done = Checkpoints.commit, []
+
+    def commit_then_act(self, staging, step, state):
+        final = commit(self, staging, step, state)
+        if len(done) < len(actions):
+            done.append(step)
+            actions[len(done) - 1]()
+        return final
+
+    monkeypatch.setattr(Checkpoints, "commit", commit_then_act)

@@ -21,7 +21,7 @@ import torch
 from rlhf_ray.actors.reward_function import RewardFunctionWorker
 from rlhf_ray.functions import RewardFunctionError
 from rlhf_ray.jobs.checkpoints import STATE_FILE, Checkpoints
-from tests.conftest import job_actor, one_update
+from tests.conftest import at_checkpoints, job_actor, one_update
 from tests.test_ppo_job import NO_REFERENCE, ppo_job
 
 pytestmark = [pytest.mark.system, pytest.mark.usefixtures("shared_ray")]  # one embedded Ray for the module
@@ -125,22 +125,6 @@ def kill(name: str, namespace: str, process: bool = False):
     return now
 
 
-def kill_at_checkpoints(monkeypatch, *kills) -> None:
-    """kills[k] runs right after the (k+1)-th checkpoint the job commits (any attempt's), on the job's own thread:
-    the job meets the death at its next step, however quick its steps (a kill from a thread that watches the
-    checkpoints could land after the job's end)."""
-    commit, done = Checkpoints.commit, []
-
-    def commit_then_kill(self, staging, step, state):
-        final = commit(self, staging, step, state)
-        if len(done) < len(kills):
-            done.append(step)
-            kills[len(done) - 1]()
-        return final
-
-    monkeypatch.setattr(Checkpoints, "commit", commit_then_kill)
-
-
 def wait_for(condition, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -171,7 +155,7 @@ def test_killed_learner_ranks_restart_the_job_by_itself_then_stop_it_naming_the_
                   "cluster.learner_restarts=1")
     out, namespace = Path(job.output_dir), job.cluster.namespace
     # the critic after the first checkpoint; the policy after the restarted run's own first one
-    kill_at_checkpoints(monkeypatch, kill("critic-0", namespace, process=True), kill("policy-0", namespace))
+    at_checkpoints(monkeypatch, kill("critic-0", namespace, process=True), kill("policy-0", namespace))
     with pytest.raises(LearnerRankDied) as info:
         run_ppo(job)
     restarted_step = [step] if (step := first_restarted_step(out)) is not None else []

@@ -9,16 +9,13 @@ the SFT and reward models are the session's)."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import ray
 
-from rlhf_ray.jobs.checkpoints import Checkpoints
-from tests.conftest import job_actor
+from tests.conftest import at_checkpoints, job_actor
 from tests.test_ppo_job import ppo_job
 
 pytestmark = pytest.mark.system
@@ -38,22 +35,14 @@ WORKERS = 4
 def three_plus_nodes():
     """A head (the driver's node, no CPU for actors) and WORKERS 1-CPU nodes, all on loopback, shared by the module's
     two tests (one cluster start less). Each test leaves WORKERS nodes alive: the elastic test adds two nodes and
-    removes two; the lost-node test, which runs last, replaces each node it removes with one started from its own
-    thread (such a node lives as long as that thread)."""
-    import ray._private.utils as ray_utils
+    removes two; the lost-node test replaces each node it removes. Nodes are added and removed on the driver's
+    thread, between two updates."""
     from ray.cluster_utils import Cluster
 
     from rlhf_ray import cluster as rcluster
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(rcluster.LOOPBACK_ENV, "0")
-        # The harness's add_node installs a SIGTERM handler, which Python allows only on the main thread; the test
-        # adds nodes from the thread that removes them while the job runs on the main one (this made every
-        # replacement wait for a node that never came, until cluster.startup_timeout_s).
-        set_handler = ray_utils.set_sigterm_handler
-        patch.setattr(ray_utils, "set_sigterm_handler",
-                      lambda handler: set_handler(handler) if threading.current_thread() is threading.main_thread()
-                      else None)
         with rcluster._loopback_mode():
             # a lost node is marked dead after 3 missed 1-s health checks (Ray's default: 5 of 3 s), so each removal
             # costs the job seconds of waiting, not 15
@@ -200,10 +189,9 @@ def test_an_elastic_pool_grows_when_nodes_join_and_drops_engines_whose_nodes_lea
 def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_numbers(tmp_path, three_plus_nodes,
                                                                                       sft_model, rm_model,
                                                                                       monkeypatch):
-    """After checkpoint 1 the engine's node goes, after 2 the reference's, after 3 the policy's. The job's driver
-    waits after each of those checkpoints until the node is gone and a fresh one has joined (its iterations take
-    about a second: a removal slower than that landed after the job's end, once), so each loss meets the job
-    with updates still to run."""
+    """After checkpoint 1 the engine's node goes, after 2 the reference's, after 3 the policy's, each replaced by a
+    fresh node, on the job's own thread between two updates (its iterations take about a second: a removal from a
+    thread watching the checkpoints once landed after the job's end)."""
     from rlhf_ray.jobs.ppo import run_ppo
 
     address = three_plus_nodes.address
@@ -212,48 +200,17 @@ def test_lost_nodes_are_survived_and_a_lost_learner_node_resumes_to_the_same_num
 
     job = ppo_job(tmp_path / "faults", sft_model, rm_model, *ONE_ROLE_PER_NODE, *RUN, f"cluster.address={address}")
     out, ns = Path(job.output_dir), job.cluster.namespace
-    losses = {1: "generation-0", 2: "reference-0", 3: "policy-0"}
-    removed, errors, finished = [], [], threading.Event()
-    gone = {step: threading.Event() for step in losses}  # set when that step's node was replaced (or on an error)
+    removed = []
 
-    def remove_nodes_as_checkpoints_appear():
-        try:
-            for step, role in losses.items():
-                deadline = time.monotonic() + 600
-                while len(Checkpoints(out, keep_last=1).complete()) < step and time.monotonic() < deadline:
-                    time.sleep(0.1)
-                nodes = {r: node_of(r, ns) for r in ("policy-0", "critic-0", "reference-0", "generation-0")}
-                assert len(set(nodes.values())) == 4, f"roles share a node: {nodes}"
-                removed.append((role, remove_node_of(three_plus_nodes, role, ns)))
-                gone[step].set()
-            # Ray ties the processes of a node to the thread that started it (Linux's parent-death signal follows
-            # the creating thread): the nodes this thread added must outlive the job, so the thread waits too.
-            finished.wait(timeout=900)
-        except BaseException as e:  # reported by the test, not lost in the thread
-            errors.append(e)
-            traceback.print_exc()
-            for event in gone.values():
-                event.set()
+    def lose_the_node_of(role: str):
+        def now() -> None:
+            nodes = {r: node_of(r, ns) for r in ("policy-0", "critic-0", "reference-0", "generation-0")}
+            assert len(set(nodes.values())) == 4, f"roles share a node: {nodes}"
+            removed.append((role, remove_node_of(three_plus_nodes, role, ns)))
+        return now
 
-    commit = Checkpoints.commit
-
-    def commit_then_wait_for_the_loss(self, staging, step, state):
-        final = commit(self, staging, step, state)
-        if step in gone and not gone[step].is_set():
-            assert gone[step].wait(timeout=600), f"the node of {losses[step]} was not removed within 600 s"
-            if errors:
-                raise RuntimeError(f"removing the node of {losses[step]} failed: {errors[0]!r}")
-        return final
-
-    monkeypatch.setattr(Checkpoints, "commit", commit_then_wait_for_the_loss)
-    remover = threading.Thread(target=remove_nodes_as_checkpoints_appear, daemon=True)
-    remover.start()
-    try:
-        summary = run_ppo(job)
-    finally:
-        finished.set()
-        remover.join(timeout=60)
-    assert not errors, errors
+    at_checkpoints(monkeypatch, *map(lose_the_node_of, ("generation-0", "reference-0", "policy-0")))
+    summary = run_ppo(job)
     assert [role for role, _ in removed] == ["generation-0", "reference-0", "policy-0"]
 
     steps = step_logs(out)

@@ -148,12 +148,13 @@ def test_killed_rank_restarts_the_job_by_itself_and_ends_as_an_undisturbed_run(t
     """cluster.learner_restarts for SFT: a rank killed after the first checkpoint ends the attempt; the job places
     its ranks again, resumes from the newest checkpoint, logs each step once, counts the restart, and exports the
     weights an undisturbed run exports."""
-    from tests.test_fault_tolerance import kill, kill_at_checkpoints
+    from tests.conftest import at_checkpoints
+    from tests.test_fault_tolerance import kill
 
     disturbed = job("sft", tmp_path / "b", tiny_model, *RESUMABLE, "checkpoint.every_steps=1",
                     "checkpoint.keep_last=20")
     out = tmp_path / "b" / "sft"
-    kill_at_checkpoints(monkeypatch, kill("sft-learner-1", disturbed.cluster.namespace))
+    at_checkpoints(monkeypatch, kill("sft-learner-1", disturbed.cluster.namespace))
     summary = run_supervised(disturbed)
     assert summary["steps"] == 12
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
